@@ -1,0 +1,66 @@
+"""dpcore: the differential-privacy math of the platform, on torch tensors.
+
+Imports only torch, numpy and dp_accounting. See DESIGN.md for the data flow of one step
+and the privacy invariants that this package keeps.
+"""
+from .accounting import (
+    ACCOUNTANTS,
+    PrivacyEvent,
+    calibrate_noise_multiplier,
+    dpsgd_epsilon,
+    epsilon,
+    max_steps,
+    moments_epsilon,
+    steps_for_epochs,
+)
+from .clipping import clipped_sum, per_sample_norms
+from .engine import PrivateTraining, make_private, plan
+from .errors import (
+    BudgetExceededError,
+    DeltaTooLargeWarning,
+    DPConfigError,
+    DPError,
+    SeededRandomnessWarning,
+    UnsupportedModuleError,
+)
+from .grad_sample import PerSampleGradients
+from .ledger import LedgerEntry, PrivacyLedger
+from .optimizer import DPOptimizer
+from .randomness import Randomness, SecureRandomness, SeededRandomness, make_randomness
+from .sampling import PoissonSampler, shard_indices
+from .validation import convert_batchnorm_to_groupnorm, sample_rate_from_lot_size, validate_model
+
+__all__ = [
+    "ACCOUNTANTS",
+    "BudgetExceededError",
+    "DPConfigError",
+    "DPError",
+    "DPOptimizer",
+    "DeltaTooLargeWarning",
+    "LedgerEntry",
+    "PerSampleGradients",
+    "PoissonSampler",
+    "PrivacyEvent",
+    "PrivacyLedger",
+    "PrivateTraining",
+    "Randomness",
+    "SecureRandomness",
+    "SeededRandomness",
+    "SeededRandomnessWarning",
+    "UnsupportedModuleError",
+    "calibrate_noise_multiplier",
+    "clipped_sum",
+    "convert_batchnorm_to_groupnorm",
+    "dpsgd_epsilon",
+    "epsilon",
+    "make_private",
+    "make_randomness",
+    "max_steps",
+    "moments_epsilon",
+    "per_sample_norms",
+    "plan",
+    "sample_rate_from_lot_size",
+    "shard_indices",
+    "steps_for_epochs",
+    "validate_model",
+]

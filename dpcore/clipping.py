@@ -1,0 +1,68 @@
+"""Per-example L2 clipping and the clipped sum.
+
+Each example's gradient (all trainable parameters together, as one vector) is scaled by
+min(1, C/‖g_i‖). To keep the invariant ‖clipped g_i‖ ≤ C true in floating point, norms are
+accumulated in float64 and the factor for an example above the bound is
+C·(1 − 1e-6)/‖g_i‖: the relative margin of 1e-6 is far larger than float32's rounding
+(≈6e-8 per multiply), and changes the clipped norm by one part in a million.
+
+Non-finite gradients (NaN or ±inf anywhere in an example's gradient): the policy is
+**skip-and-count**. That example contributes exactly zero to the sum (norm 0 ≤ C, so the
+sensitivity analysis is untouched and the step still gets its full noise), and the
+number of such examples is counted. The count is a statistic of private data, so it is
+exposed only through the explicit diagnostics call of the private optimizer. A NaN is
+never folded into the parameters.
+
+Per-sample norms are available only through :func:`per_sample_norms`, an explicit
+diagnostics call: they are not private.
+"""
+from __future__ import annotations
+
+import torch
+
+CLIP_MARGIN = 1e-6
+
+
+def per_sample_norms(per_sample: dict[str, torch.Tensor]) -> torch.Tensor:
+    """DIAGNOSTICS ONLY (not private): the L2 norm of each example's whole gradient, float64."""
+    sq = None
+    for g in per_sample.values():
+        s = torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1, dtype=torch.float64).square()
+        sq = s if sq is None else sq + s
+    return sq.sqrt()
+
+
+def clip_factors(norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale factors min(1, C/‖g‖) (with the safety margin), and the mask of finite rows.
+
+    Rows whose norm is not finite get factor 0.
+    """
+    finite = torch.isfinite(norms)
+    bound = clip_norm * (1.0 - CLIP_MARGIN)
+    safe = torch.where(finite, norms, torch.ones_like(norms))
+    factors = torch.where(safe > bound, bound / safe.clamp_min(1e-300), torch.ones_like(safe))
+    factors = torch.where(finite, factors, torch.zeros_like(factors))
+    return factors, finite
+
+
+def clipped_sum(
+    per_sample: dict[str, torch.Tensor], clip_norm: float, out: dict[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Σ_i g_i·min(1, C/‖g_i‖) over the batch, added into ``out`` when given.
+
+    Returns ``(sums, nonfinite_count)``. Examples with a non-finite gradient contribute zero.
+    """
+    norms = per_sample_norms(per_sample)
+    factors, finite = clip_factors(norms, clip_norm)
+    n_bad = int((~finite).sum())
+    result = {} if out is None else out
+    for name, g in per_sample.items():
+        f = factors.to(g.dtype)
+        if n_bad:
+            g = torch.where(finite.view(-1, *([1] * (g.dim() - 1))), g, torch.zeros((), dtype=g.dtype))
+        contrib = torch.einsum("i,i...->...", f, g)
+        if name in result:
+            result[name].add_(contrib)
+        else:
+            result[name] = contrib
+    return result, n_bad

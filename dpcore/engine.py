@@ -1,0 +1,139 @@
+"""One facade that wires the pieces together for a run: validate, calibrate, build.
+
+    private = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
+                           dataset_size=N, lot_size=256, epochs=10,
+                           target_epsilon=2.0, target_delta=1e-5, clip_norm=1.0)
+    for lot in private.sampler:
+        private.optimizer.accumulate(X[lot], Y[lot])
+        private.optimizer.step()
+    print(private.ledger.epsilon())
+
+Every input is checked here, before the sampler draws anything or any noise is added.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import accounting
+from .errors import DPConfigError
+from .grad_sample import LossFn
+from .ledger import PrivacyLedger
+from .optimizer import DPOptimizer, ReduceFn
+from .randomness import Randomness, make_randomness
+from .sampling import PoissonSampler, shard_indices
+from .validation import (
+    check_clip_norm,
+    check_dataset_size,
+    check_delta,
+    check_epsilon,
+    check_noise_multiplier,
+    sample_rate_from_lot_size,
+    validate_model,
+)
+
+
+@dataclass
+class PrivateTraining:
+    optimizer: DPOptimizer
+    sampler: PoissonSampler
+    ledger: PrivacyLedger
+    randomness: Randomness
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+
+
+def plan(
+    *,
+    dataset_size: int,
+    lot_size: int,
+    epochs: float,
+    target_epsilon: float,
+    target_delta: float,
+    noise_multiplier: float | None = None,
+    accountant: str = "pld",
+) -> tuple[float, float, int]:
+    """(σ, q, steps) for a run. σ is calibrated to the budget unless given.
+
+    With a given σ, the number of steps is min(epochs/q, the steps the budget allows); a
+    budget that allows no step at all is an error.
+    """
+    dataset_size = check_dataset_size(dataset_size)
+    q = sample_rate_from_lot_size(lot_size, dataset_size)
+    check_epsilon(target_epsilon)
+    check_delta(target_delta, dataset_size=dataset_size)
+    steps = accounting.steps_for_epochs(epochs, q)
+    if noise_multiplier is None:
+        sigma = accounting.calibrate_noise_multiplier(target_epsilon, target_delta, q, steps, accountant)
+    else:
+        sigma = check_noise_multiplier(noise_multiplier)
+        allowed = accounting.max_steps(sigma, q, target_epsilon, target_delta, accountant)
+        if allowed == 0:
+            raise DPConfigError(
+                f"noise_multiplier={sigma} cannot take even one step within ε={target_epsilon} at "
+                f"δ={target_delta} (q={q:.4g}). Raise noise_multiplier or target_epsilon, or leave "
+                "noise_multiplier unset so that it is calibrated."
+            )
+        steps = min(steps, allowed)
+    return sigma, q, steps
+
+
+def make_private(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    *,
+    dataset_size: int,
+    lot_size: int,
+    epochs: float,
+    target_epsilon: float,
+    target_delta: float,
+    clip_norm: float,
+    noise_multiplier: float | None = None,
+    accountant: str = "pld",
+    seed: int | None = None,
+    physical_batch_size: int = 256,
+    rank: int = 0,
+    world_size: int = 1,
+    reduce_fn: ReduceFn | None = None,
+    epsilon_every: int = 1,
+) -> PrivateTraining:
+    """Validate everything, calibrate σ (unless given), and build sampler, ledger and optimizer.
+
+    ``seed=None`` (default) is secure mode. In sharded use, each rank passes its ``rank``; it
+    samples only its own shard and only rank 0 adds noise.
+    """
+    validate_model(model)
+    check_clip_norm(clip_norm)
+    sigma, q, steps = plan(
+        dataset_size=dataset_size,
+        lot_size=lot_size,
+        epochs=epochs,
+        target_epsilon=target_epsilon,
+        target_delta=target_delta,
+        noise_multiplier=noise_multiplier,
+        accountant=accountant,
+    )
+    randomness = make_randomness(seed)
+    ledger = PrivacyLedger(target_epsilon, target_delta, accountant, epsilon_every=epsilon_every)
+    sampler = PoissonSampler(
+        shard_indices(dataset_size, rank, world_size), q, randomness.spawn("sampling", rank), steps
+    )
+    dp_optimizer = DPOptimizer(
+        optimizer,
+        model=model,
+        loss_fn=loss_fn,
+        noise_multiplier=sigma,
+        clip_norm=clip_norm,
+        sample_rate=q,
+        dataset_size=dataset_size,
+        randomness=randomness.spawn("noise", rank),
+        ledger=ledger,
+        physical_batch_size=physical_batch_size,
+        add_noise=(rank == 0),
+        reduce_fn=reduce_fn,
+    )
+    return PrivateTraining(dp_optimizer, sampler, ledger, randomness, sigma, q, steps)

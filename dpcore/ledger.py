@@ -1,0 +1,258 @@
+"""The privacy ledger: an append-only record of every noisy release of a run.
+
+Each entry holds the step, the event kind, q, the noise multiplier σ, the clipping bound C,
+its status (``committed`` or ``rolled_back``), and the cumulative ε at the run's δ computed
+by the ledger's accountant. The ε a run reports is computed from the ledger alone.
+
+Cost of ε: an exact PLD evaluation takes 0.1–0.5 s, too slow to run at every training step.
+The ledger therefore computes each entry's cumulative ε exactly, but only every
+``epsilon_every`` entries (1 = every entry), on the first entry of a new kind of event, and
+whenever :meth:`epsilon` is called (which fills the latest entry). Entries in between keep
+``epsilon=None`` (NaN in the exported columns). The budget check does not depend on this
+cadence: it is exact for every release (see :meth:`check`).
+
+Restarts: :meth:`mark_rolled_back` marks entries after a checkpoint as rolled back. They stay
+in the ledger and are counted in ε (their noise was released, even if the resulting
+parameters were discarded); the re-run steps are appended again as committed entries.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+from . import accounting
+from .accounting import PrivacyEvent, check_accountant
+from .errors import BudgetExceededError, DPConfigError
+from .validation import check_clip_norm, check_delta, check_epsilon
+
+COMMITTED = "committed"
+ROLLED_BACK = "rolled_back"
+
+COLUMNS = (
+    "index",
+    "step",
+    "kind",
+    "sample_rate",
+    "noise_multiplier",
+    "clip_norm",
+    "status",
+    "epsilon",
+    "delta",
+    "accountant",
+    "timestamp",
+)
+
+
+@dataclass
+class LedgerEntry:
+    index: int
+    step: int
+    kind: str
+    sample_rate: float
+    noise_multiplier: float
+    clip_norm: float
+    status: str = COMMITTED
+    epsilon: float | None = None
+    delta: float = 0.0
+    accountant: str = "pld"
+    timestamp: float = field(default_factory=time.time)
+
+    @property
+    def event(self) -> PrivacyEvent:
+        return PrivacyEvent(self.kind, self.noise_multiplier, self.sample_rate)
+
+
+class PrivacyLedger:
+    """Append-only ledger with a budget.
+
+    Args:
+        target_epsilon: the run's budget ε. Releases that would exceed it are refused.
+            ``None`` means no budget (the ledger still records and reports ε).
+        target_delta: the run's δ.
+        accountant: ``"pld"`` (default, tight), ``"rdp"`` or ``"moments"``.
+        epsilon_every: compute the cumulative ε exactly on every k-th entry (see module doc).
+    """
+
+    def __init__(
+        self,
+        target_epsilon: float | None,
+        target_delta: float,
+        accountant: str = "pld",
+        epsilon_every: int = 1,
+        dataset_size: int | None = None,
+    ):
+        self.target_epsilon = None if target_epsilon is None else check_epsilon(target_epsilon)
+        self.target_delta = check_delta(target_delta, dataset_size=dataset_size)
+        self.accountant = check_accountant(accountant)
+        if isinstance(epsilon_every, bool) or not isinstance(epsilon_every, int) or epsilon_every < 1:
+            raise DPConfigError(f"epsilon_every={epsilon_every!r} is invalid: it must be an integer ≥ 1.")
+        self.epsilon_every = epsilon_every
+        self._entries: list[LedgerEntry] = []
+        self._counts: Counter[PrivacyEvent] = Counter()
+        self._allowance_cache: dict[tuple, int] = {}
+        self._eps_cache: dict[tuple, float] = {}
+
+    # ----------------------------------------------------------------------------------
+    @property
+    def entries(self) -> tuple[LedgerEntry, ...]:
+        return tuple(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def groups(self) -> list[tuple[PrivacyEvent, int]]:
+        """Every release (committed and rolled back), grouped as (event, count)."""
+        return sorted(self._counts.items(), key=lambda kv: repr(kv[0]))
+
+    def _epsilon_of(self, counts: Counter) -> float:
+        key = tuple(sorted(((repr(e), c) for e, c in counts.items() if c > 0)))
+        if key not in self._eps_cache:
+            self._eps_cache[key] = accounting.epsilon(list(counts.items()), self.target_delta, self.accountant)
+        return self._eps_cache[key]
+
+    def epsilon(self) -> float:
+        """The cumulative ε of every release so far, at the run's δ. Also stored on the last entry."""
+        eps = self._epsilon_of(self._counts)
+        if self._entries:
+            self._entries[-1].epsilon = eps
+        return eps
+
+    def to_dp_event(self):
+        """The whole ledger as one dp_accounting event (for an independent check)."""
+        return accounting.compose(self.groups())
+
+    # ----------------------------------------------------------------------------------
+    def allowance(self, event: PrivacyEvent) -> int | float:
+        """How many more releases of ``event`` fit in the budget given everything so far."""
+        if self.target_epsilon is None:
+            return math.inf
+        others = tuple(sorted((repr(e), c) for e, c in self._counts.items() if e != event and c > 0))
+        key = (others, event)
+        if key not in self._allowance_cache:
+            prior = [(e, c) for e, c in self._counts.items() if e != event and c > 0]
+            self._allowance_cache[key] = accounting.max_steps(
+                event.noise_multiplier,
+                event.sample_rate,
+                self.target_epsilon,
+                self.target_delta,
+                accountant=self.accountant,
+                prior_groups=prior,
+                event=event,
+            )
+        return self._allowance_cache[key] - self._counts[event]
+
+    def check(self, event: PrivacyEvent, count: int = 1) -> None:
+        """Raise :class:`BudgetExceededError` if ``count`` more releases of ``event`` would take
+        ε past the target. Exact: it compares against the largest count that fits, found by
+        bisection with the ledger's accountant (cached per event and history)."""
+        if self.target_epsilon is None:
+            return
+        left = self.allowance(event)
+        if count > left:
+            raise BudgetExceededError(
+                f"Refused: {count} more release(s) of {event.kind} (q={event.sample_rate:.4g}, "
+                f"σ={event.noise_multiplier:.4g}) would take ε past the budget "
+                f"ε={self.target_epsilon:g} at δ={self.target_delta:g} ({max(0, left)} more fit; "
+                f"ε spent so far {self.epsilon():.4g}). Nothing was released."
+            )
+
+    def append(self, event: PrivacyEvent, step: int, clip_norm: float, check_budget: bool = True) -> LedgerEntry:
+        """Record one release. With ``check_budget`` (default) it is refused if over budget.
+
+        Callers must call :meth:`check` *before* releasing anything; ``append`` re-checks so
+        that the ledger can never hold an entry past the budget.
+        """
+        check_clip_norm(clip_norm)
+        if check_budget:
+            self.check(event)
+        first_of_kind = self._counts[event] == 0
+        self._counts[event] += 1
+        entry = LedgerEntry(
+            index=len(self._entries),
+            step=int(step),
+            kind=event.kind,
+            sample_rate=event.sample_rate,
+            noise_multiplier=event.noise_multiplier,
+            clip_norm=float(clip_norm),
+            delta=self.target_delta,
+            accountant=self.accountant,
+        )
+        self._entries.append(entry)
+        if first_of_kind or (len(self._entries) % self.epsilon_every == 0):
+            entry.epsilon = self._epsilon_of(self._counts)
+        return entry
+
+    def mark_rolled_back(self, after_step: int) -> int:
+        """Mark every committed entry with step > ``after_step`` as rolled back. Returns how many.
+
+        Rolled-back entries stay in the ledger and are still counted in ε.
+        """
+        n = 0
+        for e in self._entries:
+            if e.status == COMMITTED and e.step > after_step:
+                e.status = ROLLED_BACK
+                n += 1
+        return n
+
+    def committed_steps(self) -> list[int]:
+        return [e.step for e in self._entries if e.status == COMMITTED]
+
+    # ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "version": 1,
+            "target_epsilon": self.target_epsilon,
+            "target_delta": self.target_delta,
+            "accountant": self.accountant,
+            "epsilon_every": self.epsilon_every,
+            "entries": [asdict(e) for e in self._entries],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != 1:
+            raise DPConfigError(f"unknown ledger state version {state.get('version')!r}.")
+        if state["target_delta"] != self.target_delta or state["accountant"] != self.accountant:
+            raise DPConfigError(
+                "the saved ledger was kept at a different δ or accountant "
+                f"(δ={state['target_delta']}, {state['accountant']}) than this one "
+                f"(δ={self.target_delta}, {self.accountant}); a resumed run must keep both."
+            )
+        if state["target_epsilon"] != self.target_epsilon:
+            raise DPConfigError(
+                f"the saved ledger's budget ε={state['target_epsilon']} differs from this one's "
+                f"ε={self.target_epsilon}; a resumed run keeps its budget."
+            )
+        self.epsilon_every = state["epsilon_every"]
+        self._entries = [LedgerEntry(**e) for e in state["entries"]]
+        self._counts = Counter(e.event for e in self._entries)
+        self._allowance_cache.clear()
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "PrivacyLedger":
+        ledger = cls(state["target_epsilon"], state["target_delta"], state["accountant"], state["epsilon_every"])
+        ledger.load_state_dict(state)
+        return ledger
+
+    def to_columns(self) -> dict[str, list]:
+        """Plain columns (lists of Python scalars), ready for ``pyarrow.table``. ε is NaN where
+        it was not computed (see ``epsilon_every``)."""
+        cols: dict[str, list] = {c: [] for c in COLUMNS}
+        for e in self._entries:
+            d = asdict(e)
+            for c in COLUMNS:
+                v = d[c]
+                cols[c].append(float("nan") if (c == "epsilon" and v is None) else v)
+        return cols
+
+    def summary(self) -> dict:
+        eps = self.epsilon()
+        return {
+            "epsilon": eps,
+            "delta": self.target_delta,
+            "target_epsilon": self.target_epsilon,
+            "accountant": self.accountant,
+            "releases": len(self._entries),
+            "rolled_back": sum(e.status == ROLLED_BACK for e in self._entries),
+        }

@@ -1,0 +1,180 @@
+"""Sources of randomness for noise and Poisson sampling.
+
+Two modes:
+
+* :class:`SecureRandomness` (the default outside tests). Every random bit comes from the
+  operating system's CSPRNG (``os.urandom``, i.e. ``getrandom(2)`` on Linux). It accepts no
+  seed and has no state to save or log: a restart simply draws fresh bits. Uniforms carry 53
+  random bits; Gaussians come from the Box–Muller transform of such uniforms in float64.
+  What it does *not* cover: floating-point side channels of sampling in finite precision
+  (Mironov 2012; Jin et al. 2022). It makes the noise unpredictable, not bit-exact.
+* :class:`SeededRandomness`: for tests and reproducible research only. The seed must be
+  passed explicitly; creating one emits :class:`SeededRandomnessWarning` and marks
+  ``secure = False`` so that callers record it (the ledger and MLflow do).
+
+Both expose the same small interface: :meth:`normal` for noise, :meth:`uniform` for
+sampling, and :meth:`spawn` for independent child streams (one per rank and purpose).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import DPConfigError, SeededRandomnessWarning
+
+_TWO_POW_M53 = 2.0 ** -53
+
+
+class Randomness:
+    """Interface of a randomness source."""
+
+    secure: bool = True
+
+    def uniform(self, n: int) -> torch.Tensor:  # float64 in [0, 1)
+        raise NotImplementedError
+
+    def normal(self, shape, std: float, dtype=torch.float32, device=None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def spawn(self, *key: Any) -> "Randomness":
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+class SecureRandomness(Randomness):
+    """OS entropy for every draw. Accepts no seed; its state is empty by construction."""
+
+    secure = True
+
+    def __init__(self, *args, **kwargs):
+        if args or kwargs:
+            raise DPConfigError(
+                "SecureRandomness accepts no seed or state: its bits come from the OS CSPRNG. "
+                "For reproducible tests use SeededRandomness(seed=...) explicitly."
+            )
+
+    @staticmethod
+    def _uniform53(n: int) -> torch.Tensor:
+        if n == 0:
+            return torch.empty(0, dtype=torch.float64)
+        raw = torch.frombuffer(bytearray(os.urandom(8 * n)), dtype=torch.int64)
+        # Keep the top 53 bits (logical shift of the unsigned value) -> [0, 2^53).
+        bits = torch.bitwise_right_shift(raw, 11) & ((1 << 53) - 1)
+        return bits.to(torch.float64) * _TWO_POW_M53
+
+    def uniform(self, n: int) -> torch.Tensor:
+        return self._uniform53(int(n))
+
+    def normal(self, shape, std: float, dtype=torch.float32, device=None) -> torch.Tensor:
+        shape = torch.Size(shape if not isinstance(shape, int) else (shape,))
+        n = shape.numel()
+        m = (n + 1) // 2
+        u = self._uniform53(2 * m)
+        u1 = 1.0 - u[:m]  # (0, 1]: log is finite
+        u2 = u[m:]
+        r = torch.sqrt(-2.0 * torch.log(u1))
+        theta = (2.0 * math.pi) * u2
+        z = torch.cat([r * torch.cos(theta), r * torch.sin(theta)])[:n]
+        return (z * float(std)).to(dtype=dtype, device=device).reshape(shape)
+
+    def spawn(self, *key: Any) -> "SecureRandomness":
+        return SecureRandomness()
+
+    def state_dict(self) -> dict:
+        return {"mode": "secure"}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("mode") != "secure":
+            raise DPConfigError(
+                f"Cannot load a {state.get('mode')!r} randomness state into secure mode; "
+                "a run keeps the randomness mode it started with."
+            )
+
+    def describe(self) -> str:
+        return "secure (OS CSPRNG)"
+
+
+def _key_to_ints(key: tuple) -> list[int]:
+    out = []
+    for k in key:
+        if isinstance(k, int) and not isinstance(k, bool) and k >= 0:
+            out.append(int(k))
+        else:
+            digest = hashlib.sha256(repr(k).encode()).digest()
+            out.append(int.from_bytes(digest[:4], "little"))
+    return out
+
+
+class SeededRandomness(Randomness):
+    """A seeded torch generator. For tests and reproducible research only.
+
+    Child streams (``spawn(key...)``) are derived with numpy's SeedSequence, so streams for
+    different ranks or purposes are statistically independent.
+    """
+
+    secure = False
+
+    def __init__(self, seed: int, _spawn_key: tuple = (), _quiet: bool = False):
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise DPConfigError(f"seed={seed!r} is invalid: a seed must be a non-negative integer.")
+        self.seed = seed
+        self._spawn_key = tuple(_spawn_key)
+        ss = np.random.SeedSequence(seed, spawn_key=_key_to_ints(self._spawn_key))
+        self._generator = torch.Generator(device="cpu")
+        self._generator.manual_seed(int(ss.generate_state(1, dtype=np.uint64)[0] & ((1 << 63) - 1)))
+        if not _quiet:
+            warnings.warn(
+                f"Seeded randomness (seed={seed}): noise and sampling are reproducible and "
+                "therefore predictable. Use this for tests and research only; production runs "
+                "use secure mode (no seed).",
+                SeededRandomnessWarning,
+                stacklevel=2,
+            )
+
+    def uniform(self, n: int) -> torch.Tensor:
+        return torch.rand(int(n), generator=self._generator, dtype=torch.float64)
+
+    def normal(self, shape, std: float, dtype=torch.float32, device=None) -> torch.Tensor:
+        shape = torch.Size(shape if not isinstance(shape, int) else (shape,))
+        z = torch.randn(shape, generator=self._generator, dtype=dtype)
+        if std != 1.0:
+            z.mul_(float(std))
+        return z.to(device) if device is not None else z
+
+    def spawn(self, *key: Any) -> "SeededRandomness":
+        return SeededRandomness(self.seed, _spawn_key=self._spawn_key + key, _quiet=True)
+
+    def state_dict(self) -> dict:
+        return {
+            "mode": "seeded",
+            "seed": self.seed,
+            "spawn_key": list(self._spawn_key),
+            "generator": self._generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("mode") != "seeded":
+            raise DPConfigError("Cannot load a secure-mode randomness state into seeded mode.")
+        self._generator.set_state(state["generator"])
+
+    def describe(self) -> str:
+        return f"seeded (seed={self.seed}; not for production)"
+
+
+def make_randomness(seed: int | None = None) -> Randomness:
+    """Secure randomness unless a seed is given explicitly."""
+    return SecureRandomness() if seed is None else SeededRandomness(seed)

@@ -1,0 +1,184 @@
+"""Invariants 6 and 8: ε from the ledger alone, equal to dp_accounting's own value; the
+moments accountant reproduces Abadi et al.; calibration; the budget; state_dict round trips
+and rolled-back steps."""
+import io
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+import torch
+
+import dpcore
+from dpcore import accounting
+from dpcore.accounting import GAUSSIAN, POISSON_GAUSSIAN, PrivacyEvent
+
+
+def _dpa_pld(event, delta):
+    acc = dp_accounting.pld.PLDAccountant()
+    acc.compose(event)
+    return acc.get_epsilon(delta)
+
+
+def _dpa_rdp(event, delta, orders=None):
+    acc = dp_accounting.rdp.RdpAccountant(orders=orders) if orders else dp_accounting.rdp.RdpAccountant()
+    acc.compose(event)
+    return acc.get_epsilon(delta)
+
+
+def test_abadi_moments_accountant_reproduces_1_26():
+    # Abadi et al. 2016: q=0.01, σ=4, T=10,000, δ=1e-5 gives ε≈1.26 with the moments accountant.
+    eps = dpcore.dpsgd_epsilon(4.0, 0.01, 10_000, 1e-5, accountant="moments")
+    assert round(eps, 2) == 1.26
+    # The modern RDP conversion gives ≈1.04 and PLD ≈0.95.
+    assert dpcore.dpsgd_epsilon(4.0, 0.01, 10_000, 1e-5, accountant="rdp") == pytest.approx(1.04, abs=0.01)
+    assert dpcore.dpsgd_epsilon(4.0, 0.01, 10_000, 1e-5, accountant="pld") == pytest.approx(0.95, abs=0.01)
+
+
+@pytest.mark.parametrize("q, sigma", [(0.01, 4.0), (0.05, 1.1), (0.3, 2.5), (1.0, 3.0)])
+def test_independent_moments_implementation_matches_dp_accounting_rdp(q, sigma):
+    """Our log moments (exact binomial sum, written independently) against dp_accounting's RDP
+    at the same integer orders, both converted with the classic bound
+    ε = min_α RDP(α) + log(1/δ)/(α−1)."""
+    delta, steps = 1e-5, 500
+    orders = list(range(2, 65))
+    ev = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    acc = dp_accounting.rdp.RdpAccountant(orders=[float(o) for o in orders])
+    acc.compose(ev)
+    rdp = np.asarray(acc._rdp)  # dp_accounting keeps the composed RDP curve here (no public getter)
+    classic_dpa = float(np.min(rdp + math.log(1 / delta) / (np.asarray(orders) - 1)))
+    ours = dpcore.moments_epsilon([(PrivacyEvent(POISSON_GAUSSIAN, sigma, q), steps)], delta, orders=[o - 1 for o in orders])
+    assert ours == pytest.approx(classic_dpa, rel=1e-8)
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_ledger_epsilon_equals_dp_accountings_own_value(accountant):
+    ledger = dpcore.PrivacyLedger(None, 1e-6, accountant=accountant, epsilon_every=50)
+    for step in range(1, 121):
+        ledger.append(PrivacyEvent.dpsgd_step(1.1, 0.02), step=step, clip_norm=1.0)
+    ledger.append(PrivacyEvent(GAUSSIAN, 6.0), step=121, clip_norm=1.0)  # e.g. a DP-PCA release
+    for step in range(122, 152):
+        ledger.append(PrivacyEvent.dpsgd_step(0.9, 0.05), step=step, clip_norm=1.0)
+    ours = ledger.epsilon()
+    independent = dp_accounting.ComposedDpEvent([
+        dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(1.1)), 120),
+        dp_accounting.GaussianDpEvent(6.0),
+        dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(0.05, dp_accounting.GaussianDpEvent(0.9)), 30),
+    ])
+    ref = _dpa_pld(independent, 1e-6) if accountant == "pld" else _dpa_rdp(independent, 1e-6)
+    assert ours == pytest.approx(ref, rel=1e-9)
+    assert ledger.entries[-1].epsilon == ours
+
+
+def test_per_entry_epsilon_is_cumulative_and_exact_where_computed():
+    ledger = dpcore.PrivacyLedger(None, 1e-5, epsilon_every=10)
+    ev = PrivacyEvent.dpsgd_step(1.0, 0.05)
+    for step in range(1, 31):
+        ledger.append(ev, step=step, clip_norm=0.5)
+    computed = [(e.step, e.epsilon) for e in ledger.entries if e.epsilon is not None]
+    assert [s for s, _ in computed] == [1, 10, 20, 30]
+    for s, eps in computed:
+        ref = _dpa_pld(dp_accounting.SelfComposedDpEvent(ev.to_dp_event(), s), 1e-5)
+        assert eps == pytest.approx(ref, rel=1e-9)
+    assert all(a < b for (_, a), (_, b) in zip(computed, computed[1:]))
+    cols = ledger.to_columns()
+    assert len(cols["step"]) == 30 and math.isnan(cols["epsilon"][1]) and cols["accountant"][0] == "pld"
+
+
+@pytest.mark.parametrize(
+    "eps, q, steps",
+    [(2.0, 4096 / 50000, 915), (1.0, 0.01, 1000), (8.0, 0.1, 300), (0.5, 0.004, 5000)],
+)
+def test_calibrated_sigma_meets_target_within_one_percent(eps, q, steps):
+    sigma = dpcore.calibrate_noise_multiplier(eps, 1e-5, q, steps)
+    ev = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    got = _dpa_pld(ev, 1e-5)
+    assert got <= eps
+    assert got >= 0.99 * eps
+    # Smallest: 2 % less noise already overspends.
+    ev_less = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma * 0.98)), steps
+    )
+    assert _dpa_pld(ev_less, 1e-5) > eps
+
+
+def test_max_steps_is_the_exact_inverse():
+    sigma, q, eps, delta = 1.0, 0.05, 3.0, 1e-5
+    t = dpcore.max_steps(sigma, q, eps, delta)
+    assert t > 0
+    mk = lambda n: dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), n)
+    assert _dpa_pld(mk(t), delta) <= eps < _dpa_pld(mk(t + 1), delta)
+
+
+def test_ledger_refuses_the_step_that_would_exceed_the_budget():
+    ev = PrivacyEvent.dpsgd_step(1.2, 0.05)
+    ledger = dpcore.PrivacyLedger(2.0, 1e-5)
+    appended = 0
+    with pytest.raises(dpcore.BudgetExceededError, match="Nothing was released"):
+        while True:
+            ledger.check(ev)
+            ledger.append(ev, step=appended + 1, clip_norm=1.0)
+            appended += 1
+    assert len(ledger) == appended > 0
+    assert ledger.epsilon() <= 2.0
+    over = dp_accounting.SelfComposedDpEvent(ev.to_dp_event(), appended + 1)
+    assert _dpa_pld(over, 1e-5) > 2.0
+    # append() re-checks on its own as well.
+    with pytest.raises(dpcore.BudgetExceededError):
+        ledger.append(ev, step=appended + 1, clip_norm=1.0)
+    assert len(ledger) == appended
+
+
+def test_ledger_survives_a_state_dict_round_trip_through_a_checkpoint():
+    ledger = dpcore.PrivacyLedger(4.0, 1e-5, epsilon_every=7)
+    ev = PrivacyEvent.dpsgd_step(1.0, 0.03)
+    for s in range(1, 40):
+        ledger.append(ev, step=s, clip_norm=1.0)
+    ledger.mark_rolled_back(after_step=30)
+    buf = io.BytesIO()
+    torch.save({"ledger": ledger.state_dict()}, buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)["ledger"]
+    restored = dpcore.PrivacyLedger(4.0, 1e-5)
+    restored.load_state_dict(state)
+    assert _cols_equal(restored.to_columns(), ledger.to_columns())
+    assert restored.epsilon() == ledger.epsilon()
+    assert restored.allowance(ev) == ledger.allowance(ev)
+    # A resumed ledger must keep its budget, δ and accountant.
+    with pytest.raises(dpcore.DPConfigError, match="budget"):
+        dpcore.PrivacyLedger(8.0, 1e-5).load_state_dict(state)
+    with pytest.raises(dpcore.DPConfigError, match="δ"):
+        dpcore.PrivacyLedger(4.0, 1e-6).load_state_dict(state)
+
+
+def _cols_equal(a, b):
+    for k in a:
+        for x, y in zip(a[k], b[k]):
+            if not (x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y))):
+                return False
+    return True
+
+
+def test_rolled_back_steps_stay_marked_and_are_counted():
+    ev = PrivacyEvent.dpsgd_step(1.0, 0.05)
+    ledger = dpcore.PrivacyLedger(None, 1e-5)
+    for s in range(1, 21):
+        ledger.append(ev, step=s, clip_norm=1.0)
+    assert ledger.mark_rolled_back(after_step=15) == 5
+    for s in range(16, 21):  # the restart re-runs steps 16..20
+        ledger.append(ev, step=s, clip_norm=1.0)
+    assert sorted(ledger.committed_steps()) == list(range(1, 21))
+    assert sum(e.status == "rolled_back" for e in ledger.entries) == 5
+    ref = _dpa_pld(dp_accounting.SelfComposedDpEvent(ev.to_dp_event(), 25), 1e-5)
+    assert ledger.epsilon() == pytest.approx(ref, rel=1e-9)
+
+
+def test_laplace_events_are_accounted_by_dp_accounting():
+    ledger = dpcore.PrivacyLedger(None, 1e-5)
+    ev = PrivacyEvent(accounting.POISSON_LAPLACE, 2.0, 0.1)
+    for s in range(1, 11):
+        ledger.append(ev, step=s, clip_norm=1.0)
+    ref = _dpa_pld(dp_accounting.SelfComposedDpEvent(ev.to_dp_event(), 10), 1e-5)
+    assert ledger.epsilon() == pytest.approx(ref, rel=1e-9)
+    with pytest.raises(dpcore.DPConfigError, match="Gaussian events only"):
+        dpcore.epsilon([(ev, 3)], 1e-5, accountant="moments")

@@ -1,0 +1,80 @@
+"""Bad input gets an error that names the value and the fix, before any step is taken."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dpcore
+
+from .helpers import tiny_mlp
+
+GOOD = dict(dataset_size=1000, lot_size=100, epochs=2, target_epsilon=2.0, target_delta=1e-5, clip_norm=1.0)
+
+
+def _make(**over):
+    torch.manual_seed(0)
+    model = tiny_mlp()
+    params = {**GOOD, **over}
+    return dpcore.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, seed=0, **params)
+
+
+@pytest.mark.parametrize(
+    "over, pattern",
+    [
+        (dict(target_epsilon=0.0), r"target_epsilon=0.0 is invalid: ε must be a finite number > 0"),
+        (dict(target_epsilon=-1.0), r"target_epsilon=-1.0 is invalid"),
+        (dict(target_epsilon=float("inf")), r"target_epsilon=inf is invalid"),
+        (dict(target_delta=0.0), r"target_delta=0.0 is invalid: δ must lie strictly between 0 and 1"),
+        (dict(target_delta=1.0), r"target_delta=1.0 is invalid"),
+        (dict(target_delta=-0.1), r"target_delta=-0.1 is invalid"),
+        (dict(clip_norm=0.0), r"clip_norm=0.0 is invalid: .* C must be a finite number > 0"),
+        (dict(clip_norm=-2.0), r"clip_norm=-2.0 is invalid"),
+        (dict(lot_size=1001), r"lot_size=1001 is larger than the dataset \(N=1000\).*choose lot_size ≤ 1000"),
+        (dict(lot_size=0), r"lot_size=0 is invalid"),
+        (dict(dataset_size=0), r"dataset_size=0 is invalid: the dataset is empty"),
+        (dict(epochs=0), r"epochs=0 is invalid"),
+        (dict(noise_multiplier=0.0), r"noise_multiplier=0.0 is invalid: .*σ=0 releases gradients without privacy"),
+        (dict(noise_multiplier=0.3, target_epsilon=1.0), r"noise_multiplier=0.3 cannot take even one step"),
+        (dict(accountant="gdp"), r"accountant='gdp' is unknown"),
+    ],
+)
+def test_bad_run_parameters_are_rejected_with_value_and_fix(over, pattern):
+    with pytest.raises(dpcore.DPConfigError, match=pattern):
+        _make(**over)
+
+
+@pytest.mark.parametrize("q", [0.0, -0.1, 1.5, float("nan")])
+def test_sample_rate_outside_unit_interval_is_rejected(q):
+    with pytest.raises(dpcore.DPConfigError, match=r"sample_rate=.* is invalid: the Poisson sample rate q must lie in \(0, 1\]"):
+        dpcore.PoissonSampler(100, q, dpcore.SeededRandomness(0), steps=1)
+    with pytest.raises(dpcore.DPConfigError, match="sample_rate"):
+        dpcore.calibrate_noise_multiplier(1.0, 1e-5, q, 10)
+
+
+def test_sample_rate_of_one_is_allowed():
+    sampler = dpcore.PoissonSampler(10, 1.0, dpcore.SeededRandomness(0), steps=1)
+    assert len(sampler.sample()) == 10
+
+
+def test_delta_at_least_one_over_n_gets_a_loud_warning():
+    with pytest.warns(dpcore.DeltaTooLargeWarning, match=r"1/N.*weak"):
+        _make(dataset_size=1000, target_delta=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dpcore.DeltaTooLargeWarning)
+        _make(dataset_size=1000, target_delta=1e-5)  # no warning
+
+
+def test_unreachable_target_is_an_error_before_training():
+    # With σ calibrated, any ε>0 is reachable; with a fixed σ too small, it is not.
+    with pytest.raises(dpcore.DPConfigError, match="cannot take even one step"):
+        dpcore.plan(dataset_size=100, lot_size=100, epochs=1, target_epsilon=0.01, target_delta=1e-5, noise_multiplier=0.5)
+
+
+def test_nothing_is_spent_when_construction_fails():
+    # A failing config never produces a ledger entry: construction raises before the
+    # ledger exists, so there is nothing to spend.
+    with pytest.raises(dpcore.DPConfigError):
+        _make(lot_size=5000)
+    private = _make()
+    assert len(private.ledger) == 0 and private.sampler.step == 0

@@ -1,0 +1,170 @@
+"""Invariants 2, 3, 4 and 9: noise N(0, σ²C²) once per lot, division by qN, Poisson lots
+(sharded too), and the two randomness modes. Statistical tests fix their seeds and derive
+their tolerances from the sample size."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from torch import nn
+
+import dpcore
+from dpcore.clipping import clipped_sum
+from dpcore.grad_sample import PerSampleGradients
+
+from .helpers import ce, tiny_mlp
+
+
+def _optimizer(model, *, sigma, clip, q, n, randomness, ledger=None, opt=None, **kw):
+    return dpcore.DPOptimizer(
+        opt or torch.optim.SGD(model.parameters(), lr=0.0),
+        model=model, loss_fn=ce, noise_multiplier=sigma, clip_norm=clip, sample_rate=q, dataset_size=n,
+        randomness=randomness, ledger=dpcore.PrivacyLedger(None, 1e-6) if ledger is None else ledger, **kw,
+    )
+
+
+@pytest.mark.parametrize("randomness", [dpcore.SeededRandomness(7), dpcore.SecureRandomness()], ids=["seeded", "secure"])
+def test_noise_std_is_sigma_times_C(randomness):
+    # An empty lot: the update is noise only. p.grad·qN is then N(0, σ²C²) per coordinate.
+    model = nn.Linear(400, 250)  # 100,250 coordinates
+    sigma, clip, q, n = 1.7, 0.6, 0.01, 5000
+    opt = _optimizer(model, sigma=sigma, clip=clip, q=q, n=n, randomness=randomness)
+    opt.step()
+    noise = torch.cat([p.grad.flatten() for p in model.parameters()]).double() * (q * n)
+    m = noise.numel()
+    target = sigma * clip
+    # Sample std of m normals: relative standard error 1/sqrt(2(m-1)). Allow 5 SE (≈1.1%).
+    tol = 5 / math.sqrt(2 * (m - 1))
+    assert abs(noise.std().item() / target - 1) < tol
+    assert abs(noise.mean().item()) < 5 * target / math.sqrt(m)
+    # The tolerance is tight enough to reject a noise scale off by √2 either way.
+    assert tol < (math.sqrt(2) - 1) / 10
+    # Gaussian shape (KS against N(0, σC)).
+    assert stats.kstest(noise[:20000].numpy() / target, "norm").pvalue > 1e-3
+
+
+def test_secure_randomness_uniforms_are_uniform_and_53_bit():
+    u = dpcore.SecureRandomness().uniform(100_000)
+    assert u.dtype == torch.float64 and (u >= 0).all() and (u < 1).all()
+    assert stats.kstest(u.numpy(), "uniform").pvalue > 1e-3
+    # 53 random bits: multiplying by 2^53 gives integers, not all of which are even.
+    ints = (u * 2.0**53)
+    assert torch.equal(ints, ints.floor())
+    assert (ints % 2 == 1).any()
+
+
+def test_noise_is_added_once_and_update_is_divided_by_expected_lot_size():
+    """Replay the seeded noise stream: p.grad == (clipped sum + one noise draw) / (q·N),
+    where the realised lot size differs from q·N."""
+    torch.manual_seed(0)
+    model = tiny_mlp()
+    sigma, clip, q, n = 0.8, 0.5, 0.05, 400  # qN = 20
+    x, y = torch.randn(13, 6), torch.randint(0, 3, (13,))  # realised lot: 13 ≠ 20
+    ref_sum, _ = clipped_sum(PerSampleGradients(model, ce)(x, y), clip)
+    opt = _optimizer(model, sigma=sigma, clip=clip, q=q, n=n, randomness=dpcore.SeededRandomness(11).spawn("noise"))
+    opt.accumulate(x[:5], y[:5])
+    opt.accumulate(x[5:], y[5:])  # two physical batches, one lot
+    opt.step()
+    replay = dpcore.SeededRandomness(11).spawn("noise")
+    for name, p in model.named_parameters():
+        expected = (ref_sum[name] + replay.normal(p.shape, sigma * clip)) / (q * n)
+        assert torch.allclose(p.grad, expected, atol=1e-6), name
+    assert opt.expected_lot_size == pytest.approx(20.0)
+
+
+def test_empty_lot_still_takes_a_noise_only_step():
+    torch.manual_seed(0)
+    model = tiny_mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    ledger = dpcore.PrivacyLedger(10.0, 1e-5)
+    opt = _optimizer(
+        model, sigma=1.0, clip=1.0, q=0.1, n=100, randomness=dpcore.SeededRandomness(0), ledger=ledger,
+        opt=torch.optim.SGD(model.parameters(), lr=0.1),
+    )
+    lot = torch.empty(0, dtype=torch.long)
+    x = torch.randn(10, 6)
+    opt.accumulate(x[lot], torch.zeros(0, dtype=torch.long))
+    opt.step()
+    assert len(ledger) == 1
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def _binomial_chi2_pvalue(sizes, n, q):
+    sizes = np.asarray(sizes)
+    lo, hi = int(stats.binom.ppf(0.001, n, q)), int(stats.binom.ppf(0.999, n, q))
+    edges = list(range(lo, hi + 1))
+    obs = [np.sum(sizes < lo)] + [np.sum(sizes == k) for k in edges] + [np.sum(sizes > hi)]
+    probs = [stats.binom.cdf(lo - 1, n, q)] + [stats.binom.pmf(k, n, q) for k in edges] + [stats.binom.sf(hi, n, q)]
+    obs, exp = np.array(obs, float), np.array(probs) * len(sizes)
+    # Merge bins with expected count < 5 into neighbours (standard chi-square practice).
+    o2, e2, acc_o, acc_e = [], [], 0.0, 0.0
+    for o, e in zip(obs, exp):
+        acc_o += o
+        acc_e += e
+        if acc_e >= 5:
+            o2.append(acc_o)
+            e2.append(acc_e)
+            acc_o = acc_e = 0.0
+    o2[-1] += acc_o
+    e2[-1] += acc_e
+    return stats.chisquare(o2, e2).pvalue
+
+
+def test_lot_sizes_follow_binomial():
+    n, q, lots = 600, 0.05, 4000
+    sampler = dpcore.PoissonSampler(n, q, dpcore.SeededRandomness(5), steps=lots)
+    sizes = [len(lot) for lot in sampler]
+    assert _binomial_chi2_pvalue(sizes, n, q) > 1e-3
+    # Power check: the same test rejects lots drawn at a 20% higher rate.
+    wrong = dpcore.PoissonSampler(n, q * 1.2, dpcore.SeededRandomness(5), steps=lots)
+    assert _binomial_chi2_pvalue([len(lot) for lot in wrong], n, q) < 1e-6
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_sharded_union_is_a_poisson_sample_of_the_whole_dataset(world):
+    n, q, steps = 301, 0.1, 3000
+    root = dpcore.SeededRandomness(9)
+    shards = [dpcore.shard_indices(n, r, world) for r in range(world)]
+    # Shards are disjoint and cover the dataset.
+    assert torch.equal(torch.sort(torch.cat(shards)).values, torch.arange(n))
+    samplers = [dpcore.PoissonSampler(shards[r], q, root.spawn("sampling", r), steps) for r in range(world)]
+    counts = torch.zeros(n)
+    sizes = []
+    for lots in zip(*samplers):
+        union = torch.cat(lots)
+        assert len(torch.unique(union)) == len(union)
+        counts[union] += 1
+        sizes.append(len(union))
+    # Union lot sizes ~ Binomial(N, q).
+    assert _binomial_chi2_pvalue(sizes, n, q) > 1e-3
+    # Every example is included at rate q: its count ~ Binomial(steps, q). Check the overall
+    # rate (5 SE) and that no example is far off (Bonferroni over n examples).
+    rate = counts.sum().item() / (n * steps)
+    assert abs(rate - q) < 5 * math.sqrt(q * (1 - q) / (n * steps))
+    z = (counts - steps * q) / math.sqrt(steps * q * (1 - q))
+    assert z.abs().max().item() < stats.norm.isf(1e-3 / (2 * n))
+
+
+def test_rank_streams_are_independent():
+    root = dpcore.SeededRandomness(1)
+    a = root.spawn("sampling", 0).uniform(1000)
+    b = root.spawn("sampling", 1).uniform(1000)
+    c = root.spawn("sampling", 0).uniform(1000)
+    assert torch.equal(a, c) and not torch.equal(a, b)
+    assert abs(np.corrcoef(a.numpy(), b.numpy())[0, 1]) < 5 / math.sqrt(1000)
+
+
+def test_secure_mode_accepts_no_seed_and_has_no_state():
+    with pytest.raises(dpcore.DPConfigError, match="accepts no seed"):
+        dpcore.SecureRandomness(1234)
+    r = dpcore.make_randomness(None)
+    assert isinstance(r, dpcore.SecureRandomness) and r.secure
+    assert r.state_dict() == {"mode": "secure"}
+    assert "seed" not in repr(r.state_dict())
+
+
+def test_seeded_mode_is_never_silent():
+    with pytest.warns(dpcore.SeededRandomnessWarning, match="tests and research only"):
+        r = dpcore.make_randomness(3)
+    assert not r.secure and "seeded" in r.describe()
