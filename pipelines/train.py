@@ -37,12 +37,12 @@ OPTIMIZERS = ("sgd", "adam", "nadam")
 class TrainConfig:
     dataset: str = field(default="digits", metadata={"help": f"dataset name ({', '.join(DATASETS)})"})
     model: str = field(default="mlp", metadata={"help": f"model ({', '.join(MODELS)})"})
-    optimizer: str = field(default="sgd", metadata={"help": f"optimizer applied to the noised gradient ({', '.join(OPTIMIZERS)})"})
-    lr: float = field(default=2.0, metadata={"help": "learning rate"})
+    optimizer: str = field(default="adam", metadata={"help": f"optimizer applied to the noised gradient ({', '.join(OPTIMIZERS)})"})
+    lr: float = field(default=0.02, metadata={"help": "learning rate"})
     momentum: float = field(default=0.9, metadata={"help": "momentum (sgd only)"})
-    lot_size: int = field(default=128, metadata={"help": "expected lot size L; the Poisson rate is q = L/N"})
+    lot_size: int = field(default=512, metadata={"help": "expected lot size L; the Poisson rate is q = L/N"})
     physical_batch_size: int = field(default=256, metadata={"help": "examples per vmap call (memory, not privacy)"})
-    epochs: float = field(default=30.0, metadata={"help": "passes over the data; steps = round(epochs/q)"})
+    epochs: float = field(default=60.0, metadata={"help": "passes over the data; steps = round(epochs/q)"})
     target_epsilon: float = field(default=2.0, metadata={"help": "privacy budget ε"})
     target_delta: float = field(default=1e-5, metadata={"help": "privacy budget δ (keep it well below 1/N)"})
     clip_norm: float = field(default=1.0, metadata={"help": "per-example L2 clipping bound C"})
@@ -103,7 +103,7 @@ class Progress:
         if not self.enabled:
             return
         now = time.monotonic()
-        if done < self.total and now - self.last < (0.5 if self.interactive else 5.0):
+        if done < self.total and now - self.last < (1.0 if self.interactive else 5.0):
             return
         self.last = now
         elapsed = now - self.start
