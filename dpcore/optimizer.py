@@ -160,9 +160,16 @@ class DPOptimizer:
         return out
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "steps_taken": self.steps_taken}
+        """Wrapped optimizer state, steps taken, and the noise stream's state (empty in secure
+        mode). The ledger and the sampler have state_dicts of their own."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "steps_taken": self.steps_taken,
+            "randomness": self.randomness.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps_taken = int(state["steps_taken"])
+        self.randomness.load_state_dict(state["randomness"])
         self._reset_lot()

@@ -182,3 +182,15 @@ def test_laplace_events_are_accounted_by_dp_accounting():
     assert ledger.epsilon() == pytest.approx(ref, rel=1e-9)
     with pytest.raises(dpcore.DPConfigError, match="Gaussian events only"):
         dpcore.epsilon([(ev, 3)], 1e-5, accountant="moments")
+
+
+def test_ledger_columns_load_into_arrow():
+    pa = pytest.importorskip("pyarrow")
+    ledger = dpcore.PrivacyLedger(None, 1e-5, epsilon_every=2)
+    for s in range(1, 6):
+        ledger.append(PrivacyEvent.dpsgd_step(1.0, 0.1), step=s, clip_norm=1.0)
+    table = pa.table(ledger.to_columns())
+    assert table.num_rows == 5
+    assert table.column("step").to_pylist() == [1, 2, 3, 4, 5]
+    assert table.schema.field("epsilon").type == pa.float64()
+    assert table.schema.field("kind").type == pa.string()
