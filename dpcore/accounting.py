@@ -331,10 +331,12 @@ def max_steps(
     if not fits(1):
         return 0
     lo, hi = 1, 2
-    while fits(hi):
+    while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
-        if hi > limit:
+    if hi > limit:
+        if fits(limit):
             return limit
+        hi = limit
     while hi - lo > 1:  # fits(lo) and not fits(hi)
         mid = (lo + hi) // 2
         if fits(mid):

@@ -100,14 +100,21 @@ def make_private(
     world_size: int = 1,
     reduce_fn: ReduceFn | None = None,
     epsilon_every: int = 1,
+    journal: str | None = None,
 ) -> PrivateTraining:
     """Validate everything, calibrate σ (unless given), and build sampler, ledger and optimizer.
 
-    ``seed=None`` (default) is secure mode. In sharded use, each rank passes its ``rank``; it
+    ``journal`` is the path of the ledger's append-only journal (see :class:`PrivacyLedger`);
+    an existing journal is resumed. ``seed=None`` (default) is secure mode. In sharded use, each rank passes its ``rank``; it
     samples only its own shard and only rank 0 adds noise.
     """
     validate_model(model)
     check_clip_norm(clip_norm)
+    if world_size > 1 and reduce_fn is None:
+        raise DPConfigError(
+            f"world_size={world_size} needs reduce_fn (an all-reduce SUM of the gradient sums across ranks): "
+            "without it each rank would step on its own shard and ranks ≥ 1 would step without noise."
+        )
     sigma, q, steps = plan(
         dataset_size=dataset_size,
         lot_size=lot_size,
@@ -118,7 +125,7 @@ def make_private(
         accountant=accountant,
     )
     randomness = make_randomness(seed)
-    ledger = PrivacyLedger(target_epsilon, target_delta, accountant, epsilon_every=epsilon_every)
+    ledger = PrivacyLedger(target_epsilon, target_delta, accountant, epsilon_every=epsilon_every, journal=journal)
     sampler = PoissonSampler(
         shard_indices(dataset_size, rank, world_size), q, randomness.spawn("sampling", rank), steps
     )

@@ -11,13 +11,21 @@ whenever :meth:`epsilon` is called (which fills the latest entry). Entries in be
 ``epsilon=None`` (NaN in the exported columns). The budget check does not depend on this
 cadence: it is exact for every release (see :meth:`check`).
 
-Restarts: :meth:`mark_rolled_back` marks entries after a checkpoint as rolled back. They stay
-in the ledger and are counted in ε (their noise was released, even if the resulting
+Restarts: a checkpoint's ``state_dict`` is older than the last release, so on its own it would
+forget the releases made after it. A ledger with a ``journal`` therefore writes every entry
+(and every rollback) to an append-only JSON-lines file, flushed and fsynced before
+:meth:`append` returns — that is, before the step's result can be checkpointed, evaluated or
+logged. A ledger opened on an existing journal restores every release from it; the caller
+then marks the releases after the restored checkpoint with :meth:`mark_rolled_back`. They
+stay in the ledger and are counted in ε (their noise was released, even if the resulting
 parameters were discarded); the re-run steps are appended again as committed entries.
+:meth:`load_state_dict` refuses a state that would drop releases the ledger already holds.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -82,6 +90,7 @@ class PrivacyLedger:
         accountant: str = "pld",
         epsilon_every: int = 1,
         dataset_size: int | None = None,
+        journal: str | os.PathLike | None = None,
     ):
         self.target_epsilon = None if target_epsilon is None else check_epsilon(target_epsilon)
         self.target_delta = check_delta(target_delta, dataset_size=dataset_size)
@@ -93,6 +102,48 @@ class PrivacyLedger:
         self._counts: Counter[PrivacyEvent] = Counter()
         self._allowance_cache: dict[tuple, int] = {}
         self._eps_cache: dict[tuple, float] = {}
+        self.journal = None if journal is None else os.fspath(journal)
+        if self.journal is not None:
+            if os.path.exists(self.journal) and os.path.getsize(self.journal) > 0:
+                self._replay_journal()
+            else:
+                self._write({"op": "header", "target_epsilon": self.target_epsilon,
+                             "target_delta": self.target_delta, "accountant": self.accountant})
+
+    # ----------------------------------------------------------------------------------
+    def _write(self, record: dict) -> None:
+        if self.journal is None:
+            return
+        with open(self.journal, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _replay_journal(self) -> None:
+        with open(self.journal, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        records = []
+        for i, line in enumerate(lines):
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                if i == len(lines) - 1:  # a torn last line: the crash came mid-write, before append returned
+                    break
+                raise DPConfigError(f"ledger journal {self.journal} is corrupt at line {i + 1}; it cannot be trusted.") from None
+        header = records[0] if records else {}
+        mine = {"target_epsilon": self.target_epsilon, "target_delta": self.target_delta, "accountant": self.accountant}
+        if header.get("op") != "header" or any(header.get(k) != v for k, v in mine.items()):
+            raise DPConfigError(
+                f"ledger journal {self.journal} belongs to a run with a different budget, δ or accountant "
+                f"({ {k: header.get(k) for k in mine} }) than this one ({mine}); a resumed run keeps all three."
+            )
+        for r in records[1:]:
+            if r["op"] == "append":
+                entry = LedgerEntry(**{k: v for k, v in r.items() if k != "op"})
+                self._entries.append(entry)
+                self._counts[entry.event] += 1
+            elif r["op"] == "rollback":
+                self._apply_rollback(r["after_step"])
 
     # ----------------------------------------------------------------------------------
     @property
@@ -182,6 +233,7 @@ class PrivacyLedger:
         self._entries.append(entry)
         if first_of_kind or (len(self._entries) % self.epsilon_every == 0):
             entry.epsilon = self._epsilon_of(self._counts)
+        self._write({"op": "append", **asdict(entry)})
         return entry
 
     def mark_rolled_back(self, after_step: int) -> int:
@@ -189,6 +241,11 @@ class PrivacyLedger:
 
         Rolled-back entries stay in the ledger and are still counted in ε.
         """
+        n = self._apply_rollback(after_step)
+        self._write({"op": "rollback", "after_step": int(after_step)})
+        return n
+
+    def _apply_rollback(self, after_step: int) -> int:
         n = 0
         for e in self._entries:
             if e.status == COMMITTED and e.step > after_step:
@@ -223,6 +280,13 @@ class PrivacyLedger:
             raise DPConfigError(
                 f"the saved ledger's budget ε={state['target_epsilon']} differs from this one's "
                 f"ε={self.target_epsilon}; a resumed run keeps its budget."
+            )
+        if len(state["entries"]) < len(self._entries):
+            raise DPConfigError(
+                f"refusing to load a ledger state with {len(state['entries'])} releases into a ledger that "
+                f"already holds {len(self._entries)} (from its journal): that would forget releases that "
+                "happened. To resume from an older checkpoint, keep this ledger and call "
+                "mark_rolled_back(checkpoint_step)."
             )
         self.epsilon_every = state["epsilon_every"]
         self._entries = [LedgerEntry(**e) for e in state["entries"]]

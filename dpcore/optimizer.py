@@ -29,6 +29,7 @@ from .accounting import PrivacyEvent
 from .clipping import clipped_sum, per_sample_norms
 from .grad_sample import LossFn, PerSampleGradients
 from .ledger import PrivacyLedger
+from .errors import DPConfigError
 from .randomness import Randomness
 from .validation import (
     check_clip_norm,
@@ -85,6 +86,12 @@ class DPOptimizer:
         self.physical_batch_size = check_positive_int(physical_batch_size, "physical_batch_size")
         self.randomness = randomness
         self.ledger = ledger
+        if not add_noise and reduce_fn is None:
+            raise DPConfigError(
+                "add_noise=False without a reduce_fn: this worker would step on its clipped sum with no "
+                "noise at all. add_noise=False is only for ranks ≥ 1 of sharded training, whose sums are "
+                "all-reduced (reduce_fn) with rank 0's noised sum before anyone steps."
+            )
         self.add_noise = add_noise
         self.reduce_fn = reduce_fn
         self.grad_sampler = PerSampleGradients(model, loss_fn)

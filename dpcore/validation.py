@@ -141,6 +141,13 @@ def validate_model(model: nn.Module) -> None:
         raise UnsupportedModuleError(
             "The model cannot be trained with per-example differential privacy:\n" + "\n".join(problems)
         )
+    low = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype not in (torch.float32, torch.float64)})
+    if low:
+        raise UnsupportedModuleError(
+            f"trainable parameters of dtype {', '.join(low)} are not supported: per-example clipping keeps "
+            "‖g_i‖ ≤ C only up to the rounding of float32/float64 (half precision rounds by up to 0.4 %). "
+            "Keep parameters in float32 (model.float()); autocast may still run the forward in lower precision."
+        )
     if not any(p.requires_grad for p in model.parameters()):
         raise UnsupportedModuleError(
             "The model has no trainable parameter (every parameter has requires_grad=False); "

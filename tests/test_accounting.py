@@ -194,3 +194,11 @@ def test_ledger_columns_load_into_arrow():
     assert table.column("step").to_pylist() == [1, 2, 3, 4, 5]
     assert table.schema.field("epsilon").type == pa.float64()
     assert table.schema.field("kind").type == pa.string()
+
+
+def test_max_steps_respects_its_limit_exactly():
+    sigma, q, eps, delta = 1.0, 0.05, 3.0, 1e-5
+    t = dpcore.max_steps(sigma, q, eps, delta)
+    assert dpcore.max_steps(sigma, q, eps, delta, limit=t + 9) == t  # the limit is not returned unchecked
+    assert dpcore.max_steps(sigma, q, eps, delta, limit=t - 3) == t - 3
+    assert dpcore.max_steps(sigma, q, eps, delta, limit=t) == t

@@ -71,10 +71,12 @@ def test_unreachable_target_is_an_error_before_training():
         dpcore.plan(dataset_size=100, lot_size=100, epochs=1, target_epsilon=0.01, target_delta=1e-5, noise_multiplier=0.5)
 
 
-def test_nothing_is_spent_when_construction_fails():
-    # A failing config never produces a ledger entry: construction raises before the
-    # ledger exists, so there is nothing to spend.
-    with pytest.raises(dpcore.DPConfigError):
-        _make(lot_size=5000)
-    private = _make()
-    assert len(private.ledger) == 0 and private.sampler.step == 0
+def test_a_bad_config_spends_nothing_even_with_a_journal(tmp_path):
+    # The failure comes before the ledger (and its journal) exist: nothing is recorded.
+    journal = tmp_path / "ledger.jsonl"
+    torch.manual_seed(0)
+    model = tiny_mlp()
+    with pytest.raises(dpcore.DPConfigError, match="lot_size=5000"):
+        dpcore.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, seed=0,
+                            journal=str(journal), **{**GOOD, "lot_size": 5000})
+    assert not journal.exists()

@@ -164,3 +164,13 @@ def test_per_sample_norms_is_an_explicit_diagnostics_call():
         ce(model(x[i : i + 1]), y[i : i + 1]).backward()
         ref = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in model.parameters()))
         assert norms[i].item() == pytest.approx(ref, rel=1e-5)
+
+
+def test_huge_float32_gradients_are_still_clipped_to_C():
+    # ‖g‖ ≈ 1e40 in float32: C/‖g‖ is below float32's normal range, so those rows are scaled in float64.
+    g = {"w": torch.full((3, 4, 5), 3e38, dtype=torch.float32), "b": torch.full((3, 5), -2e38, dtype=torch.float32)}
+    g["w"][1] = 1e-3  # an ordinary row alongside
+    for clip in (1e-3, 1.0, 7.0):
+        for i in range(3):
+            sums, bad = clipped_sum({k: v[i : i + 1] for k, v in g.items()}, clip)
+            assert bad == 0 and _contribution_norm(sums) <= clip

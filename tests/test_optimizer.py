@@ -174,6 +174,10 @@ def test_aggregated_noise_std_is_sigma_C_whatever_the_number_of_workers(world, t
 
 def test_sharded_make_private_noises_on_rank_zero_only_and_samples_its_shard():
     n, world = 103, 2
+
+    def never_called(tensors):  # construction and sampling only: no step is taken here
+        raise AssertionError("no step in this test")
+
     built = []
     for rank in range(world):
         torch.manual_seed(0)
@@ -181,6 +185,7 @@ def test_sharded_make_private_noises_on_rank_zero_only_and_samples_its_shard():
         built.append(dpcore.make_private(
             model, torch.optim.SGD(model.parameters(), lr=0.1), ce, dataset_size=n, lot_size=20, epochs=1,
             target_epsilon=4.0, target_delta=1e-5, clip_norm=1.0, seed=3, rank=rank, world_size=world,
+            reduce_fn=never_called,
         ))
     assert [b.optimizer.add_noise for b in built] == [True, False]
     assert [b.optimizer.expected_lot_size for b in built] == [pytest.approx(20.0)] * 2  # q·N of the whole dataset
@@ -228,3 +233,82 @@ def test_seeded_run_resumes_reproducibly_from_state_dicts():
     for pa_, pb in zip(model_a.parameters(), model_b.parameters()):
         assert torch.equal(pa_, pb)
     assert len(b.ledger) == len(a.ledger) == 7
+
+
+def test_a_worker_without_noise_must_reduce_with_the_noised_rank():
+    torch.manual_seed(0)
+    model = tiny_mlp()
+    with pytest.raises(dpcore.DPConfigError, match="add_noise=False without a reduce_fn"):
+        dpcore.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=ce, noise_multiplier=1.0,
+            clip_norm=1.0, sample_rate=0.1, dataset_size=10, randomness=dpcore.SeededRandomness(0),
+            ledger=dpcore.PrivacyLedger(None, 1e-5), add_noise=False,
+        )
+    with pytest.raises(dpcore.DPConfigError, match="world_size=2 needs reduce_fn"):
+        dpcore.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), ce, dataset_size=100, lot_size=10, epochs=1,
+            target_epsilon=4.0, target_delta=1e-5, clip_norm=1.0, seed=3, rank=1, world_size=2,
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_parameters_are_rejected(dtype):
+    model = tiny_mlp().to(dtype)
+    with pytest.raises(dpcore.UnsupportedModuleError, match="float32"):
+        dpcore.validate_model(model)
+
+
+def test_crash_after_checkpoint_keeps_every_release_in_the_journal(tmp_path):
+    """Releases made after the last checkpoint survive a crash through the ledger's journal,
+    are marked rolled back on resume, and are counted in ε."""
+    journal = tmp_path / "ledger.jsonl"
+    x, y = torch.randn(60, 6), torch.randint(0, 3, (60,))
+
+    def build():
+        torch.manual_seed(0)
+        model = tiny_mlp()
+        return model, dpcore.make_private(
+            model, torch.optim.Adam(model.parameters(), lr=0.05), ce, dataset_size=60, lot_size=10, epochs=2,
+            target_epsilon=8.0, target_delta=1e-5, clip_norm=1.0, epsilon_every=10**6, journal=str(journal),
+        )
+
+    def steps(p, k):
+        for _ in range(k):
+            lot = p.sampler.sample()
+            p.optimizer.accumulate(x[lot], y[lot])
+            p.optimizer.step()
+
+    model_a, a = build()
+    steps(a, 4)
+    buf = io.BytesIO()
+    torch.save({"model": model_a.state_dict(), "opt": a.optimizer.state_dict(), "sampler": a.sampler.state_dict(),
+                "ledger": a.ledger.state_dict()}, buf)
+    steps(a, 3)  # released, then the process "crashes" before the next checkpoint
+    del model_a, a
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=False)
+
+    model_b, b = build()  # secure mode: the re-run draws fresh noise
+    assert len(b.ledger) == 7  # every release, from the journal
+    with pytest.raises(dpcore.DPConfigError, match="would forget releases"):
+        b.ledger.load_state_dict(ckpt["ledger"])
+    model_b.load_state_dict(ckpt["model"])
+    b.optimizer.load_state_dict(ckpt["opt"])
+    b.sampler.load_state_dict(ckpt["sampler"])
+    assert b.ledger.mark_rolled_back(after_step=ckpt["opt"]["steps_taken"]) == 3
+    steps(b, 3)
+    assert len(b.ledger) == 10
+    assert sorted(b.ledger.committed_steps()) == list(range(1, 8))
+    assert sum(e.status == "rolled_back" for e in b.ledger.entries) == 3
+    ev = b.optimizer.event
+    assert b.ledger.epsilon() == pytest.approx(dpcore.epsilon([(ev, 10)], 1e-5), rel=1e-12)
+    # A third process sees the same history, rollback marks included.
+    _, c = build()
+    assert [(e.step, e.status) for e in c.ledger.entries] == [(e.step, e.status) for e in b.ledger.entries]
+
+
+def test_journal_of_another_budget_is_refused(tmp_path):
+    j = tmp_path / "l.jsonl"
+    dpcore.PrivacyLedger(2.0, 1e-5, journal=j).append(dpcore.PrivacyEvent.dpsgd_step(1.0, 0.1), step=1, clip_norm=1.0)
+    with pytest.raises(dpcore.DPConfigError, match="different budget"):
+        dpcore.PrivacyLedger(3.0, 1e-5, journal=j)
