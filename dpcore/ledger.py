@@ -293,12 +293,6 @@ class PrivacyLedger:
         self._counts = Counter(e.event for e in self._entries)
         self._allowance_cache.clear()
 
-    @classmethod
-    def from_state_dict(cls, state: dict) -> "PrivacyLedger":
-        ledger = cls(state["target_epsilon"], state["target_delta"], state["accountant"], state["epsilon_every"])
-        ledger.load_state_dict(state)
-        return ledger
-
     def to_columns(self) -> dict[str, list]:
         """Plain columns (lists of Python scalars), ready for ``pyarrow.table``. ε is NaN where
         it was not computed (see ``epsilon_every``)."""
@@ -309,14 +303,3 @@ class PrivacyLedger:
                 v = d[c]
                 cols[c].append(float("nan") if (c == "epsilon" and v is None) else v)
         return cols
-
-    def summary(self) -> dict:
-        eps = self.epsilon()
-        return {
-            "epsilon": eps,
-            "delta": self.target_delta,
-            "target_epsilon": self.target_epsilon,
-            "accountant": self.accountant,
-            "releases": len(self._entries),
-            "rolled_back": sum(e.status == ROLLED_BACK for e in self._entries),
-        }

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -186,7 +185,3 @@ def convert_batchnorm_to_groupnorm(model: nn.Module, max_groups: int = 32) -> nn
         return module
 
     return convert(model)
-
-
-def trainable_parameters(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
