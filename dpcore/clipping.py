@@ -59,13 +59,17 @@ def clipped_sum(
     factors, finite = clip_factors(norms, clip_norm)
     n_bad = int((~finite).sum())
     result = {} if out is None else out
+    # A factor below the dtype's smallest normal number loses precision when cast (a gradient
+    # of norm ≳1e32·C in float32): those rare rows are scaled in float64. One check per dtype.
+    extreme_by_dtype: dict[torch.dtype, tuple[torch.Tensor, bool]] = {}
     for name, g in per_sample.items():
         if n_bad:
             g = torch.where(finite.view(-1, *([1] * (g.dim() - 1))), g, torch.zeros((), dtype=g.dtype))
-        # A factor below the dtype's smallest normal number loses precision when cast (a
-        # gradient of norm ≳1e32·C in float32): scale those rare rows in float64 instead.
-        extreme = factors < torch.finfo(g.dtype).tiny * 2.0**24
-        if bool(extreme.any()):
+        if g.dtype not in extreme_by_dtype:
+            mask = factors < torch.finfo(g.dtype).tiny * 2.0**24
+            extreme_by_dtype[g.dtype] = (mask, bool(mask.any()))
+        extreme, any_extreme = extreme_by_dtype[g.dtype]
+        if any_extreme:
             contrib = torch.einsum("i,i...->...", factors[~extreme].to(g.dtype), g[~extreme])
             contrib = contrib + torch.einsum("i,i...->...", factors[extreme], g[extreme].double()).to(g.dtype)
         else:
