@@ -14,7 +14,7 @@ from .accounting import (
     steps_for_epochs,
 )
 from .clipping import clipped_sum, per_sample_norms
-from .engine import PrivateTraining, make_private, plan
+from .engine import PrivateTraining, build_private, make_private, plan
 from .errors import (
     BudgetExceededError,
     DeltaTooLargeWarning,
@@ -48,6 +48,7 @@ __all__ = [
     "SeededRandomness",
     "SeededRandomnessWarning",
     "UnsupportedModuleError",
+    "build_private",
     "calibrate_noise_multiplier",
     "clipped_sum",
     "convert_batchnorm_to_groupnorm",

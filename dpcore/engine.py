@@ -30,6 +30,7 @@ from .validation import (
     check_delta,
     check_epsilon,
     check_noise_multiplier,
+    check_positive_int,
     sample_rate_from_lot_size,
     validate_model,
 )
@@ -55,11 +56,14 @@ def plan(
     target_delta: float,
     noise_multiplier: float | None = None,
     accountant: str = "pld",
+    max_noise_multiplier: float | None = None,
 ) -> tuple[float, float, int]:
     """(σ, q, steps) for a run. σ is calibrated to the budget unless given.
 
     With a given σ, the number of steps is min(epochs/q, the steps the budget allows); a
-    budget that allows no step at all is an error.
+    budget that allows no step at all is an error. With ``max_noise_multiplier``, a budget
+    that needs a larger σ for the planned steps is an error too: the noise would swamp the
+    signal, and the fix is fewer epochs, a larger lot or a larger ε.
     """
     dataset_size = check_dataset_size(dataset_size)
     q = sample_rate_from_lot_size(lot_size, dataset_size)
@@ -68,6 +72,13 @@ def plan(
     steps = accounting.steps_for_epochs(epochs, q)
     if noise_multiplier is None:
         sigma = accounting.calibrate_noise_multiplier(target_epsilon, target_delta, q, steps, accountant)
+        if max_noise_multiplier is not None and sigma > max_noise_multiplier:
+            raise DPConfigError(
+                f"target_epsilon={target_epsilon} cannot be reached in {epochs:g} epochs ({steps} steps at "
+                f"q={q:.4g}) with noise_multiplier ≤ {max_noise_multiplier:g}: it needs σ≈{sigma:.4g}. "
+                "Train fewer epochs, use a larger lot, raise target_epsilon, or raise the limit "
+                "(max_noise_multiplier) if you really want that much noise."
+            )
     else:
         sigma = check_noise_multiplier(noise_multiplier)
         allowed = accounting.max_steps(sigma, q, target_epsilon, target_delta, accountant)
@@ -115,6 +126,7 @@ def make_private(
             f"world_size={world_size} needs reduce_fn (an all-reduce SUM of the gradient sums across ranks): "
             "without it each rank would step on its own shard and ranks ≥ 1 would step without noise."
         )
+    check_positive_int(physical_batch_size, "physical_batch_size")
     sigma, q, steps = plan(
         dataset_size=dataset_size,
         lot_size=lot_size,
@@ -124,18 +136,68 @@ def make_private(
         noise_multiplier=noise_multiplier,
         accountant=accountant,
     )
-    randomness = make_randomness(seed)
-    ledger = PrivacyLedger(target_epsilon, target_delta, accountant, epsilon_every=epsilon_every, journal=journal)
-    sampler = PoissonSampler(
-        shard_indices(dataset_size, rank, world_size), q, randomness.spawn("sampling", rank), steps
+    return build_private(
+        model,
+        optimizer,
+        loss_fn,
+        noise_multiplier=sigma,
+        sample_rate=q,
+        steps=steps,
+        dataset_size=dataset_size,
+        target_epsilon=target_epsilon,
+        target_delta=target_delta,
+        clip_norm=clip_norm,
+        accountant=accountant,
+        randomness=make_randomness(seed),
+        physical_batch_size=physical_batch_size,
+        shard=shard_indices(dataset_size, rank, world_size),
+        rank=rank,
+        reduce_fn=reduce_fn,
+        ledger=PrivacyLedger(target_epsilon, target_delta, accountant, epsilon_every=epsilon_every, journal=journal),
     )
+
+
+def build_private(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    *,
+    noise_multiplier: float,
+    sample_rate: float,
+    steps: int,
+    dataset_size: int,
+    target_epsilon: float,
+    target_delta: float,
+    clip_norm: float,
+    accountant: str,
+    randomness: Randomness,
+    ledger: PrivacyLedger,
+    shard: torch.Tensor,
+    rank: int = 0,
+    reduce_fn: ReduceFn | None = None,
+    physical_batch_size: int = 256,
+) -> PrivateTraining:
+    """Build sampler and optimizer for an already planned run (σ, q, steps known).
+
+    This is the worker-side half of :func:`make_private`: in sharded training σ is calibrated
+    once on the driver and every rank builds its pieces from the plan. ``shard`` holds the
+    indices this rank samples (its rows of the dataset); ``randomness`` is the run's root
+    stream, from which the rank's sampling and noise streams are spawned. Only rank 0 adds
+    noise; ranks ≥ 1 need ``reduce_fn``.
+    """
+    validate_model(model)
+    if rank != 0 and reduce_fn is None:
+        raise DPConfigError(f"rank={rank} needs reduce_fn: ranks ≥ 1 add no noise and must be all-reduced with rank 0.")
+    if ledger.target_delta != target_delta or ledger.accountant != accountant or ledger.target_epsilon != target_epsilon:
+        raise DPConfigError("the ledger was built for a different (ε, δ) or accountant than this run's plan.")
+    sampler = PoissonSampler(shard, sample_rate, randomness.spawn("sampling", rank), steps)
     dp_optimizer = DPOptimizer(
         optimizer,
         model=model,
         loss_fn=loss_fn,
-        noise_multiplier=sigma,
+        noise_multiplier=noise_multiplier,
         clip_norm=clip_norm,
-        sample_rate=q,
+        sample_rate=sample_rate,
         dataset_size=dataset_size,
         randomness=randomness.spawn("noise", rank),
         ledger=ledger,
@@ -143,4 +205,4 @@ def make_private(
         add_noise=(rank == 0),
         reduce_fn=reduce_fn,
     )
-    return PrivateTraining(dp_optimizer, sampler, ledger, randomness, sigma, q, steps)
+    return PrivateTraining(dp_optimizer, sampler, ledger, randomness, noise_multiplier, sample_rate, steps)

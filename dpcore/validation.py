@@ -131,12 +131,16 @@ def validate_model(model: nn.Module) -> None:
     Raises :class:`UnsupportedModuleError` naming every offending layer (by its
     qualified name) and the fix. Models with no trainable parameter are rejected too.
     """
-    problems = []
+    by_reason: dict[str, list[str]] = {}
     for name, module in model.named_modules():
         reason = _mixing_reason(module)
         if reason is not None:
-            problems.append(f"  - layer '{name or '<root>'}' ({type(module).__name__}): {reason}")
-    if problems:
+            by_reason.setdefault(reason, []).append(f"'{name or '<root>'}' ({type(module).__name__})")
+    if by_reason:
+        problems = []
+        for reason, layers in by_reason.items():
+            shown = ", ".join(layers[:8]) + (f" and {len(layers) - 8} more" if len(layers) > 8 else "")
+            problems.append(f"  - layer{'s' if len(layers) > 1 else ''} {shown}: {reason}")
         raise UnsupportedModuleError(
             "The model cannot be trained with per-example differential privacy:\n" + "\n".join(problems)
         )

@@ -92,6 +92,7 @@ def ingest(dataset: Dataset, out_dir: str | Path, num_shards: int = 2) -> Path:
         "dtype": str(dataset.train.x.numpy().dtype),
         "num_classes": dataset.num_classes,
         "num_shards": num_shards,
+        "split_info": dataset.split_info,
         "files": entries,
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -167,3 +168,13 @@ def read_split(data_dir: str | Path, split: str, rank: int = 0, world_size: int 
 def train_size(data_dir: str | Path) -> int:
     """N: the total number of training rows across all shards (from the manifest)."""
     return sum(e["rows"] for e in read_manifest(data_dir)["files"] if e["split"] == "train")
+
+
+def verify(data_dir: str | Path) -> dict:
+    """Check every file of an ingested dataset against its manifest (presence, SHA-256, Parquet,
+    row count). Returns the manifest. The driver calls this before any worker starts."""
+    data_dir = Path(data_dir)
+    manifest = read_manifest(data_dir)
+    for entry in manifest["files"]:
+        _read_file(data_dir, entry, manifest)
+    return manifest

@@ -1,223 +1,430 @@
-"""The training job: single-process DP training on one dataset, with a privacy ledger.
+"""The main job: sharded DP training on Ray Train, with the run's ledger and model in MLflow.
 
-    python -m pipelines.train                     # digits, ε=2, δ=1e-5, secure randomness
-    python -m pipelines.train --target-epsilon 8 --epochs 40 --model cnn
-    python -m pipelines.train --help
+    dp-platform train                               # digits, 2 workers, ε=2, δ=1e-5, ./mlflow.db
+    dp-platform train run.yaml --target-epsilon 8   # a YAML config plus flag overrides
+    python -m pipelines.train run.yaml              # the same; also the entrypoint for `ray job submit`
+    dp-platform train --resume <mlflow run id>      # continue a run after the driver died
 
-It validates the whole configuration and calibrates σ before any example is touched, then
-trains with Poisson lots, per-example clipping and Gaussian noise (dpcore), and prints the
-test accuracy and the ε spent, computed from the run's ledger.
-
-The sharded Ray Train + MLflow pipeline replaces this body (issue B); the config and the
-entrypoint stay.
+The driver does everything that can fail before any worker starts or any budget is spent:
+it validates the config, checks the tracking store, loads (and ingests) the data and verifies
+every shard, builds and validates the model, and calibrates σ from (ε, δ), N, the lot size
+and the epochs. Then it starts (or joins) a Ray cluster, runs a ``TorchTrainer`` whose workers
+run :func:`pipelines.worker.train_loop_per_worker`, and finally computes ε from the run's
+ledger alone and logs the ledger, plots and model to MLflow.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
+import hashlib
+import json
 import math
+import os
 import sys
+import threading
 import time
+import uuid
 import warnings
-from dataclasses import dataclass, field
-
-import torch
-import torch.nn.functional as F
+from pathlib import Path
 
 import dpcore
-from dpcore import accounting
 
-from .data import DATASETS, load_dataset
-from .models import MODELS, build_model
+from . import tracking
+from .config import TrainConfig, add_config_arguments, config_from_dict, load_config
+from .data import load_dataset
+from .ingest import CorruptShardError, ingest, verify
+from .models import build_model
 
-OPTIMIZERS = ("sgd", "adam", "nadam")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    dataset: str = field(default="digits", metadata={"help": f"dataset name ({', '.join(DATASETS)})"})
-    model: str = field(default="mlp", metadata={"help": f"model ({', '.join(MODELS)})"})
-    optimizer: str = field(default="adam", metadata={"help": f"optimizer applied to the noised gradient ({', '.join(OPTIMIZERS)})"})
-    lr: float = field(default=0.02, metadata={"help": "learning rate"})
-    momentum: float = field(default=0.9, metadata={"help": "momentum (sgd only)"})
-    lot_size: int = field(default=512, metadata={"help": "expected lot size L; the Poisson rate is q = L/N"})
-    physical_batch_size: int = field(default=256, metadata={"help": "examples per vmap call (memory, not privacy)"})
-    epochs: float = field(default=60.0, metadata={"help": "passes over the data; steps = round(epochs/q)"})
-    target_epsilon: float = field(default=2.0, metadata={"help": "privacy budget ε"})
-    target_delta: float = field(default=1e-5, metadata={"help": "privacy budget δ (keep it well below 1/N)"})
-    clip_norm: float = field(default=1.0, metadata={"help": "per-example L2 clipping bound C"})
-    noise_multiplier: float | None = field(
-        default=None, metadata={"help": "σ; default: calibrated to (ε, δ). If given, training stops at the budget"}
-    )
-    accountant: str = field(default="pld", metadata={"help": f"accountant ({', '.join(dpcore.ACCOUNTANTS)}); pld is tight"})
-    seed: int | None = field(
-        default=None,
-        metadata={"help": "seed for noise and sampling: tests and research only. Default: secure mode (OS entropy, no seed)"},
-    )
-    init_seed: int = field(default=0, metadata={"help": "seed of the model's initial weights (public)"})
-    quiet: bool = field(default=False, metadata={"help": "no progress output"})
-
-    def validate(self) -> None:
-        if self.dataset not in DATASETS:
-            raise dpcore.DPConfigError(f"dataset={self.dataset!r} is unknown; available: {', '.join(DATASETS)}.")
-        if self.model not in MODELS:
-            raise dpcore.DPConfigError(f"model={self.model!r} is unknown; available: {', '.join(MODELS)}.")
-        if self.optimizer not in OPTIMIZERS:
-            raise dpcore.DPConfigError(f"optimizer={self.optimizer!r} is unknown; available: {', '.join(OPTIMIZERS)}.")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise dpcore.DPConfigError(f"lr={self.lr!r} is invalid: the learning rate must be a finite number > 0.")
-        dpcore.validation.check_epsilon(self.target_epsilon)
-        dpcore.validation.check_delta(self.target_delta)
-        dpcore.validation.check_clip_norm(self.clip_norm)
-        dpcore.validation.check_positive_int(self.lot_size, "lot_size")
-        dpcore.validation.check_positive_int(self.physical_batch_size, "physical_batch_size")
-        dpcore.accounting.check_accountant(self.accountant)
+JOURNAL = "ledger.journal.jsonl"
 
 
-def make_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr)
-    return torch.optim.NAdam(params, lr=cfg.lr)
+# ------------------------------------------------------------------------------------------
+# Planning (driver side, before any worker starts)
+def prepare_data(cfg: TrainConfig) -> tuple[Path, dict]:
+    """An ingested, verified Parquet dataset for ``cfg``: ``data_dir`` itself if it is one,
+    else the dataset loaded and ingested once into ``storage_path/datasets`` (one shard per
+    worker), re-used while its checksums hold."""
+    if cfg.data_dir and (Path(cfg.data_dir).expanduser() / "manifest.json").is_file():
+        path = Path(cfg.data_dir).expanduser().resolve()
+        return path, verify(path)
+    loader_args = {
+        "data_dir": cfg.data_dir,
+        "download": cfg.download,
+        "image_size": cfg.image_size,
+        "generated_size": cfg.generated_size,
+        "val_fraction": cfg.val_fraction,
+        "test_fraction": cfg.test_fraction,
+        "split_seed": cfg.split_seed,
+    }
+    dataset = load_dataset(cfg.dataset, **loader_args)
+    key = hashlib.sha256(json.dumps({"name": cfg.dataset, **loader_args}, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    out = Path(cfg.storage_path).resolve() / "datasets" / f"{cfg.dataset}-{key}-{cfg.num_workers}shards"
+    if (out / "manifest.json").is_file():
+        try:
+            return out, verify(out)
+        except CorruptShardError:
+            pass  # our own cache: rewrite it
+    ingest(dataset, out, num_shards=cfg.num_workers)
+    return out, verify(out)
 
 
-@torch.no_grad()
-def accuracy(model, split) -> float:
-    model.eval()
-    acc = (model(split.x).argmax(1) == split.y).float().mean().item()
-    model.train()
-    return acc
-
-
-class Progress:
-    """One line, rewritten in place: steps, ε spent, elapsed and ETA."""
-
-    def __init__(self, total: int, enabled: bool, stream=sys.stderr):
-        self.total, self.enabled, self.stream = total, enabled, stream
-        self.start = time.monotonic()
-        self.last = 0.0
-        self.interactive = enabled and stream.isatty()
-
-    def update(self, done: int, eps_fn) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if done < self.total and now - self.last < (1.0 if self.interactive else 5.0):
-            return
-        self.last = now
-        elapsed = now - self.start
-        eta = elapsed / done * (self.total - done) if done else float("nan")
-        width = 24
-        filled = int(width * done / self.total)
-        line = (
-            f"[{'#' * filled}{'.' * (width - filled)}] step {done}/{self.total}  "
-            f"ε={eps_fn():.3f}  {elapsed:5.1f}s elapsed, ETA {eta:5.1f}s"
-        )
-        self.stream.write(("\r" + line) if self.interactive else (line + "\n"))
-        if self.interactive and done == self.total:
-            self.stream.write("\n")
-        self.stream.flush()
-
-
-def run(cfg: TrainConfig) -> dict:
-    """Validate, plan, train, evaluate. Returns a summary dict. Raises before any training on
-    bad input."""
+def plan_run(cfg: TrainConfig) -> dict:
+    """Validate everything and plan the run. Raises DPConfigError before anything starts."""
     cfg.validate()
-    data = load_dataset(cfg.dataset)
-    n = len(data.train)
-    torch.manual_seed(cfg.init_seed)  # public initialisation
-    model = build_model(cfg.model, data.input_shape, data.num_classes)
-    steps_planned = accounting.steps_for_epochs(cfg.epochs, dpcore.sample_rate_from_lot_size(cfg.lot_size, n))
-    private = dpcore.make_private(
-        model,
-        make_optimizer(cfg, model.parameters()),
-        F.cross_entropy,
+    tracking_uri = tracking.resolve_tracking_uri(cfg.tracking_uri)
+    tracking.check_tracking_uri(tracking_uri)
+    data_dir, manifest = prepare_data(cfg)
+    n = sum(e["rows"] for e in manifest["files"] if e["split"] == "train")
+    if cfg.num_workers > manifest["num_shards"]:
+        raise dpcore.DPConfigError(
+            f"num_workers={cfg.num_workers} but {data_dir} has {manifest['num_shards']} training shards; "
+            f"re-ingest with at least {cfg.num_workers} shards or use fewer workers."
+        )
+    model = build_model(cfg.model, tuple(manifest["input_shape"]), manifest["num_classes"], cfg.replace_batchnorm)
+    dpcore.validate_model(model)
+    sigma, q, steps = dpcore.plan(
         dataset_size=n,
         lot_size=cfg.lot_size,
         epochs=cfg.epochs,
         target_epsilon=cfg.target_epsilon,
         target_delta=cfg.target_delta,
-        clip_norm=cfg.clip_norm,
         noise_multiplier=cfg.noise_multiplier,
         accountant=cfg.accountant,
-        seed=cfg.seed,
-        physical_batch_size=cfg.physical_batch_size,
-        epsilon_every=max(1, steps_planned // 20),
+        max_noise_multiplier=None if cfg.noise_multiplier is not None else cfg.max_noise_multiplier,
     )
-    x, y = data.train.x, data.train.y
-    progress = Progress(private.steps, enabled=not cfg.quiet)
-    t0 = time.monotonic()
-    done = 0
-    for lot in private.sampler:
-        private.optimizer.accumulate(x[lot], y[lot])
-        private.optimizer.step()
-        done += 1
-        progress.update(done, private.ledger.epsilon)
-    seconds = time.monotonic() - t0
+    every = cfg.checkpoint_every or max(1, math.ceil(steps / 10))
+    name = cfg.run_name or f"{cfg.dataset}-{cfg.model.replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
+    ray_run_name = f"{name}-{uuid.uuid4().hex[:6]}"
+    storage = Path(cfg.storage_path).resolve()
+    run_dir = storage / ray_run_name
     return {
-        "dataset": cfg.dataset,
-        "train_examples": n,
-        "test_accuracy": accuracy(model, data.test),
-        "val_accuracy": accuracy(model, data.val),
-        "epsilon": private.ledger.epsilon(),
-        "delta": cfg.target_delta,
-        "accountant": cfg.accountant,
-        "noise_multiplier": private.noise_multiplier,
-        "sample_rate": private.sample_rate,
-        "steps": done,
-        "randomness": private.randomness.describe(),
-        "train_seconds": seconds,
-        "ledger": private.ledger,
-        "model": model,
+        "config": cfg.to_dict(),
+        "run_name": name,
+        "ray_run_name": ray_run_name,
+        "storage_path": str(storage),
+        "run_dir": str(run_dir),
+        "journal": str(run_dir / JOURNAL),
+        "data_dir": str(data_dir),
+        "input_shape": list(manifest["input_shape"]),
+        "num_classes": manifest["num_classes"],
+        "split_info": manifest.get("split_info", {}),
+        "dataset_size": n,
+        "noise_multiplier": sigma,
+        "sample_rate": q,
+        "steps": steps,
+        "checkpoint_every": every,
+        "epsilon_every": max(1, steps // 20),
+        "tracking_uri": tracking_uri,
+        "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "run_id": None,
     }
 
 
-def _arg_type(f: dataclasses.Field):
-    t = str(f.type)
-    if "bool" in t:
-        return None
-    if "float" in t:
-        return float
-    if "int" in t:
-        return int
-    return str
+# ------------------------------------------------------------------------------------------
+class JournalProgress:
+    """Driver-side progress: follows the ledger journal that rank 0 fsyncs at every step."""
+
+    def __init__(self, spec: dict, enabled: bool, stream=sys.stderr):
+        self.path, self.total = Path(spec["journal"]), spec["steps"]
+        self.enabled, self.stream = enabled, stream
+        self.interactive = enabled and stream.isatty()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._offset, self._steps, self._eps, self._rolled = 0, 0, None, 0
+        self._start, self._first, self._last = time.monotonic(), None, None
+
+    def __enter__(self):
+        if self.enabled:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self.enabled:
+            self._thread.join(timeout=5)
+            self._poll()
+            self._print(final=True)
+
+    def _poll(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path, encoding="utf-8") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        lines = chunk.split("\n")
+        self._offset += len(chunk) - len(lines[-1])
+        for line in lines[:-1]:
+            rec = json.loads(line)
+            if rec.get("op") == "append":
+                self._steps = rec["step"]
+                if rec.get("epsilon") is not None:
+                    self._eps = rec["epsilon"]
+                if self._first is None:
+                    self._first = (rec["timestamp"], rec["step"])
+                self._last = (rec["timestamp"], rec["step"])
+            elif rec.get("op") == "rollback":
+                self._rolled += 1
+                self._steps = rec["after_step"]
+
+    def _print(self, final: bool = False) -> None:
+        elapsed = time.monotonic() - self._start
+        eta = ""
+        if self._first is not None and self._last[1] > self._first[1]:
+            rate = (self._last[1] - self._first[1]) / max(self._last[0] - self._first[0], 1e-9)
+            eta = f", ETA {max(0.0, (self.total - self._steps) / rate):5.1f}s"
+        width = 24
+        filled = int(width * min(self._steps, self.total) / self.total)
+        eps = "…" if self._eps is None else f"{self._eps:.3f}"
+        phase = "starting workers" if self._first is None and not final else f"step {self._steps}/{self.total}"
+        extra = f"  restarts: {self._rolled}" if self._rolled else ""
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {phase}  ε={eps}  {elapsed:5.1f}s{eta}{extra}"
+        self.stream.write(("\r" + line.ljust(100)) if self.interactive else line + "\n")
+        if self.interactive and final:
+            self.stream.write("\n")
+        self.stream.flush()
+
+    def _run(self) -> None:
+        period = 1.0 if self.interactive else 10.0
+        while not self._stop.wait(period):
+            with contextlib.suppress(Exception):
+                self._poll()
+                self._print()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m pipelines.train",
-        description="Train a model with example-level (ε, δ)-differential privacy (DP-SGD family) and print "
-        "the test accuracy and the ε spent, computed from the run's privacy ledger.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+# ------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def ray_cluster(cfg: TrainConfig):
+    """Join ``ray_address`` (or RAY_ADDRESS, e.g. under ``ray job submit``), else start a local
+    cluster, on 127.0.0.1 with the dashboard on, and stop it afterwards."""
+    import logging
+
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+    else:
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, cfg.num_workers),
+            num_gpus=None if cfg.use_gpu else 0,
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            logging_level=logging.WARNING,
+            configure_logging=True,
+        )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _fit(spec: dict, cfg: TrainConfig):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from .worker import train_loop_per_worker
+
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=spec,
+        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=None if cfg.use_gpu else {"CPU": 1}),
+        torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
+        run_config=RunConfig(
+            name=spec["ray_run_name"],
+            storage_path=spec["storage_path"],
+            failure_config=FailureConfig(max_failures=cfg.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+        ),
     )
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if _arg_type(f) is None:
-            p.add_argument(flag, action="store_true", help=f.metadata["help"])
-        else:
-            p.add_argument(flag, type=_arg_type(f), default=f.default, help=f.metadata["help"])
+    return trainer.fit()
+
+
+def load_final_model(spec: dict, checkpoint_path: str):
+    import torch
+
+    cfg = config_from_dict(spec["config"])
+    model = build_model(cfg.model, tuple(spec["input_shape"]), spec["num_classes"], cfg.replace_batchnorm)
+    model.load_state_dict(torch.load(Path(checkpoint_path) / "model.pt", map_location="cpu"))
+    return model.eval()
+
+
+def open_run_ledger(spec: dict) -> dpcore.PrivacyLedger:
+    """The run's ledger, from its journal (every release, committed or rolled back)."""
+    cfg = spec["config"]
+    return dpcore.PrivacyLedger(cfg["target_epsilon"], cfg["target_delta"], cfg["accountant"], epsilon_every=spec["epsilon_every"], journal=spec["journal"])
+
+
+def run(cfg: TrainConfig | None = None, resume: str | None = None) -> dict:
+    """Plan, train on Ray, log to MLflow. Returns a summary (run id, ε, accuracy, ...)."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    if resume is not None:
+        spec, cfg = _resume_spec(resume, cfg)
+    else:
+        cfg = cfg or TrainConfig()
+        spec = plan_run(cfg)
+    client = MlflowClient(spec["tracking_uri"])
+    mlflow.set_tracking_uri(spec["tracking_uri"])
+    if resume is None:
+        exp = client.get_experiment_by_name(cfg.experiment)
+        exp_id = exp.experiment_id if exp is not None else client.create_experiment(cfg.experiment)
+        mlrun = client.create_run(exp_id, run_name=spec["run_name"], tags=tracking.dp_tags(cfg, spec))
+        spec["run_id"] = mlrun.info.run_id
+        Path(spec["run_dir"]).mkdir(parents=True, exist_ok=True)
+        client.log_batch(spec["run_id"], params=[mlflow.entities.Param(k, v) for k, v in tracking.params_of(cfg, spec).items()])
+        tracking.write_json_artifact(client, spec["run_id"], "config.json", cfg.to_dict())
+        tracking.write_json_artifact(client, spec["run_id"], "split.json", spec["split_info"])
+        tracking.write_json_artifact(client, spec["run_id"], "spec.json", spec)
+    else:
+        client.update_run(spec["run_id"], status="RUNNING")
+    run_id = spec["run_id"]
+    t0 = time.monotonic()
+    status = "FAILED"
+    try:
+        with ray_cluster(cfg), JournalProgress(spec, enabled=not cfg.quiet):
+            result = _fit(spec, cfg)
+        if result.error is not None:
+            raise result.error
+        ledger = open_run_ledger(spec)
+        epsilon = ledger.epsilon()
+        metrics = result.metrics or {}
+        model = load_final_model(spec, result.checkpoint.path)
+        client.set_tag(run_id, "dp.epsilon", f"{epsilon:.6g}")
+        tracking.log_ledger(client, run_id, ledger)
+        client.log_metric(run_id, "final_epsilon", epsilon)
+        tracking.plot_run(client, run_id, ledger)
+        import numpy as np
+
+        from .ingest import read_split
+
+        example = read_split(spec["data_dir"], "test").x[:4].numpy().astype(np.float32)
+        reg = cfg.registered_model or f"dp-{cfg.dataset}-{cfg.model.replace(':', '_')}"
+        version = tracking.log_model(run_id, model, example, None if reg.lower() == "none" else reg, epsilon, cfg.target_delta, cfg.accountant)
+        status = "FINISHED"
+        committed = ledger.committed_steps()
+        return {
+            "run_id": run_id,
+            "tracking_uri": spec["tracking_uri"],
+            "dataset": cfg.dataset,
+            "train_examples": spec["dataset_size"],
+            "num_workers": cfg.num_workers,
+            "steps": len(committed),
+            "planned_steps": spec["steps"],
+            "releases": len(ledger),
+            "rolled_back": len(ledger) - len(committed),
+            "test_accuracy": metrics.get("test_accuracy", float("nan")),
+            "val_accuracy": metrics.get("val_accuracy", float("nan")),
+            "epsilon": epsilon,
+            "delta": cfg.target_delta,
+            "accountant": cfg.accountant,
+            "noise_multiplier": spec["noise_multiplier"],
+            "sample_rate": spec["sample_rate"],
+            "randomness": "secure" if cfg.seed is None else f"seeded (seed={cfg.seed})",
+            "seconds": time.monotonic() - t0,
+            "checkpoint": result.checkpoint.path,
+            "registered_model": None if version is None else f"{version.name} v{version.version}",
+            "spec": spec,
+            "ledger": ledger,
+            "model": model,
+        }
+    finally:
+        if status != "FINISHED":
+            # The releases that happened are part of the record even when the run failed.
+            with contextlib.suppress(Exception):
+                ledger = open_run_ledger(spec)
+                if len(ledger):
+                    client.set_tag(run_id, "dp.epsilon", f"{ledger.epsilon():.6g}")
+                    tracking.log_ledger(client, run_id, ledger)
+        client.set_terminated(run_id, status=status)
+
+
+def _resume_spec(run_id: str, overrides: TrainConfig | None) -> tuple[dict, TrainConfig]:
+    """The spec of an earlier run, to continue it after the driver died."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    uri = tracking.resolve_tracking_uri((overrides or TrainConfig()).tracking_uri)
+    tracking.check_tracking_uri(uri)
+    client = MlflowClient(uri)
+    try:
+        run = client.get_run(run_id)
+    except mlflow.exceptions.MlflowException as e:
+        raise dpcore.DPConfigError(f"--resume {run_id}: no such run in {uri} ({e.message.splitlines()[0]}).") from None
+    if run.info.status == "FINISHED":
+        raise dpcore.DPConfigError(f"run {run_id} is already finished; there is nothing to resume.")
+    path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="spec.json", tracking_uri=uri)
+    spec = json.loads(Path(path).read_text())
+    cfg = config_from_dict(spec["config"])
+    if not Path(spec["journal"]).is_file():
+        raise dpcore.DPConfigError(f"run {run_id}'s ledger journal {spec['journal']} is missing; without it the releases cannot be accounted for.")
+    return spec, cfg
+
+
+# ------------------------------------------------------------------------------------------
+def build_parser(prog: str = "python -m pipelines.train") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Train a model with example-level (ε, δ)-differential privacy (DP-SGD family) on Ray Train "
+        "workers, and log the run's privacy ledger, metrics and model to MLflow. ε is computed from the ledger.",
+        epilog="Options come from the defaults, then the YAML CONFIG file, then these flags.",
+    )
+    p.add_argument("config", nargs="?", help="YAML file of options (keys as the flags, with _ or -)")
+    p.add_argument("--resume", metavar="RUN_ID", help="continue an unfinished MLflow run from its last checkpoint and ledger journal")
+    add_config_arguments(p)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    cfg = TrainConfig(**vars(args))
+def main(argv: list[str] | None = None, prog: str = "python -m pipelines.train") -> int:
+    args = vars(build_parser(prog).parse_args(argv))
+    config_path, resume = args.pop("config"), args.pop("resume")
     try:
         with warnings.catch_warnings():
-            if cfg.seed is not None:
-                warnings.simplefilter("once", dpcore.SeededRandomnessWarning)
-            out = run(cfg)
+            warnings.simplefilter("once", dpcore.SeededRandomnessWarning)
+            cfg = load_config(config_path, args)
+            if resume is None and cfg.seed is not None:
+                dpcore.make_randomness(cfg.seed)  # the warning, once, on the driver
+            out = run(cfg, resume=resume)
     except dpcore.DPError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(
-        f"dataset={out['dataset']} (N_train={out['train_examples']})  steps={out['steps']}  "
-        f"q={out['sample_rate']:.4f}  σ={out['noise_multiplier']:.4f}  randomness={out['randomness']}"
-    )
-    print(f"test accuracy: {out['test_accuracy']:.4f}")
-    print(f"ε spent: {out['epsilon']:.4f} at δ={out['delta']:g} ({out['accountant']} accountant; example-level, add/remove, Poisson sampling)")
+    except Exception as e:  # Ray/MLflow failures: say what failed, keep the traceback short
+        import traceback
+
+        traceback.print_exc(limit=3)
+        print(f"error: training failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print_summary(out)
     return 0
+
+
+def print_summary(out: dict) -> None:
+    print(
+        f"run {out['run_id']}  dataset={out['dataset']} (N_train={out['train_examples']})  workers={out['num_workers']}  "
+        f"steps={out['steps']}/{out['planned_steps']}  q={out['sample_rate']:.4f}  σ={out['noise_multiplier']:.4f}  "
+        f"randomness={out['randomness']}"
+    )
+    if out["rolled_back"]:
+        print(f"restarts rolled back {out['rolled_back']} release(s); they stay in the ledger and are counted in ε")
+    print(f"test accuracy: {out['test_accuracy']:.4f}   validation accuracy: {out['val_accuracy']:.4f}")
+    print(
+        f"ε spent: {out['epsilon']:.4f} at δ={out['delta']:g} ({out['accountant']} accountant; example-level, add/remove, "
+        "Poisson sampling)"
+    )
+    if out["registered_model"]:
+        print(f"model: {out['registered_model']} in the MLflow registry")
+    print(f"time: {out['seconds']:.1f}s")
+    print(f"open the UI: {ui_command(out['tracking_uri'])}")
+
+
+def ui_command(tracking_uri: str) -> str:
+    default = tracking.resolve_tracking_uri("sqlite:///mlflow.db")
+    if tracking_uri == default:
+        return "dp-platform ui"
+    return f"dp-platform ui --tracking-uri {tracking_uri}"
 
 
 if __name__ == "__main__":

@@ -18,3 +18,16 @@ def _quiet_seeded_warning():
 def _deterministic_threads():
     torch.set_num_threads(1)
     yield
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster (127.0.0.1, dashboard on) for the tests that train on Ray; the
+    pipeline joins it instead of starting its own. Stopped at the end of the session."""
+    import logging
+
+    import ray
+
+    ray.init(num_cpus=2, num_gpus=0, include_dashboard=True, dashboard_host="127.0.0.1", logging_level=logging.WARNING)
+    yield
+    ray.shutdown()

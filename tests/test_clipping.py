@@ -21,7 +21,7 @@ def _contribution_norm(sums: dict) -> float:
 
 @st.composite
 def model_and_batch(draw):
-    kind = draw(st.sampled_from(["mlp", "cnn"]))
+    kind = draw(st.sampled_from(["mlp", "small_cnn"]))
     seed = draw(st.integers(0, 2**31 - 1))
     batch = draw(st.integers(1, 8))
     scale = draw(st.sampled_from([1e-3, 1.0, 10.0, 1e3]))

@@ -1,0 +1,147 @@
+"""``dp-platform``: one command for the platform.
+
+    dp-platform train [CONFIG.yaml] [--flags]     train with DP on Ray; ledger and model to MLflow
+    dp-platform ingest DATASET OUT_DIR            write a dataset once as Parquet shards
+    dp-platform ledger RUN_ID                     print a run's privacy ledger from MLflow
+    dp-platform ui                                the MLflow UI on 127.0.0.1, on the same store
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+
+import dpcore
+
+PROG = "dp-platform"
+
+
+def _ingest(argv: list[str]) -> int:
+    from .config import load_config
+    from .data import DATASETS, load_dataset
+    from .ingest import ingest
+
+    p = argparse.ArgumentParser(prog=f"{PROG} ingest", description="Write a dataset once as Parquet shards (fixed-size binary images, labels, split) with a checksummed manifest. Train on it with --data-dir OUT_DIR.")
+    p.add_argument("dataset", help=f"one of {', '.join(DATASETS)}")
+    p.add_argument("out_dir", help="folder to write (manifest.json, train-*.parquet, val.parquet, test.parquet)")
+    p.add_argument("--num-shards", type=int, default=2, help="training shards; use a multiple of the number of workers (default 2)")
+    p.add_argument("--data-dir", help="where the raw dataset is (torchvision layout or ImageFolder tree)")
+    p.add_argument("--download", action="store_true", help="download the torchvision dataset into --data-dir")
+    p.add_argument("--image-size", type=int, help="resize ImageFolder images to this square size")
+    p.add_argument("--generated-size", type=int, default=10_000, help="examples of the 'generated' dataset")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="validation fraction carved out of the training data")
+    p.add_argument("--test-fraction", type=float, default=0.2, help="test fraction, for datasets without a test set")
+    p.add_argument("--split-seed", type=int, default=0, help="seed of the public split permutation")
+    a = p.parse_args(argv)
+    try:
+        load_config(overrides={"dataset": a.dataset, "data_dir": a.data_dir}).validate()
+        ds = load_dataset(
+            a.dataset, data_dir=a.data_dir, download=a.download, image_size=a.image_size, generated_size=a.generated_size,
+            val_fraction=a.val_fraction, test_fraction=a.test_fraction, split_seed=a.split_seed,
+        )
+        out = ingest(ds, a.out_dir, num_shards=a.num_shards)
+    except dpcore.DPError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {ds.name}: {len(ds.train)} train rows in {a.num_shards} shards, {len(ds.val)} val, {len(ds.test)} test -> {out}")
+    return 0
+
+
+def fetch_ledger(run_id: str, tracking_uri: str):
+    """A run's ledger table (pyarrow) from its MLflow artifacts."""
+    import mlflow
+    import pyarrow.parquet as pq
+
+    path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="ledger/ledger.parquet", tracking_uri=tracking_uri)
+    return pq.read_table(path)
+
+
+def _ledger(argv: list[str]) -> int:
+    import mlflow
+
+    from .tracking import resolve_tracking_uri
+
+    p = argparse.ArgumentParser(prog=f"{PROG} ledger", description="Print a run's privacy ledger (every noisy release, with the cumulative ε) from MLflow.")
+    p.add_argument("run_id", help="MLflow run id (printed by train)")
+    p.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="MLflow tracking URI (default: ./mlflow.db)")
+    p.add_argument("--all", action="store_true", help="print every entry (default: the first and last 10)")
+    p.add_argument("--csv", action="store_true", help="print CSV instead of a table")
+    a = p.parse_args(argv)
+    uri = resolve_tracking_uri(a.tracking_uri)
+    try:
+        run = mlflow.MlflowClient(uri).get_run(a.run_id)
+        table = fetch_ledger(a.run_id, uri)
+    except mlflow.exceptions.MlflowException as e:
+        print(f"error: no ledger for run {a.run_id} in {uri}: {e.message.splitlines()[0]}", file=sys.stderr)
+        return 2
+    rows = table.to_pylist()
+    if a.csv:
+        print(",".join(table.column_names))
+        for r in rows:
+            print(",".join("" if v is None else str(v) for v in r.values()))
+        return 0
+    tags = run.data.tags
+    print(f"run {a.run_id} ({run.info.run_name}, {run.info.status})")
+    print(
+        f"ε spent: {tags.get('dp.epsilon', '?')} of budget {tags.get('dp.target_epsilon', '?')} at δ={tags.get('dp.delta', '?')} "
+        f"({tags.get('dp.accountant', '?')}; {tags.get('dp.level', '?')}-level, {tags.get('dp.sampling', '?')} sampling)"
+    )
+    committed = sum(r["status"] == "committed" for r in rows)
+    print(f"{len(rows)} releases: {committed} committed, {len(rows) - committed} rolled back (counted)")
+    head = f"{'#':>5} {'step':>6} {'kind':<17} {'q':>8} {'σ':>8} {'C':>6} {'status':<11} {'ε':>8}"
+    print(head)
+    print("-" * len(head))
+    show = rows if a.all or len(rows) <= 20 else rows[:10] + [None] + rows[-10:]
+    for r in show:
+        if r is None:
+            print(f"{'…':>5}")
+            continue
+        eps = "" if r["epsilon"] is None or math.isnan(r["epsilon"]) else f"{r['epsilon']:.4f}"
+        print(
+            f"{r['index']:>5} {r['step']:>6} {r['kind']:<17} {r['sample_rate']:>8.4f} {r['noise_multiplier']:>8.4f} "
+            f"{r['clip_norm']:>6.3g} {r['status']:<11} {eps:>8}"
+        )
+    return 0
+
+
+def ui_argv(tracking_uri: str, host: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri, "--host", host, "--port", str(port)]
+
+
+def _ui(argv: list[str]) -> int:
+    from .tracking import resolve_tracking_uri
+
+    p = argparse.ArgumentParser(prog=f"{PROG} ui", description="Start the MLflow UI on 127.0.0.1 against the same tracking store as train.")
+    p.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="MLflow tracking URI (default: ./mlflow.db)")
+    p.add_argument("--port", type=int, default=5000, help="port (default 5000)")
+    p.add_argument("--host", default="127.0.0.1", help="interface (default 127.0.0.1: this machine only)")
+    a = p.parse_args(argv)
+    uri = resolve_tracking_uri(a.tracking_uri)
+    print(f"MLflow UI for {uri} at http://{a.host}:{a.port}  (Ctrl-C stops it)", flush=True)
+    try:
+        return subprocess.call(ui_argv(uri, a.host, a.port))
+    except KeyboardInterrupt:
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"train": None, "ingest": _ingest, "ledger": _ledger, "ui": _ui}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print(__doc__.strip())
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nerror: unknown command {argv[0]!r}", file=sys.stderr)
+            return 2
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        from .train import main as train_main
+
+        return train_main(rest, prog=f"{PROG} train")
+    return commands[cmd](rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""One frozen config object describes a training run. YAML files and CLI flags only fill it in.
+
+    cfg = load_config("run.yaml", overrides={"lr": 0.1})      # YAML, then flags
+    cfg = TrainConfig(dataset="mnist", data_dir="~/data")      # or directly
+
+Every field has a help text; the CLI's ``--help`` is generated from them. :meth:`TrainConfig.validate`
+checks everything that can be checked without data (the dataset, the model and the budget are
+checked by the driver before any worker starts).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import dpcore
+
+from .data import DATASETS, NEEDS_DATA_DIR
+from .models import MODELS
+
+OPTIMIZERS = ("sgd", "adam", "nadam")
+
+
+def _f(default, help: str, group: str = "training"):
+    return field(default=default, metadata={"help": help, "group": group})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # data
+    dataset: str = _f("digits", f"dataset: {', '.join(DATASETS)}", "data")
+    data_dir: str | None = _f(
+        None, "folder holding the dataset (torchvision layout or an ImageFolder tree), or an already ingested Parquet dataset (has manifest.json)", "data"
+    )
+    download: bool = _f(False, "download the torchvision dataset into data_dir (needs a network)", "data")
+    image_size: int | None = _f(None, "resize ImageFolder images to this square size", "data")
+    generated_size: int = _f(10_000, "number of examples of the 'generated' dataset", "data")
+    val_fraction: float = _f(0.1, "fraction of the training data held out for validation (never trained on)", "data")
+    test_fraction: float = _f(0.2, "fraction held out for testing, for datasets without their own test set", "data")
+    split_seed: int = _f(0, "seed of the (public, data-independent) split permutation", "data")
+    # model and optimiser
+    model: str = _f("mlp", f"model: {', '.join(MODELS)}", "model")
+    replace_batchnorm: bool = _f(False, "replace BatchNorm layers by GroupNorm (needed for most tv: models)", "model")
+    optimizer: str = _f("adam", f"optimizer applied to the noised gradient: {', '.join(OPTIMIZERS)}", "model")
+    lr: float = _f(0.02, "learning rate", "model")
+    momentum: float = _f(0.9, "momentum (sgd only)", "model")
+    init_seed: int = _f(0, "seed of the model's initial weights (public, identical on every worker)", "model")
+    # privacy
+    lot_size: int = _f(512, "expected lot size L; the Poisson rate is q = L/N", "privacy")
+    epochs: float = _f(60.0, "passes over the data; steps = round(epochs/q)", "privacy")
+    target_epsilon: float = _f(2.0, "privacy budget ε (example-level, add/remove)", "privacy")
+    target_delta: float = _f(1e-5, "privacy budget δ (keep it well below 1/N)", "privacy")
+    clip_norm: float = _f(1.0, "per-example L2 clipping bound C", "privacy")
+    noise_multiplier: float | None = _f(
+        None, "σ. Default: calibrated to (ε, δ) on the driver. If given, training stops when the budget is spent", "privacy"
+    )
+    max_noise_multiplier: float = _f(100.0, "refuse a plan whose calibrated σ exceeds this (the target ε is out of reach)", "privacy")
+    accountant: str = _f("pld", f"accountant: {', '.join(dpcore.ACCOUNTANTS)}; pld is tight, rdp is the moments accountant", "privacy")
+    seed: int | None = _f(
+        None, "seed for noise and sampling: tests and research only. Default: secure mode (OS entropy, no seed)", "privacy"
+    )
+    # cluster
+    num_workers: int = _f(2, "Ray Train workers (each samples its own shard)", "cluster")
+    use_gpu: bool = _f(False, "one GPU per worker, NCCL (default: CPU, gloo)", "cluster")
+    physical_batch_size: int = _f(256, "examples per vmap call (memory, not privacy)", "cluster")
+    checkpoint_every: int = _f(0, "steps between checkpoints and evaluations (0: about 10 per run)", "cluster")
+    max_failures: int = _f(2, "worker-group restarts from the last checkpoint before the run fails", "cluster")
+    ray_address: str | None = _f(
+        None, "Ray cluster to join ('auto', ray://...). Default: RAY_ADDRESS, else a local cluster started and stopped here", "cluster"
+    )
+    storage_path: str = _f("dp_runs", "where checkpoints, the ledger journal and ingested data go (shared storage on a cluster)", "cluster")
+    # tracking
+    tracking_uri: str = _f("sqlite:///mlflow.db", "MLflow tracking URI (default: ./mlflow.db)", "tracking")
+    experiment: str = _f("dp-training", "MLflow experiment", "tracking")
+    run_name: str | None = _f(None, "MLflow run name (default: dataset-model-time)", "tracking")
+    registered_model: str | None = _f(None, "name in the MLflow model registry (default: dp-<dataset>-<model>; 'none' to skip)", "tracking")
+    diagnostics: bool = _f(
+        False, "NON-PRIVATE: also log training loss/accuracy and clip fractions; tags the run dp.diagnostics=non-private", "tracking"
+    )
+    quiet: bool = _f(False, "no progress output", "tracking")
+    # testing only
+    fault_at_step: int | None = _f(None, "fault injection for tests: one worker dies once, after this step", "testing")
+    fault_rank: int = _f(1, "the worker that fault_at_step kills", "testing")
+
+    # ------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check every field that needs no data. Raises DPConfigError naming the value and the fix."""
+        err = dpcore.DPConfigError
+        if self.dataset not in DATASETS:
+            raise err(f"dataset={self.dataset!r} is unknown; available: {', '.join(DATASETS)}.")
+        if self.dataset in NEEDS_DATA_DIR and not self.data_dir:
+            raise err(f"dataset={self.dataset!r} needs --data-dir (the folder that holds it); add --download to fetch it there.")
+        if not (self.model in MODELS[:-1] or (self.model.startswith("tv:") and len(self.model) > 3)):
+            raise err(f"model={self.model!r} is unknown; available: {', '.join(MODELS)}.")
+        if self.optimizer not in OPTIMIZERS:
+            raise err(f"optimizer={self.optimizer!r} is unknown; available: {', '.join(OPTIMIZERS)}.")
+        for name in ("lr", "epochs", "max_noise_multiplier"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise err(f"{name}={v!r} is invalid: it must be a finite number > 0.")
+        if not (0 <= self.momentum < 1):
+            raise err(f"momentum={self.momentum!r} is invalid: it must lie in [0, 1).")
+        dpcore.validation.check_epsilon(self.target_epsilon)
+        dpcore.validation.check_delta(self.target_delta)
+        dpcore.validation.check_clip_norm(self.clip_norm)
+        if self.noise_multiplier is not None:
+            dpcore.validation.check_noise_multiplier(self.noise_multiplier)
+        dpcore.accounting.check_accountant(self.accountant)
+        for name in ("lot_size", "physical_batch_size", "num_workers", "generated_size"):
+            dpcore.validation.check_positive_int(getattr(self, name), name)
+        for name in ("checkpoint_every", "max_failures", "split_seed", "init_seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise err(f"{name}={v!r} is invalid: it must be an integer ≥ 0.")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise err(f"seed={self.seed!r} is invalid: a seed must be a non-negative integer.")
+        if self.fault_at_step is not None and not (0 <= self.fault_rank < self.num_workers):
+            raise err(f"fault_rank={self.fault_rank} must be a worker rank in [0, {self.num_workers}).")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """YAML/JSON values → the field's type (ints for int fields, floats for float fields)."""
+    t = str(FIELDS[name].type)
+    if value is None:
+        if "None" in t:
+            return None
+        raise dpcore.DPConfigError(f"{name}: null is not allowed.")
+    try:
+        if t.startswith("bool"):
+            if not isinstance(value, bool):
+                raise TypeError
+            return value
+        if t.startswith("int"):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise TypeError
+            return int(value)
+        if t.startswith("float"):
+            if isinstance(value, bool):
+                raise TypeError
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise dpcore.DPConfigError(f"{name}={value!r} has the wrong type: expected {t}.") from None
+
+
+def config_from_dict(values: dict[str, Any]) -> TrainConfig:
+    clean = {}
+    for key, value in values.items():
+        name = str(key).replace("-", "_")
+        if name not in FIELDS:
+            close = [n for n in FIELDS if n.split("_")[0] == name.split("_")[0]][:3]
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            raise dpcore.DPConfigError(f"unknown config key {key!r}.{hint} See --help for the list.")
+        clean[name] = _coerce(name, value)
+    return TrainConfig(**clean)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults ← YAML file (if any) ← overrides (CLI flags)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        import yaml
+
+        p = Path(path)
+        if not p.is_file():
+            raise dpcore.DPConfigError(f"config file {str(p)!r} does not exist.")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise dpcore.DPConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise dpcore.DPConfigError(f"config file {p} must hold a mapping of option: value.")
+        values.update(loaded)
+    values.update(overrides or {})
+    return config_from_dict(values)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field, grouped, with the field's help. Defaults are SUPPRESSed so that only
+    the flags a user gives override the YAML file."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(TrainConfig):
+        g = f.metadata["group"]
+        if g not in groups:
+            groups[g] = parser.add_argument_group(g)
+        flag = "--" + f.name.replace("_", "-")
+        t = str(f.type)
+        helptext = f"{f.metadata['help']} (default: {f.default})"
+        if t.startswith("bool"):
+            groups[g].add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=helptext)
+        else:
+            kind = int if t.startswith("int") else float if t.startswith("float") else str
+            groups[g].add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=f.name.upper(), help=helptext)

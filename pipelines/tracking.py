@@ -1,0 +1,207 @@
+"""MLflow: one run per training, with its config, privacy ledger, metrics, plots and model.
+
+What a run holds:
+
+* params: the whole config, plus the plan (σ, q, steps, N);
+* tags: ``dp.epsilon`` (spent, from the ledger), ``dp.delta``, ``dp.accountant``,
+  ``dp.level=example``, ``dp.sampling=poisson``, ``dp.randomness``, and
+  ``dp.diagnostics=non-private`` when the diagnostics mode is on;
+* metrics per report: ``epsilon``, validation and test accuracy and loss, throughput;
+* artifacts: ``config.json``, ``split.json``, ``ledger/ledger.parquet`` plus the MLflow table
+  ``ledger/ledger.json`` (viewable in the UI), ``plots/epsilon_vs_step.png``,
+  ``plots/accuracy_vs_epsilon.png``, and the model (signature + input example), registered
+  with ``dp.epsilon``/``dp.delta`` on its version.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+
+import dpcore
+
+TAG_PREFIX = "dp."
+
+
+class TrackingError(dpcore.DPConfigError):
+    """The MLflow tracking store cannot be used."""
+
+
+def resolve_tracking_uri(uri: str) -> str:
+    """Relative sqlite/file paths become absolute, so that workers and the UI find the same store."""
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + str(Path(uri[len("sqlite:///") :]).resolve())
+    if "://" not in uri:  # a plain path: MLflow's file store
+        return Path(uri).resolve().as_uri()
+    return uri
+
+
+def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
+    """Fail fast, with the fix, if the tracking store is unreachable or unwritable."""
+    parsed = urlparse(uri)
+    if parsed.scheme in ("http", "https"):
+        url = uri.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as r:
+                if r.status != 200:
+                    raise OSError(f"HTTP {r.status}")
+        except (urllib.error.URLError, OSError, socket.timeout) as e:
+            reason = getattr(e, "reason", e)
+            raise TrackingError(
+                f"the MLflow tracking server {uri} is unreachable ({reason}). Start it (dp-platform ui, or "
+                "mlflow server), fix --tracking-uri, or use the default sqlite:///mlflow.db."
+            ) from None
+    elif parsed.scheme == "sqlite":
+        path = Path(uri[len("sqlite:///") :])
+        parent = path.parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise TrackingError(f"cannot write the MLflow database {path}: {parent} does not exist or is not writable.")
+    elif parsed.scheme == "file":
+        path = Path(parsed.path)
+        existing = next(p for p in [path, *path.parents] if p.exists())
+        if not os.access(existing, os.W_OK):
+            raise TrackingError(f"cannot write the MLflow file store {path}: {existing} is not writable.")
+    elif parsed.scheme in ("postgresql", "mysql", "mssql") or parsed.scheme.startswith(("postgresql+", "mysql+")):
+        host, port = parsed.hostname or "localhost", parsed.port or {"postgresql": 5432, "mysql": 3306}.get(parsed.scheme.split("+")[0], 1433)
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+        except OSError as e:
+            raise TrackingError(f"the MLflow database {host}:{port} of {parsed.scheme} is unreachable ({e}); fix --tracking-uri.") from None
+
+
+def dp_tags(cfg, spec: dict) -> dict[str, str]:
+    tags = {
+        "dp.delta": f"{cfg.target_delta:g}",
+        "dp.target_epsilon": f"{cfg.target_epsilon:g}",
+        "dp.accountant": cfg.accountant,
+        "dp.level": "example",
+        "dp.sampling": "poisson",
+        "dp.neighbouring": "add/remove one example",
+        "dp.randomness": "secure" if cfg.seed is None else f"seeded (seed={cfg.seed}; not for production)",
+        "dp.noise_multiplier": f"{spec['noise_multiplier']:.6g}",
+        "dp.sample_rate": f"{spec['sample_rate']:.6g}",
+        "dp.run_dir": spec["run_dir"],
+        "dp.ray_run_name": spec["ray_run_name"],
+        "dp.guarantee": "covers the training split only; validation/test splits, initial weights and hyperparameter selection are not covered",
+    }
+    if cfg.diagnostics:
+        tags["dp.diagnostics"] = "non-private"
+    return tags
+
+
+def params_of(cfg, spec: dict) -> dict[str, str]:
+    params = {k: ("None" if v is None else str(v)) for k, v in cfg.to_dict().items()}
+    params.update(
+        {
+            "plan.noise_multiplier": f"{spec['noise_multiplier']:.8g}",
+            "plan.noise_multiplier_source": "given" if cfg.noise_multiplier is not None else "calibrated to (ε, δ)",
+            "plan.sample_rate": f"{spec['sample_rate']:.8g}",
+            "plan.steps": str(spec["steps"]),
+            "plan.dataset_size": str(spec["dataset_size"]),
+            "plan.checkpoint_every": str(spec["checkpoint_every"]),
+        }
+    )
+    return params
+
+
+def ledger_table(ledger: dpcore.PrivacyLedger):
+    import pyarrow as pa
+
+    return pa.table(ledger.to_columns())
+
+
+def log_ledger(client, run_id: str, ledger: dpcore.PrivacyLedger) -> None:
+    """The ledger as Parquet (for tools) and as an MLflow table (for the UI)."""
+    import pyarrow.parquet as pq
+
+    cols = ledger.to_columns()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "ledger.parquet"
+        pq.write_table(ledger_table(ledger), path)
+        client.log_artifact(run_id, str(path), artifact_path="ledger")
+    table = {k: [None if (isinstance(v, float) and v != v) else v for v in vals] for k, vals in cols.items()}
+    client.log_table(run_id, data=table, artifact_file="ledger/ledger.json")
+
+
+def plot_run(client, run_id: str, ledger: dpcore.PrivacyLedger) -> None:
+    """ε against step (from the ledger) and accuracy against ε (from the metric history)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = [e for e in ledger.entries if e.epsilon is not None]
+    with tempfile.TemporaryDirectory() as tmp:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([e.index + 1 for e in entries], [e.epsilon for e in entries], marker=".")
+        rolled = [e.index + 1 for e in ledger.entries if e.status != "committed"]
+        if rolled:
+            ax.axvspan(min(rolled), max(rolled), color="orange", alpha=0.2, label="rolled back (still counted)")
+            ax.legend()
+        if ledger.target_epsilon is not None:
+            ax.axhline(ledger.target_epsilon, color="red", ls="--", lw=1)
+            ax.text(1, ledger.target_epsilon, " budget", color="red", va="bottom")
+        ax.set_xlabel("release (ledger entry)")
+        ax.set_ylabel(f"ε at δ={ledger.target_delta:g} ({ledger.accountant})")
+        ax.set_title("Privacy spent")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(Path(tmp) / "epsilon_vs_step.png", dpi=110)
+        plt.close(fig)
+
+        eps = {m.step: m.value for m in client.get_metric_history(run_id, "epsilon")}
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key, label in (("val_accuracy", "validation"), ("test_accuracy", "test")):
+            hist = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key) if m.step in eps)
+            ax.plot([eps[s] for s, _ in hist], [v for _, v in hist], marker=".", label=label)
+        ax.set_xlabel("ε spent")
+        ax.set_ylabel("accuracy")
+        ax.set_title("Accuracy against privacy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(Path(tmp) / "accuracy_vs_epsilon.png", dpi=110)
+        plt.close(fig)
+        client.log_artifacts(run_id, tmp, artifact_path="plots")
+
+
+def log_model(run_id: str, model, example: np.ndarray, registered_name: str | None, epsilon: float, delta: float, accountant: str):
+    """Log the model (signature + input example) in ``run_id`` and register it; ε and δ go on
+    the model version. Returns the ModelVersion (or None when not registered)."""
+    import mlflow
+    import torch
+    from mlflow.models import infer_signature
+
+    model.eval()
+    with torch.no_grad():
+        out = model(torch.from_numpy(example)).numpy()
+    signature = infer_signature(example, out)
+    with mlflow.start_run(run_id=run_id):
+        info = mlflow.pytorch.log_model(
+            model,
+            name="model",
+            signature=signature,
+            input_example=example,
+            serialization_format="pt2",  # torch.export graph: loads without our code and without unpickling
+            tags={"dp.epsilon": f"{epsilon:.6g}", "dp.delta": f"{delta:g}"},
+        )
+    if not registered_name:
+        return None
+    client = mlflow.MlflowClient()
+    version = mlflow.register_model(info.model_uri, registered_name, tags={"dp.epsilon": f"{epsilon:.6g}", "dp.delta": f"{delta:g}", "dp.accountant": accountant})
+    client.update_model_version(registered_name, version.version, description=f"Trained with (ε={epsilon:.4g}, δ={delta:g})-DP ({accountant}), run {run_id}.")
+    return version
+
+
+def write_json_artifact(client, run_id: str, name: str, obj) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / name
+        path.write_text(json.dumps(obj, indent=2, default=str))
+        client.log_artifact(run_id, str(path))

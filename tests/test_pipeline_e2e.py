@@ -1,0 +1,128 @@
+"""Issue B, must-show 1: two Ray Train workers train on digits end to end.
+
+One run (module fixture) is checked from several sides: parameters bit-identical on both
+ranks (each rank writes its own checksum into the final checkpoint), the MLflow run's ledger
+artifact, metrics and tags, the ledger's ε against an independent dp_accounting computation,
+and the logged model loading and predicting.
+"""
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from dp_accounting import pld
+
+from pipelines.config import TrainConfig
+from pipelines.ingest import read_split
+from pipelines.train import load_final_model, run
+from pipelines.worker import param_checksum
+
+pytestmark = pytest.mark.slow
+
+
+def dp_accounting_epsilon(groups, delta):
+    """Independent reference: dp_accounting's PLD accountant on the ledger's events."""
+    import dp_accounting
+
+    acc = pld.PLDAccountant()
+    for (q, sigma), count in groups.items():
+        acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), count)
+    return acc.get_epsilon(delta)
+
+
+@pytest.fixture(scope="module")
+def e2e(ray_cluster, tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    cfg = TrainConfig(
+        epochs=4,
+        target_epsilon=3.0,
+        checkpoint_every=4,
+        storage_path=str(root / "runs"),
+        tracking_uri=f"sqlite:///{root}/mlflow.db",
+        registered_model="dp-e2e-test",
+        quiet=True,
+    )
+    return run(cfg)
+
+
+def test_parameters_are_bit_identical_on_every_rank(e2e):
+    ckpt = Path(e2e["checkpoint"])
+    sums = {p.name: p.read_text().strip() for p in ckpt.glob("rank-*.sha256")}
+    assert set(sums) == {"rank-0.sha256", "rank-1.sha256"}
+    assert len(set(sums.values())) == 1, sums
+    # And they are the checksum of the model the driver logged (from rank 0's checkpoint).
+    assert param_checksum(load_final_model(e2e["spec"], e2e["checkpoint"])) == sums["rank-0.sha256"]
+
+
+def test_mlflow_run_has_ledger_epsilon_metric_and_tags(e2e):
+    client = mlflow.MlflowClient(e2e["tracking_uri"])
+    run = client.get_run(e2e["run_id"])
+    assert run.info.status == "FINISHED"
+    tags = run.data.tags
+    assert tags["dp.level"] == "example" and tags["dp.sampling"] == "poisson"
+    assert tags["dp.accountant"] == "pld" and float(tags["dp.delta"]) == 1e-5
+    assert math.isclose(float(tags["dp.epsilon"]), e2e["epsilon"], rel_tol=1e-5)
+    assert "dp.diagnostics" not in tags
+    eps_history = client.get_metric_history(e2e["run_id"], "epsilon")
+    assert len(eps_history) >= 2 and sorted(m.step for m in eps_history)[-1] == e2e["steps"]
+    assert [m.value for m in sorted(eps_history, key=lambda m: m.step)] == sorted(m.value for m in eps_history)
+    for key in ("val_accuracy", "test_accuracy", "val_loss", "test_loss", "steps_per_second"):
+        assert key in run.data.metrics
+    # Invariant 7: nothing computed on training data is logged outside diagnostics mode.
+    assert not [k for k in run.data.metrics if "train" in k or "clip" in k or k.startswith("diag")]
+    artifacts = {a.path for a in client.list_artifacts(e2e["run_id"])} | {
+        a.path for d in ("ledger", "plots") for a in client.list_artifacts(e2e["run_id"], d)
+    }
+    for a in ("config.json", "split.json", "ledger/ledger.parquet", "ledger/ledger.json", "plots/epsilon_vs_step.png", "plots/accuracy_vs_epsilon.png"):
+        assert a in artifacts, a
+    # The whole config is in the params.
+    assert run.data.params["lot_size"] == "512" and run.data.params["target_epsilon"] == "3.0"
+
+
+def test_ledger_artifact_matches_an_independent_accountant(e2e):
+    path = mlflow.artifacts.download_artifacts(run_id=e2e["run_id"], artifact_path="ledger/ledger.parquet", tracking_uri=e2e["tracking_uri"])
+    t = pq.read_table(path).to_pylist()
+    assert [r["step"] for r in t] == list(range(1, e2e["steps"] + 1))
+    assert all(r["status"] == "committed" for r in t)
+    groups = {}
+    for r in t:
+        groups[(r["sample_rate"], r["noise_multiplier"])] = groups.get((r["sample_rate"], r["noise_multiplier"]), 0) + 1
+    reference = dp_accounting_epsilon(groups, 1e-5)
+    assert e2e["epsilon"] <= 3.0
+    assert math.isclose(e2e["epsilon"], reference, rel_tol=1e-6), (e2e["epsilon"], reference)
+    assert math.isclose(t[-1]["epsilon"], e2e["epsilon"], rel_tol=1e-9)
+
+
+def test_logged_model_loads_and_predicts_like_the_checkpoint(e2e):
+    client = mlflow.MlflowClient(e2e["tracking_uri"])
+    version = client.get_model_version("dp-e2e-test", "1")
+    assert math.isclose(float(version.tags["dp.epsilon"]), e2e["epsilon"], rel_tol=1e-5)
+    assert float(version.tags["dp.delta"]) == 1e-5
+    mlflow.set_tracking_uri(e2e["tracking_uri"])
+    test = read_split(e2e["spec"]["data_dir"], "test")
+    loaded = mlflow.pytorch.load_model("models:/dp-e2e-test/1")
+    ours = load_final_model(e2e["spec"], e2e["checkpoint"])
+    with torch.no_grad():
+        assert torch.allclose(loaded(test.x), ours(test.x), atol=1e-5)
+    pyfunc = mlflow.pyfunc.load_model(f"runs:/{e2e['run_id']}/model")
+    pred = np.asarray(pyfunc.predict(test.x[:7].numpy()))
+    assert pred.shape == (7, 10)
+    acc = float((torch.as_tensor(pred).argmax(1) == test.y[:7]).float().mean())
+    assert 0.0 <= acc <= 1.0
+    assert e2e["test_accuracy"] > 0.5  # 10 classes: chance is 0.1
+
+
+def test_ledger_command_prints_the_runs_ledger(e2e):
+    res = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "ledger", e2e["run_id"], "--tracking-uri", e2e["tracking_uri"]],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    assert f"{e2e['steps']} releases: {e2e['steps']} committed, 0 rolled back" in res.stdout
+    assert "poisson_gaussian" in res.stdout
+    assert f"{e2e['epsilon']:.4f}" in res.stdout
