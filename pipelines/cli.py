@@ -54,6 +54,7 @@ def fetch_ledger(run_id: str, tracking_uri: str):
     import mlflow
     import pyarrow.parquet as pq
 
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="ledger/ledger.parquet", tracking_uri=tracking_uri)
     return pq.read_table(path)
 

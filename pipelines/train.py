@@ -242,6 +242,24 @@ def _fit(spec: dict, cfg: TrainConfig):
     return trainer.fit()
 
 
+def final_checkpoint(spec: dict, world: int, reported) -> str:
+    """The run's last complete checkpoint (the one with the most releases)."""
+    from .worker import _complete
+
+    candidates = []
+    for d in [Path(reported.path)] if reported is not None else []:
+        meta = _complete(d, world)
+        if meta is not None:
+            candidates.append((meta["releases"], str(d)))
+    for d in Path(spec["run_dir"]).glob("checkpoint_*"):
+        meta = _complete(d, world)
+        if meta is not None:
+            candidates.append((meta["releases"], str(d)))
+    if not candidates:
+        raise RuntimeError(f"no complete checkpoint under {spec['run_dir']}")
+    return max(candidates)[1]
+
+
 def load_final_model(spec: dict, checkpoint_path: str):
     import torch
 
@@ -292,7 +310,12 @@ def run(cfg: TrainConfig | None = None, resume: str | None = None) -> dict:
         ledger = open_run_ledger(spec)
         epsilon = ledger.epsilon()
         metrics = result.metrics or {}
-        model = load_final_model(spec, result.checkpoint.path)
+        checkpoint = final_checkpoint(spec, cfg.num_workers, result.checkpoint)
+        committed = ledger.committed_steps()
+        meta = json.loads((Path(checkpoint) / "meta.json").read_text())
+        if meta["releases"] != len(ledger) or meta["step"] != len(committed):
+            raise RuntimeError(f"the last checkpoint ({checkpoint}: step {meta['step']}) is not the end of the ledger ({len(committed)} committed steps)")
+        model = load_final_model(spec, checkpoint)
         client.set_tag(run_id, "dp.epsilon", f"{epsilon:.6g}")
         tracking.log_ledger(client, run_id, ledger)
         client.log_metric(run_id, "final_epsilon", epsilon)
@@ -305,7 +328,6 @@ def run(cfg: TrainConfig | None = None, resume: str | None = None) -> dict:
         reg = cfg.registered_model or f"dp-{cfg.dataset}-{cfg.model.replace(':', '_')}"
         version = tracking.log_model(run_id, model, example, None if reg.lower() == "none" else reg, epsilon, cfg.target_delta, cfg.accountant)
         status = "FINISHED"
-        committed = ledger.committed_steps()
         return {
             "run_id": run_id,
             "tracking_uri": spec["tracking_uri"],
@@ -325,7 +347,7 @@ def run(cfg: TrainConfig | None = None, resume: str | None = None) -> dict:
             "sample_rate": spec["sample_rate"],
             "randomness": "secure" if cfg.seed is None else f"seeded (seed={cfg.seed})",
             "seconds": time.monotonic() - t0,
-            "checkpoint": result.checkpoint.path,
+            "checkpoint": checkpoint,
             "registered_model": None if version is None else f"{version.name} v{version.version}",
             "spec": spec,
             "ledger": ledger,

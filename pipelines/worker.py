@@ -130,6 +130,55 @@ def _quiet_ray_train_logs() -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def _complete(d: Path, world: int) -> dict | None:
+    """The meta of checkpoint directory ``d`` if every file of every rank is there, else None."""
+    names = ["meta.json", MODEL_FILE, STATE_FILE, LEDGER_FILE] + [f"rank-{r}.pt" for r in range(world)]
+    if not all((d / n).is_file() for n in names):
+        return None
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return meta if meta.get("world_size") == world else None
+
+
+def find_checkpoint(spec: dict, reported, rank: int, world: int):
+    """The checkpoint to restore: the latest complete one in the run's storage.
+
+    Ray Train registers a reported checkpoint asynchronously, so a worker that dies right after
+    a report can leave the newest checkpoint on disk but unknown to the controller. Rank 0
+    therefore also scans the run directory (local storage) and takes the complete checkpoint
+    with the most ledger releases — the latest state of the latest timeline — and broadcasts
+    its path so that every rank restores the same one.
+    """
+    import ray.train
+
+    choice = None
+    if rank == 0:
+        candidates = []
+        if reported is not None:
+            with reported.as_directory() as d:
+                meta = _complete(Path(d), world)
+                if meta is not None:
+                    candidates.append((meta.get("releases", 0), meta["step"], str(reported.path)))
+        run_dir = Path(spec["run_dir"])
+        if run_dir.is_dir():
+            for d in run_dir.glob("checkpoint_*"):
+                meta = _complete(d, world)
+                if meta is not None:
+                    candidates.append((meta.get("releases", 0), meta["step"], str(d)))
+        choice = max(candidates)[2] if candidates else None
+    if world > 1:
+        box = [choice]
+        dist.broadcast_object_list(box, src=0)
+        choice = box[0]
+    if choice is None:
+        return None
+    if reported is not None and str(reported.path) == choice:
+        return reported
+    return ray.train.Checkpoint.from_directory(choice)
+
+
 def train_loop_per_worker(spec: dict) -> None:
     """Ray Train entry point. ``spec`` is built by the driver (:func:`pipelines.train.plan_run`)."""
     import ray.train
@@ -156,7 +205,7 @@ def train_loop_per_worker(spec: dict) -> None:
     model = build_model(cfg.model, tuple(spec["input_shape"]), spec["num_classes"], cfg.replace_batchnorm).to(device)
     optimizer = make_optimizer(cfg, model.parameters())
 
-    checkpoint = ray.train.get_checkpoint()
+    checkpoint = find_checkpoint(spec, ray.train.get_checkpoint(), rank, world)
     start_step, rank_state, ckpt_ledger = 0, None, None
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
@@ -267,7 +316,8 @@ def _report(spec, cfg, private, model, rank, world, step, rate, tracker, held_ou
             opt_state = private.optimizer.state_dict()
             torch.save({"optimizer": {"optimizer": opt_state["optimizer"], "steps_taken": opt_state["steps_taken"]}}, d / STATE_FILE)
             (d / LEDGER_FILE).write_text(json.dumps(private.ledger.state_dict()))
-            (d / "meta.json").write_text(json.dumps({"step": step, "world_size": world, "final": final, "run_id": spec["run_id"]}))
+            meta = {"step": step, "releases": len(private.ledger), "world_size": world, "final": final, "run_id": spec["run_id"]}
+            (d / "meta.json").write_text(json.dumps(meta))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
     if tracker is not None:
         tracker.log(metrics, step)

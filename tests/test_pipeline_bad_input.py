@@ -1,0 +1,105 @@
+"""Issue B, must-show 4: bad input to the main job fails with a clear message before any
+worker starts and before any budget is spent (no Ray, no MLflow run, no ledger journal)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dpcore
+from pipelines.config import TrainConfig, load_config
+from pipelines.data import load_digits
+from pipelines.ingest import ingest
+from pipelines.train import run
+
+
+def _nothing_started(tmp_path: Path):
+    import ray
+
+    assert not ray.is_initialized()
+    assert not list((tmp_path / "runs").glob("*/ledger.journal.jsonl"))
+    db = tmp_path / "mlflow.db"
+    if db.exists():
+        import mlflow
+
+        assert mlflow.MlflowClient(f"sqlite:///{db}").search_runs([e.experiment_id for e in mlflow.MlflowClient(f"sqlite:///{db}").search_experiments()]) == []
+
+
+def _cfg(tmp_path, **over):
+    return TrainConfig(storage_path=str(tmp_path / "runs"), tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", quiet=True, **over)
+
+
+@pytest.fixture(scope="module")
+def corrupt_dataset(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corrupt")
+    ingest(load_digits(), d, num_shards=2)
+    shard = d / "train-00001-of-00002.parquet"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one flipped byte in the middle of the shard
+    shard.write_bytes(bytes(raw))
+    return d
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        (dict(dataset="nope"), "dataset='nope' is unknown; available: digits, mnist"),
+        (dict(dataset="mnist"), "dataset='mnist' needs --data-dir"),
+        (dict(dataset="mnist", data_dir="/nonexistent/mnist"), "data_dir='/nonexistent/mnist' does not exist"),
+        (dict(model="tv:resnet18"), "BatchNorm"),
+        (dict(lot_size=100_000), "lot_size=100000 is larger than the dataset"),
+        (dict(target_epsilon=0.01), "target_epsilon=0.01 cannot be reached in 60 epochs"),
+        (dict(noise_multiplier=0.5, target_epsilon=0.05), "cannot take even one step"),
+        (dict(tracking_uri="http://127.0.0.1:9"), "MLflow tracking server http://127.0.0.1:9 is unreachable"),
+        (dict(model="resnet99"), "model='resnet99' is unknown"),
+        (dict(num_workers=0), "num_workers=0 is invalid"),
+    ],
+)
+def test_bad_input_fails_before_anything_starts(tmp_path, over, message):
+    if "tracking_uri" in over:
+        cfg = TrainConfig(storage_path=str(tmp_path / "runs"), quiet=True, **over)
+    else:
+        cfg = _cfg(tmp_path, **over)
+    with pytest.raises(dpcore.DPError) as err:
+        run(cfg)
+    assert message in str(err.value)
+    _nothing_started(tmp_path)
+
+
+def test_batchnorm_message_names_the_layer_and_the_fix(tmp_path):
+    with pytest.raises(dpcore.UnsupportedModuleError) as err:
+        run(_cfg(tmp_path, model="tv:resnet18"))
+    msg = str(err.value)
+    assert "'bn1' (BatchNorm2d)" in msg and "GroupNorm" in msg
+
+
+def test_corrupt_shard_is_named_before_training(tmp_path, corrupt_dataset):
+    with pytest.raises(dpcore.DPConfigError) as err:
+        run(_cfg(tmp_path, data_dir=str(corrupt_dataset)))
+    assert "train-00001-of-00002.parquet is corrupt" in str(err.value)
+    _nothing_started(tmp_path)
+
+
+def test_unknown_and_mistyped_config_keys(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lot_sise: 128\n")
+    with pytest.raises(dpcore.DPConfigError, match="unknown config key 'lot_sise'. Did you mean lot_size"):
+        load_config(bad)
+    bad.write_text("lot_size: lots\n")
+    with pytest.raises(dpcore.DPConfigError, match="lot_size='lots' has the wrong type"):
+        load_config(bad)
+    good = tmp_path / "good.yaml"
+    good.write_text("lot-size: 128\ntarget_epsilon: 8\n")
+    cfg = load_config(good, {"target_epsilon": 4.0})
+    assert cfg.lot_size == 128 and cfg.target_epsilon == 4.0  # flags override the file
+
+
+def test_cli_exit_code_and_message(tmp_path):
+    res = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "train", "--lot-size", "100000", "--quiet"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert res.returncode == 2
+    assert "error: lot_size=100000 is larger than the dataset" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not list((tmp_path / "dp_runs").glob("*/ledger.journal.jsonl"))

@@ -1,0 +1,123 @@
+"""Issue B, must-shows 2 and 3, over Ray Train: the noise of the aggregated update with 1 and
+2 workers, and a worker killed mid-run."""
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import dpcore
+from pipelines.config import TrainConfig
+from pipelines.train import run
+
+from .test_pipeline_e2e import dp_accounting_epsilon
+
+pytestmark = pytest.mark.slow
+
+SIGMA, CLIP, N, Q, STEPS = 1.3, 0.7, 1000, 0.05, 6
+D_IN, D_OUT = 64, 200  # 13,000 parameters: 78,000 noise coordinates over the run
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_aggregated_noise_has_std_sigma_C_with_one_or_two_ray_workers(ray_cluster, tmp_path, workers):
+    """Gradients are zeroed (the loss is 0·output) so the update is the noise alone. SGD with
+    lr=1 makes the parameter change -noise/(qN); its std must be σC, not σC·√2 (noise added
+    on every rank) and not σC/√2."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    out_dir = str(tmp_path)
+
+    def loop(config):
+        import ray.train
+        import torch.nn.functional as F  # noqa: F401
+
+        import dpcore as dc
+        from pipelines.worker import allreduce_sum
+
+        ctx = ray.train.get_context()
+        rank, world = ctx.get_world_rank(), ctx.get_world_size()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(D_IN, D_OUT)
+        before = torch.cat([p.detach().clone().reshape(-1) for p in model.parameters()])
+        ledger = dc.PrivacyLedger(None, 1e-5)
+        shard = dc.shard_indices(N, rank, world)
+        private = dc.build_private(
+            model, torch.optim.SGD(model.parameters(), lr=1.0), lambda out, y: (out * 0.0).sum(),
+            noise_multiplier=SIGMA, sample_rate=Q, steps=STEPS, dataset_size=N, target_epsilon=None,
+            target_delta=1e-5, clip_norm=CLIP, accountant="pld", randomness=dc.SeededRandomness(config["seed"], _quiet=True),
+            ledger=ledger, shard=shard, rank=rank, reduce_fn=allreduce_sum if world > 1 else None,
+        )
+        x = torch.randn(N, D_IN)
+        y = torch.zeros(N, dtype=torch.long)
+        deltas = []
+        for lot in private.sampler:
+            private.optimizer.accumulate(x[lot], y[lot])
+            private.optimizer.step()
+            after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            deltas.append((before - after) * (Q * N))  # = the summed noise of this step
+            before = after.clone()
+        np.save(f"{config['out']}/rank{rank}.npy", torch.stack(deltas).numpy())
+
+    TorchTrainer(
+        loop,
+        train_loop_config={"out": out_dir, "seed": 11 + workers},
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 1}),
+        torch_config=TorchConfig(backend="gloo"),
+        run_config=RunConfig(name=f"noise-{workers}", storage_path=str(tmp_path / "ray")),
+    ).fit()
+    noise = np.load(tmp_path / "rank0.npy").astype(np.float64).reshape(-1)
+    if workers == 2:  # both ranks applied the very same update
+        assert np.array_equal(np.load(tmp_path / "rank1.npy"), np.load(tmp_path / "rank0.npy"))
+    n = noise.size
+    std = noise.std()
+    # The sample std of n Gaussians has standard error ≈ std/√(2n); allow 5 of them.
+    tol = 5 * SIGMA * CLIP / math.sqrt(2 * n)
+    assert abs(std - SIGMA * CLIP) < tol, (std, SIGMA * CLIP, tol)
+    assert abs(noise.mean()) < 5 * SIGMA * CLIP / math.sqrt(n)
+    # The alternatives are far outside the tolerance.
+    assert SIGMA * CLIP * (math.sqrt(2) - 1) > 10 * tol
+
+
+def test_killed_worker_resumes_from_checkpoint_and_the_ledger_keeps_every_release(ray_cluster, tmp_path):
+    cfg = TrainConfig(
+        epochs=5,  # 12 planned steps at q≈0.41
+        target_epsilon=3.0,
+        checkpoint_every=3,
+        fault_at_step=5,  # rank 1 dies hard after step 5; the last checkpoint is at step 3
+        fault_rank=1,
+        max_failures=1,
+        storage_path=str(tmp_path / "runs"),
+        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+        registered_model="none",
+        quiet=True,
+    )
+    out = run(cfg)
+    spec = out["spec"]
+    assert (Path(spec["run_dir"]) / "fault-injected").exists()
+    ledger = out["ledger"]
+    entries = ledger.entries
+    committed = [e.step for e in entries if e.status == "committed"]
+    rolled = [e.step for e in entries if e.status == "rolled_back"]
+    # Every committed step exactly once, in order; the releases after the checkpoint are kept, marked.
+    assert committed == list(range(1, len(committed) + 1))
+    assert rolled[:2] == [4, 5] and set(rolled) <= {4, 5, 6}
+    assert out["rolled_back"] == len(rolled)
+    # The rolled-back releases are counted: ε is over every release, and within the budget.
+    groups = {}
+    for e in entries:
+        groups[(e.sample_rate, e.noise_multiplier)] = groups.get((e.sample_rate, e.noise_multiplier), 0) + 1
+    assert sum(groups.values()) == len(committed) + len(rolled)
+    reference = dp_accounting_epsilon(groups, cfg.target_delta)
+    assert out["epsilon"] <= cfg.target_epsilon
+    assert math.isclose(out["epsilon"], reference, rel_tol=1e-6)
+    # σ was calibrated for 12 releases; the rolled-back ones use up budget, so fewer steps commit.
+    assert len(committed) + len(rolled) <= spec["steps"] + 1
+    assert len(committed) < spec["steps"]
+    # One more release would not have fitted.
+    assert ledger.allowance(dpcore.PrivacyEvent.dpsgd_step(spec["noise_multiplier"], spec["sample_rate"])) < 1
+    # The journal records the rollback.
+    ops = [json.loads(line)["op"] for line in Path(spec["journal"]).read_text().splitlines()]
+    assert ops.count("rollback") == 1
