@@ -244,20 +244,12 @@ def _fit(spec: dict, cfg: TrainConfig):
 
 def final_checkpoint(spec: dict, world: int, reported) -> str:
     """The run's last complete checkpoint (the one with the most releases)."""
-    from .worker import _complete
+    from .worker import complete_checkpoints
 
-    candidates = []
-    for d in [Path(reported.path)] if reported is not None else []:
-        meta = _complete(d, world)
-        if meta is not None:
-            candidates.append((meta["releases"], str(d)))
-    for d in Path(spec["run_dir"]).glob("checkpoint_*"):
-        meta = _complete(d, world)
-        if meta is not None:
-            candidates.append((meta["releases"], str(d)))
+    candidates = complete_checkpoints(spec["run_dir"], world, reported)
     if not candidates:
         raise RuntimeError(f"no complete checkpoint under {spec['run_dir']}")
-    return max(candidates)[1]
+    return candidates[-1][2]
 
 
 def load_final_model(spec: dict, checkpoint_path: str):

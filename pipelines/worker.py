@@ -142,6 +142,23 @@ def _complete(d: Path, world: int) -> dict | None:
     return meta if meta.get("world_size") == world else None
 
 
+def complete_checkpoints(run_dir: str, world: int, reported=None) -> list[tuple[int, int, str]]:
+    """(releases, step, path) of every complete checkpoint of the run, oldest state first:
+    the one Ray reported (if any) and every ``checkpoint_*`` directory in the run's (local) storage."""
+    candidates = []
+    if reported is not None:
+        with reported.as_directory() as d:
+            meta = _complete(Path(d), world)
+            if meta is not None:
+                candidates.append((meta["releases"], meta["step"], str(reported.path)))
+    if Path(run_dir).is_dir():
+        for d in Path(run_dir).glob("checkpoint_*"):
+            meta = _complete(d, world)
+            if meta is not None:
+                candidates.append((meta["releases"], meta["step"], str(d)))
+    return sorted(candidates)
+
+
 def find_checkpoint(spec: dict, reported, rank: int, world: int):
     """The checkpoint to restore: the latest complete one in the run's storage.
 
@@ -155,19 +172,8 @@ def find_checkpoint(spec: dict, reported, rank: int, world: int):
 
     choice = None
     if rank == 0:
-        candidates = []
-        if reported is not None:
-            with reported.as_directory() as d:
-                meta = _complete(Path(d), world)
-                if meta is not None:
-                    candidates.append((meta.get("releases", 0), meta["step"], str(reported.path)))
-        run_dir = Path(spec["run_dir"])
-        if run_dir.is_dir():
-            for d in run_dir.glob("checkpoint_*"):
-                meta = _complete(d, world)
-                if meta is not None:
-                    candidates.append((meta.get("releases", 0), meta["step"], str(d)))
-        choice = max(candidates)[2] if candidates else None
+        candidates = complete_checkpoints(spec["run_dir"], world, reported)
+        choice = candidates[-1][2] if candidates else None
     if world > 1:
         box = [choice]
         dist.broadcast_object_list(box, src=0)

@@ -13,10 +13,10 @@ from pipelines.ingest import ingest
 from pipelines.train import run
 
 
-def _nothing_started(tmp_path: Path):
+def _nothing_started(tmp_path: Path, ray_was_up: bool):
     import ray
 
-    assert not ray.is_initialized()
+    assert ray.is_initialized() == ray_was_up  # run() did not start (or join) a cluster
     assert not list((tmp_path / "runs").glob("*/ledger.journal.jsonl"))
     db = tmp_path / "mlflow.db"
     if db.exists():
@@ -56,6 +56,9 @@ def corrupt_dataset(tmp_path_factory):
     ],
 )
 def test_bad_input_fails_before_anything_starts(tmp_path, over, message):
+    import ray
+
+    ray_was_up = ray.is_initialized()
     if "tracking_uri" in over:
         cfg = TrainConfig(storage_path=str(tmp_path / "runs"), quiet=True, **over)
     else:
@@ -63,7 +66,7 @@ def test_bad_input_fails_before_anything_starts(tmp_path, over, message):
     with pytest.raises(dpcore.DPError) as err:
         run(cfg)
     assert message in str(err.value)
-    _nothing_started(tmp_path)
+    _nothing_started(tmp_path, ray_was_up)
 
 
 def test_batchnorm_message_names_the_layer_and_the_fix(tmp_path):
@@ -74,10 +77,13 @@ def test_batchnorm_message_names_the_layer_and_the_fix(tmp_path):
 
 
 def test_corrupt_shard_is_named_before_training(tmp_path, corrupt_dataset):
+    import ray
+
+    ray_was_up = ray.is_initialized()
     with pytest.raises(dpcore.DPConfigError) as err:
         run(_cfg(tmp_path, data_dir=str(corrupt_dataset)))
     assert "train-00001-of-00002.parquet is corrupt" in str(err.value)
-    _nothing_started(tmp_path)
+    _nothing_started(tmp_path, ray_was_up)
 
 
 def test_unknown_and_mistyped_config_keys(tmp_path):

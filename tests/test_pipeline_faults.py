@@ -92,6 +92,7 @@ def test_killed_worker_resumes_from_checkpoint_and_the_ledger_keeps_every_releas
         storage_path=str(tmp_path / "runs"),
         tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
         registered_model="none",
+        diagnostics=True,  # also checked here: the non-private mode is tagged
         quiet=True,
     )
     out = run(cfg)
@@ -121,3 +122,10 @@ def test_killed_worker_resumes_from_checkpoint_and_the_ledger_keeps_every_releas
     # The journal records the rollback.
     ops = [json.loads(line)["op"] for line in Path(spec["journal"]).read_text().splitlines()]
     assert ops.count("rollback") == 1
+    # Diagnostics mode: training-data statistics are logged, and the run says it is non-private.
+    import mlflow
+
+    r = mlflow.MlflowClient(out["tracking_uri"]).get_run(out["run_id"])
+    assert r.data.tags["dp.diagnostics"] == "non-private"
+    assert 0.0 <= r.data.metrics["diag_train_accuracy"] <= 1.0
+    assert 0.0 <= r.data.metrics["diag_clip_fraction"] <= 1.0
