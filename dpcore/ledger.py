@@ -120,16 +120,31 @@ class PrivacyLedger:
             os.fsync(f.fileno())
 
     def _replay_journal(self) -> None:
-        with open(self.journal, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-        records = []
+        with open(self.journal, "rb") as f:
+            raw = f.read()
+        lines = raw.split(b"\n")
+        complete = raw.endswith(b"\n")
+        if complete:
+            lines = lines[:-1]
+        records, good_bytes = [], 0
         for i, line in enumerate(lines):
             try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
+                records.append(json.loads(line.decode("utf-8")))
+            except (json.JSONDecodeError, UnicodeDecodeError):
                 if i == len(lines) - 1:  # a torn last line: the crash came mid-write, before append returned
                     break
                 raise DPConfigError(f"ledger journal {self.journal} is corrupt at line {i + 1}; it cannot be trusted.") from None
+            good_bytes += len(line) + 1
+        if good_bytes != len(raw):
+            # Cut a torn last line (or end a last line that lacks its newline) so that the next
+            # record starts on a line of its own.
+            with open(self.journal, "r+b") as f:
+                f.truncate(min(good_bytes, len(raw)))
+                if good_bytes > len(raw):
+                    f.seek(0, os.SEEK_END)
+                    f.write(b"\n")
+                f.flush()
+                os.fsync(f.fileno())
         header = records[0] if records else {}
         mine = {"target_epsilon": self.target_epsilon, "target_delta": self.target_delta, "accountant": self.accountant}
         if header.get("op") != "header" or any(header.get(k) != v for k, v in mine.items()):

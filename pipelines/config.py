@@ -117,6 +117,11 @@ class TrainConfig:
                 raise err(f"{name}={v!r} is invalid: it must be an integer ≥ 0.")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise err(f"seed={self.seed!r} is invalid: a seed must be a non-negative integer.")
+        if "://" in self.storage_path:
+            raise err(
+                f"storage_path={self.storage_path!r}: only filesystem paths are supported (local, or a shared mount "
+                "such as NFS on a cluster): the ledger journal needs POSIX append, fsync and locks."
+            )
         if self.fault_at_step is not None and not (0 <= self.fault_rank < self.num_workers):
             raise err(f"fault_rank={self.fault_rank} must be a worker rank in [0, {self.num_workers}).")
 

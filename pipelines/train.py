@@ -57,7 +57,11 @@ def prepare_data(cfg: TrainConfig) -> tuple[Path, dict]:
         "split_seed": cfg.split_seed,
     }
     dataset = load_dataset(cfg.dataset, **loader_args)
-    key = hashlib.sha256(json.dumps({"name": cfg.dataset, **loader_args}, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    fingerprint = {"name": cfg.dataset, **loader_args}
+    if cfg.dataset == "imagefolder":  # a tree a user may edit: key the cache by its files too
+        root = Path(cfg.data_dir).expanduser()
+        fingerprint["files"] = sorted((str(f.relative_to(root)), f.stat().st_size, f.stat().st_mtime_ns) for f in root.rglob("*") if f.is_file())
+    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:12]
     out = Path(cfg.storage_path).resolve() / "datasets" / f"{cfg.dataset}-{key}-{cfg.num_workers}shards"
     if (out / "manifest.json").is_file():
         try:
@@ -142,8 +146,9 @@ class JournalProgress:
         self._stop.set()
         if self.enabled:
             self._thread.join(timeout=5)
-            self._poll()
-            self._print(final=True)
+            with contextlib.suppress(Exception):  # never hide the real outcome behind a progress error
+                self._poll()
+                self._print(final=True)
 
     def _poll(self) -> None:
         if not self.path.exists():
@@ -246,7 +251,7 @@ def final_checkpoint(spec: dict, world: int, reported) -> str:
     """The run's last complete checkpoint (the one with the most releases)."""
     from .worker import complete_checkpoints
 
-    candidates = complete_checkpoints(spec["run_dir"], world, reported)
+    candidates = complete_checkpoints(spec["run_dir"], reported)
     if not candidates:
         raise RuntimeError(f"no complete checkpoint under {spec['run_dir']}")
     return candidates[-1][2]
@@ -267,13 +272,17 @@ def open_run_ledger(spec: dict) -> dpcore.PrivacyLedger:
     return dpcore.PrivacyLedger(cfg["target_epsilon"], cfg["target_delta"], cfg["accountant"], epsilon_every=spec["epsilon_every"], journal=spec["journal"])
 
 
-def run(cfg: TrainConfig | None = None, resume: str | None = None) -> dict:
-    """Plan, train on Ray, log to MLflow. Returns a summary (run id, ε, accuracy, ...)."""
+def run(cfg: TrainConfig | None = None, resume: str | None = None, resume_changes: dict | None = None) -> dict:
+    """Plan, train on Ray, log to MLflow. Returns a summary (run id, ε, accuracy, ...).
+
+    With ``resume`` (an MLflow run id) the earlier run is continued with its own config; its
+    tracking URI is ``cfg.tracking_uri``, and ``resume_changes`` may change only the options
+    in :data:`RESUME_MAY_CHANGE`."""
     import mlflow
     from mlflow import MlflowClient
 
     if resume is not None:
-        spec, cfg = _resume_spec(resume, cfg)
+        spec, cfg = _resume_spec(resume, (cfg or TrainConfig()).tracking_uri, resume_changes or {})
     else:
         cfg = cfg or TrainConfig()
         spec = plan_run(cfg)
@@ -284,21 +293,23 @@ def run(cfg: TrainConfig | None = None, resume: str | None = None) -> dict:
         exp_id = exp.experiment_id if exp is not None else client.create_experiment(cfg.experiment)
         mlrun = client.create_run(exp_id, run_name=spec["run_name"], tags=tracking.dp_tags(cfg, spec))
         spec["run_id"] = mlrun.info.run_id
-        Path(spec["run_dir"]).mkdir(parents=True, exist_ok=True)
-        client.log_batch(spec["run_id"], params=[mlflow.entities.Param(k, v) for k, v in tracking.params_of(cfg, spec).items()])
-        tracking.write_json_artifact(client, spec["run_id"], "config.json", cfg.to_dict())
-        tracking.write_json_artifact(client, spec["run_id"], "split.json", spec["split_info"])
-        tracking.write_json_artifact(client, spec["run_id"], "spec.json", spec)
     else:
         client.update_run(spec["run_id"], status="RUNNING")
     run_id = spec["run_id"]
     t0 = time.monotonic()
     status = "FAILED"
     try:
+        if resume is None:
+            Path(spec["run_dir"]).mkdir(parents=True, exist_ok=True)
+            open_run_ledger(spec)  # creates the journal (its header): workers refuse to train without it
+            client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in tracking.params_of(cfg, spec).items()])
+            tracking.write_json_artifact(client, run_id, "config.json", cfg.to_dict())
+            tracking.write_json_artifact(client, run_id, "split.json", spec["split_info"])
+            tracking.write_json_artifact(client, run_id, "spec.json", spec)
         with ray_cluster(cfg), JournalProgress(spec, enabled=not cfg.quiet):
             result = _fit(spec, cfg)
         if result.error is not None:
-            raise result.error
+            raise _worker_dp_error(result.error) or result.error
         ledger = open_run_ledger(spec)
         epsilon = ledger.epsilon()
         metrics = result.metrics or {}
@@ -356,12 +367,31 @@ def run(cfg: TrainConfig | None = None, resume: str | None = None) -> dict:
         client.set_terminated(run_id, status=status)
 
 
-def _resume_spec(run_id: str, overrides: TrainConfig | None) -> tuple[dict, TrainConfig]:
+def _worker_dp_error(error: BaseException) -> dpcore.DPError | None:
+    """A DPError raised inside a worker (e.g. a journal that does not match its checkpoint), so
+    that its message reaches the user instead of Ray's generic TrainingFailedError."""
+    failures = getattr(error, "worker_failures", None) or {}
+    for exc in failures.values():
+        seen = exc
+        while seen is not None:
+            if isinstance(seen, dpcore.DPError):
+                return seen
+            seen = getattr(seen, "cause", None) or seen.__cause__
+    return None
+
+
+RESUME_MAY_CHANGE = ("quiet", "max_failures", "ray_address")
+
+
+def _resume_spec(run_id: str, tracking_uri: str, changes: dict) -> tuple[dict, TrainConfig]:
     """The spec of an earlier run, to continue it after the driver died."""
     import mlflow
     from mlflow import MlflowClient
 
-    uri = tracking.resolve_tracking_uri((overrides or TrainConfig()).tracking_uri)
+    bad = sorted(set(changes) - set(RESUME_MAY_CHANGE))
+    if bad:
+        raise dpcore.DPConfigError(f"--resume cannot change {', '.join(bad)}: a resumed run keeps its config.")
+    uri = tracking.resolve_tracking_uri(tracking_uri)
     tracking.check_tracking_uri(uri)
     client = MlflowClient(uri)
     try:
@@ -372,10 +402,17 @@ def _resume_spec(run_id: str, overrides: TrainConfig | None) -> tuple[dict, Trai
         raise dpcore.DPConfigError(f"run {run_id} is already finished; there is nothing to resume.")
     path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="spec.json", tracking_uri=uri)
     spec = json.loads(Path(path).read_text())
-    cfg = config_from_dict(spec["config"])
     if not Path(spec["journal"]).is_file():
         raise dpcore.DPConfigError(f"run {run_id}'s ledger journal {spec['journal']} is missing; without it the releases cannot be accounted for.")
-    return spec, cfg
+    from .worker import journal_is_locked
+
+    if journal_is_locked(spec["journal"]):
+        raise dpcore.DPConfigError(
+            f"run {run_id} is still training somewhere (its ledger journal {spec['journal']} is locked by a worker). "
+            "Stop that job before resuming; two trainers on one run could spend the budget twice."
+        )
+    spec["config"].update(changes)
+    return spec, config_from_dict(spec["config"])
 
 
 # ------------------------------------------------------------------------------------------
@@ -398,10 +435,18 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.train")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("once", dpcore.SeededRandomnessWarning)
+            if resume is not None:
+                changed = sorted(k for k in args if k not in RESUME_MAY_CHANGE + ("tracking_uri",))
+                if config_path or changed:
+                    raise dpcore.DPConfigError(
+                        "--resume continues a run with the config it started with; only "
+                        f"{', '.join('--' + k.replace('_', '-') for k in RESUME_MAY_CHANGE + ('tracking_uri',))} may be given "
+                        f"(got {', '.join('--' + k.replace('_', '-') for k in changed) or config_path})."
+                    )
             cfg = load_config(config_path, args)
             if resume is None and cfg.seed is not None:
                 dpcore.make_randomness(cfg.seed)  # the warning, once, on the driver
-            out = run(cfg, resume=resume)
+            out = run(cfg, resume=resume, resume_changes={k: v for k, v in args.items() if k in RESUME_MAY_CHANGE})
     except dpcore.DPError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -88,33 +88,84 @@ def evaluate(model, x, y, batch: int = 2048) -> tuple[float, float]:
     return correct / len(y), loss / len(y)
 
 
-def open_ledger(spec: dict, checkpoint_step: int | None, checkpoint_ledger: dict | None, rank: int, world: int) -> dpcore.PrivacyLedger:
-    """Rank 0 opens the journal (every release so far), checks it against the checkpoint, marks
-    the releases after the checkpoint as rolled back; then every rank gets the same ledger."""
+_JOURNAL_LOCK = None  # the open lock file of this process's journal (rank 0); released when the process dies
+
+
+def lock_journal(journal: str) -> None:
+    """Take the run's exclusive journal lock for this process (rank 0) or fail: two worker
+    groups appending to one journal would each check the budget against only their own
+    releases. The lock is released by the OS when the process ends, however it ends."""
+    import fcntl
+
+    global _JOURNAL_LOCK
+    if _JOURNAL_LOCK is not None and _JOURNAL_LOCK.name == journal + ".lock":
+        return
+    f = open(journal + ".lock", "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise dpcore.DPConfigError(
+            f"another process holds the ledger journal {journal} of this run (an earlier driver's workers are "
+            "still training?). Stop them first; two trainers on one journal could spend the budget twice."
+        ) from None
+    _JOURNAL_LOCK = f
+
+
+def journal_is_locked(journal: str) -> bool:
+    import fcntl
+
+    if not Path(journal + ".lock").exists():
+        return False
+    with open(journal + ".lock", "a+") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        return False
+
+
+def open_ledger(spec: dict, checkpoint_meta: dict | None, checkpoint_ledger: dict | None, rank: int, world: int) -> tuple[dpcore.PrivacyLedger, int]:
+    """Open the run's ledger and decide how many more steps fit. Returns (ledger, allowance).
+
+    Rank 0 is the only budget authority: it locks and opens the journal that the driver
+    created (every release so far), checks it against the checkpoint, marks the releases after
+    the checkpoint as rolled back, computes how many more releases fit the budget, and
+    broadcasts that number, so that every rank stops at the same step. Ranks ≥ 1 add no noise
+    and keep a budget-free ledger only for their optimizer's bookkeeping.
+    """
     cfg = spec["config"]
-    state = None
+    allowance = None
     if rank == 0:
+        journal = spec["journal"]
+        if not os.path.isfile(journal):
+            raise dpcore.DPConfigError(
+                f"the ledger journal {journal} does not exist on this node. The driver creates it before training; "
+                "storage_path must be storage that every node shares. Refusing to train without the run's ledger."
+            )
+        lock_journal(journal)
         ledger = dpcore.PrivacyLedger(
-            cfg["target_epsilon"], cfg["target_delta"], cfg["accountant"], epsilon_every=spec["epsilon_every"], journal=spec["journal"]
+            cfg["target_epsilon"], cfg["target_delta"], cfg["accountant"], epsilon_every=spec["epsilon_every"], journal=journal
         )
         if checkpoint_ledger is not None and len(ledger) < len(checkpoint_ledger["entries"]):
             raise dpcore.DPConfigError(
-                f"the ledger journal {spec['journal']} holds {len(ledger)} releases but the checkpoint holds "
+                f"the ledger journal {journal} holds {len(ledger)} releases but the checkpoint holds "
                 f"{len(checkpoint_ledger['entries'])}: the journal was lost or truncated, so releases after the "
                 "checkpoint cannot be accounted for. Refusing to resume."
             )
-        after = checkpoint_step or 0
+        after = checkpoint_meta["step"] if checkpoint_meta is not None else 0
         if any(e.status == COMMITTED and e.step > after for e in ledger.entries):
             ledger.mark_rolled_back(after)
-        state = ledger.state_dict()
+        left = ledger.allowance(dpcore.PrivacyEvent.dpsgd_step(spec["noise_multiplier"], spec["sample_rate"]))
+        allowance = int(min(max(left, 0), spec["steps"] - after))
+    else:
+        ledger = dpcore.PrivacyLedger(None, cfg["target_delta"], cfg["accountant"], epsilon_every=10**9)
     if world > 1:
-        box = [state]
+        box = [allowance]
         dist.broadcast_object_list(box, src=0)
-        state = box[0]
-    if rank != 0:
-        ledger = dpcore.PrivacyLedger(cfg["target_epsilon"], cfg["target_delta"], cfg["accountant"], epsilon_every=spec["epsilon_every"])
-        ledger.load_state_dict(state)
-    return ledger
+        allowance = box[0]
+    return ledger, allowance
 
 
 def _quiet_ray_train_logs() -> None:
@@ -130,30 +181,43 @@ def _quiet_ray_train_logs() -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def _complete(d: Path, world: int) -> dict | None:
-    """The meta of checkpoint directory ``d`` if every file of every rank is there, else None."""
-    names = ["meta.json", MODEL_FILE, STATE_FILE, LEDGER_FILE] + [f"rank-{r}.pt" for r in range(world)]
-    if not all((d / n).is_file() for n in names):
-        return None
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _complete(d: Path) -> dict | None:
+    """The meta of checkpoint directory ``d`` if every file of every rank is there and matches
+    its recorded SHA-256, else None (a checkpoint torn by a crash during upload)."""
     try:
         meta = json.loads((d / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        for name, digest in meta["files"].items():
+            if _sha256_file(d / name) != digest:
+                return None
+        for r in range(meta["world_size"]):
+            info = json.loads((d / f"rank-{r}.json").read_text())
+            if _sha256_file(d / f"rank-{r}.pt") != info["file_sha256"]:
+                return None
+    except (OSError, ValueError, KeyError):
         return None
-    return meta if meta.get("world_size") == world else None
+    return meta
 
 
-def complete_checkpoints(run_dir: str, world: int, reported=None) -> list[tuple[int, int, str]]:
+def complete_checkpoints(run_dir: str, reported=None) -> list[tuple[int, int, str]]:
     """(releases, step, path) of every complete checkpoint of the run, oldest state first:
     the one Ray reported (if any) and every ``checkpoint_*`` directory in the run's (local) storage."""
     candidates = []
     if reported is not None:
         with reported.as_directory() as d:
-            meta = _complete(Path(d), world)
+            meta = _complete(Path(d))
             if meta is not None:
                 candidates.append((meta["releases"], meta["step"], str(reported.path)))
     if Path(run_dir).is_dir():
         for d in Path(run_dir).glob("checkpoint_*"):
-            meta = _complete(d, world)
+            meta = _complete(d)
             if meta is not None:
                 candidates.append((meta["releases"], meta["step"], str(d)))
     return sorted(candidates)
@@ -172,7 +236,7 @@ def find_checkpoint(spec: dict, reported, rank: int, world: int):
 
     choice = None
     if rank == 0:
-        candidates = complete_checkpoints(spec["run_dir"], world, reported)
+        candidates = complete_checkpoints(spec["run_dir"], reported)
         choice = candidates[-1][2] if candidates else None
     if world > 1:
         box = [choice]
@@ -193,9 +257,13 @@ def train_loop_per_worker(spec: dict) -> None:
     _quiet_ray_train_logs()
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    device = torch.device(f"cuda:{ctx.get_local_rank()}" if cfg.use_gpu else "cpu")
     if cfg.use_gpu:
+        from ray.train.torch import get_device
+
+        device = get_device()  # the GPU Ray assigned to this worker
         torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
     if cfg.seed is not None:
         import warnings
 
@@ -212,20 +280,22 @@ def train_loop_per_worker(spec: dict) -> None:
     optimizer = make_optimizer(cfg, model.parameters())
 
     checkpoint = find_checkpoint(spec, ray.train.get_checkpoint(), rank, world)
-    start_step, rank_state, ckpt_ledger = 0, None, None
+    meta, rank_state, ckpt_ledger = None, None, None
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             d = Path(d)
             meta = json.loads((d / "meta.json").read_text())
             if meta["world_size"] != world:
-                raise dpcore.DPConfigError(f"the checkpoint was written by {meta['world_size']} workers, not {world}; resume with the same num_workers.")
-            start_step = meta["step"]
+                raise dpcore.DPConfigError(
+                    f"the checkpoint {d} was written by {meta['world_size']} workers, not {world}; a run keeps its num_workers."
+                )
             model.load_state_dict(torch.load(d / MODEL_FILE, map_location=device))
             shared = torch.load(d / STATE_FILE, map_location=device, weights_only=False)
             rank_state = torch.load(d / f"rank-{rank}.pt", weights_only=False)
             ckpt_ledger = json.loads((d / LEDGER_FILE).read_text())
+    start_step = meta["step"] if meta is not None else 0
 
-    ledger = open_ledger(spec, start_step if checkpoint is not None else None, ckpt_ledger, rank, world)
+    ledger, allowance = open_ledger(spec, meta, ckpt_ledger, rank, world)
     private = dpcore.build_private(
         model,
         optimizer,
@@ -234,7 +304,7 @@ def train_loop_per_worker(spec: dict) -> None:
         sample_rate=spec["sample_rate"],
         steps=spec["steps"],
         dataset_size=spec["dataset_size"],
-        target_epsilon=cfg.target_epsilon,
+        target_epsilon=cfg.target_epsilon if rank == 0 else None,  # rank 0 is the budget authority
         target_delta=cfg.target_delta,
         clip_norm=cfg.clip_norm,
         accountant=cfg.accountant,
@@ -253,13 +323,12 @@ def train_loop_per_worker(spec: dict) -> None:
 
     tracker = _Tracker(spec) if rank == 0 else None
     every = spec["checkpoint_every"]
-    event = private.optimizer.event
+    last_step = start_step + allowance  # the plan, or fewer if rolled-back releases used up budget
     t_last, step_last = time.monotonic(), start_step
     step = start_step
-    last_reported = start_step if checkpoint is not None else -1
-    while step < spec["steps"]:
-        if ledger.allowance(event) < 1:  # the budget is spent (e.g. by rolled-back releases)
-            break
+    reported_releases = meta["releases"] if meta is not None else -1
+    report = lambda rate: _report(spec, cfg, private, model, rank, world, step, last_step, rate, tracker, held_out if rank == 0 else None, x_train, y_train)  # noqa: E731
+    while step < last_step:
         lot = private.sampler.sample()
         private.optimizer.accumulate(x_train[lot], y_train[lot])
         private.optimizer.step()
@@ -269,29 +338,37 @@ def train_loop_per_worker(spec: dict) -> None:
             if not marker.exists():
                 marker.write_text(f"rank {rank} died after step {step}\n")
                 os._exit(17)  # a hard crash: no cleanup, no report
-        if step % every == 0 or step == spec["steps"]:
+        if step % every == 0 or step == last_step:
             now = time.monotonic()
             rate = (step - step_last) / max(now - t_last, 1e-9)
             t_last, step_last = now, step
-            _report(spec, cfg, private, model, rank, world, step, rate, tracker, held_out if rank == 0 else None, x_train, y_train)
-            last_reported = step
-    if last_reported != step:  # stopped early at the budget
-        _report(spec, cfg, private, model, rank, world, step, float("nan"), tracker, held_out if rank == 0 else None, x_train, y_train)
+            reported_releases = report(rate)
+    # Restored right at the budget (the rolled-back releases used it up): the restored state
+    # is the final one, but the ledger has grown since that checkpoint, so report it again.
+    need = None
+    if rank == 0:
+        need = reported_releases != len(ledger)
+    if world > 1:
+        box = [need]
+        dist.broadcast_object_list(box, src=0)
+        need = box[0]
+    if need:
+        report(float("nan"))
 
 
-def _report(spec, cfg, private, model, rank, world, step, rate, tracker, held_out, x_train, y_train) -> None:
+def _report(spec, cfg, private, model, rank, world, step, last_step, rate, tracker, held_out, x_train, y_train) -> int:
+    """Metrics (rank 0) and a checkpoint (every rank's part) in one ``ray.train.report``.
+    Returns the number of ledger releases the checkpoint holds (rank 0; -1 elsewhere)."""
     import ray.train
 
-    final = step == spec["steps"] or private.ledger.allowance(private.optimizer.event) < 1
+    final = step == last_step
     checksum = param_checksum(model)
     metrics: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
-        torch.save(
-            {"sampler": private.sampler.state_dict(), "noise": private.optimizer.randomness.state_dict(), "param_sha256": checksum},
-            d / f"rank-{rank}.pt",
-        )
-        (d / f"rank-{rank}.sha256").write_text(checksum + "\n")
+        torch.save({"sampler": private.sampler.state_dict(), "noise": private.optimizer.randomness.state_dict()}, d / f"rank-{rank}.pt")
+        info = {"file_sha256": _sha256_file(d / f"rank-{rank}.pt"), "param_sha256": checksum, "step": step}
+        (d / f"rank-{rank}.json").write_text(json.dumps(info))
         if rank == 0:
             (val_acc, val_loss), (test_acc, test_loss) = (evaluate(model, *held_out[k]) for k in ("val", "test"))
             metrics = {
@@ -322,11 +399,13 @@ def _report(spec, cfg, private, model, rank, world, step, rate, tracker, held_ou
             opt_state = private.optimizer.state_dict()
             torch.save({"optimizer": {"optimizer": opt_state["optimizer"], "steps_taken": opt_state["steps_taken"]}}, d / STATE_FILE)
             (d / LEDGER_FILE).write_text(json.dumps(private.ledger.state_dict()))
-            meta = {"step": step, "releases": len(private.ledger), "world_size": world, "final": final, "run_id": spec["run_id"]}
+            files = {n: _sha256_file(d / n) for n in (MODEL_FILE, STATE_FILE, LEDGER_FILE)}
+            meta = {"step": step, "releases": len(private.ledger), "world_size": world, "final": final, "run_id": spec["run_id"], "files": files}
             (d / "meta.json").write_text(json.dumps(meta))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
     if tracker is not None:
         tracker.log(metrics, step)
+    return len(private.ledger) if rank == 0 else -1
 
 
 class _Tracker:

@@ -312,3 +312,22 @@ def test_journal_of_another_budget_is_refused(tmp_path):
     dpcore.PrivacyLedger(2.0, 1e-5, journal=j).append(dpcore.PrivacyEvent.dpsgd_step(1.0, 0.1), step=1, clip_norm=1.0)
     with pytest.raises(dpcore.DPConfigError, match="different budget"):
         dpcore.PrivacyLedger(3.0, 1e-5, journal=j)
+
+
+@pytest.mark.parametrize("tail", [b'{"op": "append", "index": 2, "st', b""])
+def test_a_torn_or_unterminated_last_journal_line_is_repaired_and_the_journal_stays_usable(tmp_path, tail):
+    path = tmp_path / "ledger.journal.jsonl"
+    ev = dpcore.PrivacyEvent.dpsgd_step(1.0, 0.01)
+    ledger = dpcore.PrivacyLedger(5.0, 1e-5, journal=path)
+    ledger.append(ev, step=1, clip_norm=1.0)
+    ledger.append(ev, step=2, clip_norm=1.0)
+    raw = path.read_bytes()
+    # A crash mid-write: either half a record, or a whole record without its newline.
+    path.write_bytes(raw + tail if tail else raw[:-1])
+    reopened = dpcore.PrivacyLedger(5.0, 1e-5, journal=path)
+    assert len(reopened) == 2
+    reopened.mark_rolled_back(1)
+    reopened.append(ev, step=2, clip_norm=1.0)
+    again = dpcore.PrivacyLedger(5.0, 1e-5, journal=path)  # the next record did not merge into the torn line
+    assert [(e.step, e.status) for e in again.entries] == [(1, "committed"), (2, "rolled_back"), (2, "committed")]
+    assert path.read_bytes().endswith(b"\n")

@@ -109,3 +109,42 @@ def test_cli_exit_code_and_message(tmp_path):
     assert "error: lot_size=100000 is larger than the dataset" in res.stderr
     assert "Traceback" not in res.stderr
     assert not list((tmp_path / "dp_runs").glob("*/ledger.journal.jsonl"))
+
+
+def test_resume_keeps_the_runs_config(tmp_path):
+    res = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "train", "--resume", "0123abcd", "--lr", "0.1"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert res.returncode == 2
+    assert "--resume continues a run with the config it started with" in res.stderr and "--lr" in res.stderr
+
+
+def test_a_locked_journal_refuses_a_second_trainer(tmp_path):
+    """Two worker groups on one journal would each check the budget against only their own
+    releases; the journal lock (held by rank 0 for its lifetime) prevents it."""
+    from pipelines.worker import journal_is_locked, open_ledger
+
+    journal = str(tmp_path / "ledger.journal.jsonl")
+    spec = {
+        "config": {"target_epsilon": 2.0, "target_delta": 1e-5, "accountant": "pld"},
+        "journal": journal, "epsilon_every": 1, "noise_multiplier": 5.0, "sample_rate": 0.1, "steps": 10,
+    }
+    with pytest.raises(dpcore.DPConfigError, match="does not exist on this node"):
+        open_ledger(spec, None, None, rank=0, world=1)  # the driver creates it; never start a fresh one
+    dpcore.PrivacyLedger(2.0, 1e-5, journal=journal)  # as the driver does
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import fcntl, time; f = open({journal + '.lock'!r}, 'a+'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert journal_is_locked(journal)
+        with pytest.raises(dpcore.DPConfigError, match="another process holds the ledger journal"):
+            open_ledger(spec, None, None, rank=0, world=1)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not journal_is_locked(journal)
+    ledger, allowance = open_ledger(spec, None, None, rank=0, world=1)
+    assert allowance == 10 and len(ledger) == 0

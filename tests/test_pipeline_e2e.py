@@ -5,6 +5,7 @@ ranks (each rank writes its own checksum into the final checkpoint), the MLflow 
 artifact, metrics and tags, the ledger's ε against an independent dp_accounting computation,
 and the logged model loading and predicting.
 """
+import json
 import math
 import subprocess
 import sys
@@ -52,11 +53,11 @@ def e2e(ray_cluster, tmp_path_factory):
 
 def test_parameters_are_bit_identical_on_every_rank(e2e):
     ckpt = Path(e2e["checkpoint"])
-    sums = {p.name: p.read_text().strip() for p in ckpt.glob("rank-*.sha256")}
-    assert set(sums) == {"rank-0.sha256", "rank-1.sha256"}
+    sums = {p.name: json.loads(p.read_text())["param_sha256"] for p in ckpt.glob("rank-*.json")}
+    assert set(sums) == {"rank-0.json", "rank-1.json"}
     assert len(set(sums.values())) == 1, sums
     # And they are the checksum of the model the driver logged (from rank 0's checkpoint).
-    assert param_checksum(load_final_model(e2e["spec"], e2e["checkpoint"])) == sums["rank-0.sha256"]
+    assert param_checksum(load_final_model(e2e["spec"], e2e["checkpoint"])) == sums["rank-0.json"]
 
 
 def test_mlflow_run_has_ledger_epsilon_metric_and_tags(e2e):

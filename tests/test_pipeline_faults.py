@@ -129,3 +129,25 @@ def test_killed_worker_resumes_from_checkpoint_and_the_ledger_keeps_every_releas
     assert r.data.tags["dp.diagnostics"] == "non-private"
     assert 0.0 <= r.data.metrics["diag_train_accuracy"] <= 1.0
     assert 0.0 <= r.data.metrics["diag_clip_fraction"] <= 1.0
+
+
+def test_a_crash_after_the_last_step_finishes_from_the_checkpoint_at_the_budget(ray_cluster, tmp_path):
+    """A fixed σ whose budget allows fewer steps than the epochs ask for: the plan is exactly
+    the budget. Rank 1 dies after the last step, before its checkpoint; the releases after the
+    last checkpoint are rolled back and use up what is left, so the restarted group can take no
+    step at all. It must still finish, from the restored checkpoint, at the budget."""
+    sigma, eps = 2.0, 3.0
+    _, q, steps = dpcore.plan(dataset_size=1258, lot_size=512, epochs=50, target_epsilon=eps, target_delta=1e-5, noise_multiplier=sigma)
+    assert steps < dpcore.accounting.steps_for_epochs(50, q)  # budget-limited
+    cfg = TrainConfig(
+        epochs=50, noise_multiplier=sigma, target_epsilon=eps, checkpoint_every=4, fault_at_step=steps, fault_rank=1, max_failures=1,
+        storage_path=str(tmp_path / "runs"), tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", registered_model="none", quiet=True,
+    )
+    out = run(cfg)
+    assert out["spec"]["steps"] == steps and out["spec"]["dataset_size"] == 1258
+    last_ckpt = (steps - 1) // 4 * 4  # the fault comes before the report of step `steps`
+    entries = out["ledger"].entries
+    assert len(entries) == steps  # every release the budget allowed, and not one more
+    assert [e.step for e in entries if e.status == "committed"] == list(range(1, last_ckpt + 1))
+    assert [e.step for e in entries if e.status == "rolled_back"] == list(range(last_ckpt + 1, steps + 1))
+    assert out["steps"] == last_ckpt and out["epsilon"] <= eps
