@@ -39,7 +39,7 @@ class CorruptShardError(DPConfigError):
     """A Parquet shard is unreadable or does not match its manifest."""
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -84,7 +84,7 @@ def ingest(dataset: Dataset, out_dir: str | Path, num_shards: int = 2) -> Path:
     entries = []
     for split, shard, fname, table in files:
         pq.write_table(table, out / fname)
-        entries.append({"split": split, "shard": shard, "file": fname, "rows": table.num_rows, "sha256": _sha256(out / fname)})
+        entries.append({"split": split, "shard": shard, "file": fname, "rows": table.num_rows, "sha256": sha256_file(out / fname)})
     manifest = {
         "format_version": FORMAT_VERSION,
         "name": dataset.name,
@@ -119,7 +119,7 @@ def _read_file(data_dir: Path, entry: dict, manifest: dict) -> Split:
     path = data_dir / entry["file"]
     if not path.is_file():
         raise CorruptShardError(f"shard {path} listed in the manifest is missing; re-run the ingest step.")
-    digest = _sha256(path)
+    digest = sha256_file(path)
     if digest != entry["sha256"]:
         raise CorruptShardError(
             f"shard {path} is corrupt: its SHA-256 {digest[:12]}… does not match the manifest's "

@@ -36,7 +36,7 @@ import dpcore
 from dpcore.ledger import COMMITTED
 
 from .config import TrainConfig, config_from_dict
-from .ingest import read_split
+from .ingest import read_split, sha256_file
 from .models import build_model
 
 MODEL_FILE = "model.pt"
@@ -181,25 +181,17 @@ def _quiet_ray_train_logs() -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _complete(d: Path) -> dict | None:
     """The meta of checkpoint directory ``d`` if every file of every rank is there and matches
     its recorded SHA-256, else None (a checkpoint torn by a crash during upload)."""
     try:
         meta = json.loads((d / "meta.json").read_text())
         for name, digest in meta["files"].items():
-            if _sha256_file(d / name) != digest:
+            if sha256_file(d / name) != digest:
                 return None
         for r in range(meta["world_size"]):
             info = json.loads((d / f"rank-{r}.json").read_text())
-            if _sha256_file(d / f"rank-{r}.pt") != info["file_sha256"]:
+            if sha256_file(d / f"rank-{r}.pt") != info["file_sha256"]:
                 return None
     except (OSError, ValueError, KeyError):
         return None
@@ -367,7 +359,7 @@ def _report(spec, cfg, private, model, rank, world, step, last_step, rate, track
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         torch.save({"sampler": private.sampler.state_dict(), "noise": private.optimizer.randomness.state_dict()}, d / f"rank-{rank}.pt")
-        info = {"file_sha256": _sha256_file(d / f"rank-{rank}.pt"), "param_sha256": checksum, "step": step}
+        info = {"file_sha256": sha256_file(d / f"rank-{rank}.pt"), "param_sha256": checksum, "step": step}
         (d / f"rank-{rank}.json").write_text(json.dumps(info))
         if rank == 0:
             (val_acc, val_loss), (test_acc, test_loss) = (evaluate(model, *held_out[k]) for k in ("val", "test"))
@@ -399,7 +391,7 @@ def _report(spec, cfg, private, model, rank, world, step, last_step, rate, track
             opt_state = private.optimizer.state_dict()
             torch.save({"optimizer": {"optimizer": opt_state["optimizer"], "steps_taken": opt_state["steps_taken"]}}, d / STATE_FILE)
             (d / LEDGER_FILE).write_text(json.dumps(private.ledger.state_dict()))
-            files = {n: _sha256_file(d / n) for n in (MODEL_FILE, STATE_FILE, LEDGER_FILE)}
+            files = {n: sha256_file(d / n) for n in (MODEL_FILE, STATE_FILE, LEDGER_FILE)}
             meta = {"step": step, "releases": len(private.ledger), "world_size": world, "final": final, "run_id": spec["run_id"], "files": files}
             (d / "meta.json").write_text(json.dumps(meta))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
