@@ -112,6 +112,7 @@ def make_private(
     reduce_fn: ReduceFn | None = None,
     epsilon_every: int = 1,
     journal: str | None = None,
+    clipping: str = "auto",
 ) -> PrivateTraining:
     """Validate everything, calibrate σ (unless given), and build sampler, ledger and optimizer.
 
@@ -154,6 +155,7 @@ def make_private(
         rank=rank,
         reduce_fn=reduce_fn,
         ledger=PrivacyLedger(target_epsilon, target_delta, accountant, epsilon_every=epsilon_every, journal=journal),
+        clipping=clipping,
     )
 
 
@@ -176,6 +178,7 @@ def build_private(
     rank: int = 0,
     reduce_fn: ReduceFn | None = None,
     physical_batch_size: int = 256,
+    clipping: str = "auto",
 ) -> PrivateTraining:
     """Build sampler and optimizer for an already planned run (σ, q, steps known).
 
@@ -204,5 +207,6 @@ def build_private(
         physical_batch_size=physical_batch_size,
         add_noise=(rank == 0),
         reduce_fn=reduce_fn,
+        clipping=clipping,
     )
     return PrivateTraining(dp_optimizer, sampler, ledger, randomness, noise_multiplier, sample_rate, steps)

@@ -25,6 +25,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+import warnings
+
+from . import fastclip
 from .accounting import PrivacyEvent
 from .clipping import clipped_sum, per_sample_norms
 from .grad_sample import LossFn, PerSampleGradients
@@ -40,6 +43,7 @@ from .validation import (
 )
 
 ReduceFn = Callable[[list[torch.Tensor]], None]
+CLIPPING_MODES = ("auto", "vmap", "bookkeeping")
 
 
 class DPOptimizer:
@@ -58,6 +62,10 @@ class DPOptimizer:
         physical_batch_size: the largest number of examples per vmap call.
         add_noise: False on every rank but one in sharded training.
         reduce_fn: called with the list of summed (noised) gradient tensors, in place.
+        clipping: how the clipped sum is computed. ``"vmap"``: per-example gradients with
+            torch.func (any model). ``"bookkeeping"``: :mod:`dpcore.fastclip` (Linear/Conv2d
+            parameters only; faster, same sum). ``"auto"`` (default): book-keeping where the
+            model allows it, else vmap. Both give the same clipped sum (tested).
     """
 
     def __init__(
@@ -75,6 +83,7 @@ class DPOptimizer:
         physical_batch_size: int = 256,
         add_noise: bool = True,
         reduce_fn: ReduceFn | None = None,
+        clipping: str = "auto",
     ):
         self.optimizer = optimizer
         self.model = model
@@ -95,6 +104,18 @@ class DPOptimizer:
         self.add_noise = add_noise
         self.reduce_fn = reduce_fn
         self.grad_sampler = PerSampleGradients(model, loss_fn)
+        if clipping not in CLIPPING_MODES:
+            raise DPConfigError(f"clipping={clipping!r} is unknown; use one of {', '.join(CLIPPING_MODES)}.")
+        self._fast = None
+        if clipping != "vmap":
+            if fastclip.supports(model):
+                self._fast = fastclip.BookKeepingClipper(model, loss_fn)
+            elif clipping == "bookkeeping":
+                raise DPConfigError(
+                    "clipping='bookkeeping' handles Linear and Conv2d parameters only; these are not: "
+                    f"{fastclip.unsupported_parameters(model)[:5]}. Use clipping='auto' (falls back to vmap)."
+                )
+        self.clipping = "bookkeeping" if self._fast is not None else "vmap"
         self.params = dict((n, p) for n, p in model.named_parameters() if p.requires_grad)
         opt_params = {id(p) for g in optimizer.param_groups for p in g["params"]}
         missing = [n for n, p in self.params.items() if id(p) not in opt_params]
@@ -121,8 +142,16 @@ class DPOptimizer:
         for start in range(0, n, self.physical_batch_size):
             xb = x[start : start + self.physical_batch_size]
             yb = y[start : start + self.physical_batch_size]
-            per_sample = self.grad_sampler(xb, yb)
-            _, bad = clipped_sum(per_sample, self.clip_norm, out=self._sum)
+            bad = None
+            if self._fast is not None:
+                try:
+                    bad = self._fast.clipped_sum(xb, yb, self.clip_norm, self._sum)
+                except fastclip.Unsupported as e:  # raised before anything is added
+                    warnings.warn(f"book-keeping clipping cannot handle this model ({e}); using the vmap path.", stacklevel=2)
+                    self._fast, self.clipping = None, "vmap"
+            if bad is None:
+                per_sample = self.grad_sampler(xb, yb)
+                _, bad = clipped_sum(per_sample, self.clip_norm, out=self._sum)
             self._nonfinite_in_lot += bad
             self._examples_in_lot += xb.shape[0]
 

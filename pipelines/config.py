@@ -66,6 +66,7 @@ class TrainConfig:
     num_workers: int = _f(2, "Ray Train workers (each samples its own shard)", "cluster")
     use_gpu: bool = _f(False, "one GPU per worker, NCCL (default: CPU, gloo)", "cluster")
     physical_batch_size: int = _f(256, "examples per vmap call (memory, not privacy)", "cluster")
+    clipping: str = _f("auto", "per-example clipping: auto (book-keeping for Linear/Conv2d models, else vmap), vmap, bookkeeping", "cluster")
     checkpoint_every: int = _f(0, "steps between checkpoints and evaluations (0: about 10 per run)", "cluster")
     max_failures: int = _f(2, "worker-group restarts from the last checkpoint before the run fails", "cluster")
     ray_address: str | None = _f(
@@ -95,6 +96,8 @@ class TrainConfig:
             raise err(f"dataset={self.dataset!r} needs --data-dir (the folder that holds it); add --download to fetch it there.")
         if not (self.model in MODELS[:-1] or (self.model.startswith("tv:") and len(self.model) > 3)):
             raise err(f"model={self.model!r} is unknown; available: {', '.join(MODELS)}.")
+        if self.clipping not in dpcore.optimizer.CLIPPING_MODES:
+            raise err(f"clipping={self.clipping!r} is unknown; available: {', '.join(dpcore.optimizer.CLIPPING_MODES)}.")
         if self.optimizer not in OPTIMIZERS:
             raise err(f"optimizer={self.optimizer!r} is unknown; available: {', '.join(OPTIMIZERS)}.")
         for name in ("lr", "epochs", "max_noise_multiplier"):

@@ -306,6 +306,7 @@ def train_loop_per_worker(spec: dict) -> None:
         rank=rank,
         reduce_fn=allreduce_sum if world > 1 else None,
         physical_batch_size=cfg.physical_batch_size,
+        clipping=cfg.clipping,
     )
     if checkpoint is not None:
         private.optimizer.load_state_dict({**shared["optimizer"], "randomness": rank_state["noise"]})

@@ -1,0 +1,239 @@
+"""A fast path for the clipped sum: book-keeping (BK) clipping for Linear and Conv2d layers.
+
+The reference path (:mod:`dpcore.grad_sample` + :func:`dpcore.clipping.clipped_sum`) runs a
+vmap'd backward per example. For layers whose weight gradient is an outer product of the
+layer's input and output gradient, the per-example gradient can be formed from one ordinary
+forward and one backward of the *activations only* (Bu et al. 2023, "book-keeping"):
+
+* forward hooks keep each supported layer's input ``a`` and output ``z``;
+* one ``torch.autograd.grad(Σ_i loss_i, [z_1, …, z_L])`` gives the output gradients ``g``
+  (no parameter gradients are computed at all);
+* each example's gradient norm comes from ``a`` and ``g``: for a Linear layer on one vector
+  per example, ‖a_iᵀ g_i‖ = ‖a_i‖·‖g_i‖ (the "ghost norm"); for sequences and convolutions
+  (inputs unfolded to patches), from the per-example gradient ``g_iᵀ a_i`` or from the ghost
+  form Σ_{t,s}(a_t·a_s)(g_t·g_s), whichever costs fewer operations;
+* the clipped sum Σ_i f_i·g_iᵀa_i is one matrix product with the factors folded into ``g``.
+
+Exactly the same clip factors as the reference (float64 norms, the same safety margin, the
+same skip-and-count of non-finite rows). Models with any trainable parameter outside a
+supported layer (GroupNorm, weight-standardised convolutions, embeddings, ...), layers used
+more than once per forward, or a loss that does not vmap, are not handled here:
+:func:`supports` says so and the caller uses the reference path. Tests check that both paths
+give the same clipped sum.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .clipping import clip_factors
+from .grad_sample import LossFn
+
+
+def _conv_ok(m: nn.Conv2d) -> bool:
+    return (
+        type(m) is nn.Conv2d
+        and m.groups == 1
+        and m.padding_mode == "zeros"
+        and not isinstance(m.padding, str)
+    )
+
+
+def unsupported_parameters(model: nn.Module) -> list[str]:
+    """Names of trainable parameters that the fast path cannot handle (empty: all handled).
+
+    Handled: the weight (and bias) of ``nn.Linear`` and plain ``nn.Conv2d`` layers (groups=1,
+    zero padding given as numbers), each parameter owned by one layer, and a layer's weight
+    trainable whenever its bias is.
+    """
+    handled: dict[str, int] = {}
+    problems: list[str] = []
+    for mod_name, m in model.named_modules():
+        if (type(m) is nn.Linear) or (isinstance(m, nn.Conv2d) and _conv_ok(m)):
+            prefix = f"{mod_name}." if mod_name else ""
+            if m.bias is not None and m.bias.requires_grad and not m.weight.requires_grad:
+                problems.append(prefix + "bias (its weight is frozen)")
+                continue
+            for pname, p in m.named_parameters(recurse=False):
+                handled[prefix + pname] = id(p)
+    trainable = {n: id(p) for n, p in model.named_parameters() if p.requires_grad}
+    problems += [n for n in trainable if handled.get(n) != trainable[n]]
+    # A parameter shared by several layers appears once in named_parameters but is reached
+    # through more than one layer: per-example gradients would have to be added across layers.
+    shared = [n for n, pid in handled.items() if pid in trainable.values() and n not in trainable]
+    problems += [f"{n} (shared)" for n in shared]
+    return problems
+
+
+def supports(model: nn.Module) -> bool:
+    return not unsupported_parameters(model)
+
+
+class Unsupported(Exception):
+    """Raised during a call when the fast path cannot be used for this model/batch."""
+
+
+class BookKeepingClipper:
+    """Clipped sums of per-example gradients for models made of Linear/Conv2d parameters.
+
+    Call :meth:`clipped_sum` (same contract as :func:`dpcore.clipping.clipped_sum` applied to
+    per-example gradients of ``loss_fn(model(x_i), y_i)``). Raises ``ValueError`` at
+    construction if :func:`supports` is false.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn):
+        bad = unsupported_parameters(model)
+        if bad:
+            raise ValueError(f"the book-keeping path cannot handle these parameters: {bad[:5]}")
+        self.model = model
+        self.loss_fn = loss_fn
+        self.layers = [
+            (name, m)
+            for name, m in model.named_modules()
+            if ((type(m) is nn.Linear) or isinstance(m, nn.Conv2d)) and m.weight.requires_grad
+        ]
+        self._per_sample_loss = torch.func.vmap(lambda out, target: loss_fn(out.unsqueeze(0), target.unsqueeze(0)))
+
+    # ----------------------------------------------------------------------------------
+    def _capture(self, x: torch.Tensor):
+        records: dict[str, list] = {name: [] for name, _ in self.layers}
+
+        def hook_for(name):
+            def hook(module, inputs, output):
+                records[name].append((inputs[0].detach(), output))
+
+            return hook
+
+        handles = [m.register_forward_hook(hook_for(name)) for name, m in self.layers]
+        try:
+            out = self.model(x)
+        finally:
+            for h in handles:
+                h.remove()
+        for name, rec in records.items():
+            if len(rec) != 1:
+                raise Unsupported(f"layer {name} ran {len(rec)} times in one forward")
+        return out, {name: rec[0] for name, rec in records.items()}
+
+    def clipped_sum(
+        self, x: torch.Tensor, y: torch.Tensor, clip_norm: float, out: dict[str, torch.Tensor]
+    ) -> int:
+        """Add Σ_i clip(g_i) into ``out`` (a dict of parameter name → tensor). Returns the
+        number of examples skipped for a non-finite gradient."""
+        batch = x.shape[0]
+        if batch == 0:
+            return 0
+        with torch.enable_grad():
+            logits, rec = self._capture(x)
+            losses = self._per_sample_loss(logits, y)
+            outputs = [rec[name][1] for name, _ in self.layers]
+            grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
+        parts = []  # per layer: (name, module, A [B, T, d_in] or [B, d, T], G, per-example grads or None)
+        sq = torch.zeros(batch, dtype=torch.float64, device=x.device)
+        for (name, m), g in zip(self.layers, grads):
+            a = rec[name][0]
+            if g is None:
+                g = torch.zeros_like(rec[name][1])
+            if isinstance(m, nn.Conv2d):
+                G = g.reshape(batch, g.shape[1], -1)  # [B, c, T]
+                if batch * m.weight.numel() <= self.MAX_PER_EXAMPLE_ELEMENTS:
+                    # Per-example weight gradients directly, as one convolution-weight gradient
+                    # with the batch as groups (faster than patches + batched matmul).
+                    W = torch.nn.grad.conv2d_weight(
+                        a.reshape(1, -1, *a.shape[2:]),
+                        (batch * m.out_channels, m.in_channels, *m.kernel_size),
+                        g.reshape(1, -1, *g.shape[2:]),
+                        stride=m.stride, padding=m.padding, dilation=m.dilation, groups=batch,
+                    ).reshape(batch, m.out_channels, -1)
+                    sq += torch.linalg.vector_norm(W, dim=(1, 2), dtype=torch.float64).square()
+                    bias_g = self._bias(m, G.sum(2), sq)
+                    parts.append((name, m, None, None, True, W, bias_g))
+                    continue
+                # Patches [B, d, T] and output gradients [B, c, T]: both in their natural layout.
+                A = F.unfold(a, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
+                channels_first = True
+            else:
+                A = a.reshape(batch, -1, a.shape[-1])  # [B, T, d_in]
+                G = g.reshape(batch, -1, g.shape[-1])  # [B, T, d_out]
+                channels_first = False
+            s, per_example = self._weight_sq_norms(A, G, channels_first)
+            sq += s
+            bias_g = self._bias(m, G.sum(2) if channels_first else G.sum(1), sq)
+            parts.append((name, m, A, G, channels_first, per_example, bias_g))
+        factors, finite = clip_factors(sq.sqrt(), clip_norm)
+        n_bad = int((~finite).sum())
+        # A factor below the dtype's smallest normal number loses precision when cast (a gradient
+        # of norm ≳1e32·C in float32): then this batch is summed in float64, as the reference does.
+        tiny = torch.finfo(self.layers[0][1].weight.dtype).tiny * 2.0**24
+        wide = bool(((factors < tiny) & finite).any())
+        for name, m, A, G, channels_first, per_example, bias_g in parts:
+            dtype = torch.float64 if wide else m.weight.dtype
+            f = factors.to(dtype)
+            if n_bad:  # skip-and-count: those rows contribute exactly zero (never NaN·0)
+                keep = finite.view(-1, 1, 1)
+                zero = torch.zeros((), dtype=m.weight.dtype)
+                A = None if A is None else torch.where(keep, A, zero)
+                G = None if G is None else torch.where(keep, G, zero)
+                per_example = None if per_example is None else torch.where(keep, per_example, zero)
+                bias_g = None if bias_g is None else torch.where(finite.view(-1, 1), bias_g, zero)
+            if per_example is not None:  # Σ_i f_i W_i from the per-example gradients
+                w = torch.einsum("b,bod->od", f, per_example.to(dtype))
+            else:
+                # Ghost-norm layers: Σ_i f_i G_iᵀA_i over (example, position). With several
+                # positions the sum runs in float64, so that each example's share keeps the norm
+                # the factor was computed for (float32 accumulation over many positions could
+                # exceed the 1e-6 clipping margin).
+                acc = dtype if A.shape[2 if channels_first else 1] == 1 else torch.float64
+                if channels_first:
+                    w = torch.einsum("b,bct,bdt->cd", f.to(acc), G.to(acc), A.to(acc))
+                else:
+                    w = torch.einsum("b,bto,bti->oi", f.to(acc), G.to(acc), A.to(acc))
+                w = w.to(dtype)
+            prefix = f"{name}." if name else ""
+            self._add(out, prefix + "weight", w.reshape(m.weight.shape).to(m.weight.dtype))
+            if bias_g is not None:
+                self._add(out, prefix + "bias", (f @ bias_g.to(dtype)).to(m.bias.dtype))
+        return n_bad
+
+    @staticmethod
+    def _bias(m: nn.Module, per_example_bias: torch.Tensor, sq: torch.Tensor):
+        """Per-example bias gradients (Σ over positions of G), their norms added into ``sq``."""
+        if m.bias is None or not m.bias.requires_grad:
+            return None
+        sq += torch.linalg.vector_norm(per_example_bias, dim=1, dtype=torch.float64).square()
+        return per_example_bias
+
+    # Materialise per-example weight gradients (B × out × in floats) up to this many elements.
+    MAX_PER_EXAMPLE_ELEMENTS = 64 * 2**20
+
+    def _weight_sq_norms(self, A: torch.Tensor, G: torch.Tensor, channels_first: bool):
+        """(‖W_i‖_F² per example in float64, the per-example gradients W_i or None), by the
+        cheaper exact form: W_i = G_iᵀA_i materialised, or the ghost Σ_{t,s}(a_t·a_s)(g_t·g_s)."""
+        if channels_first:  # A [B, d, T], G [B, c, T]
+            B, d, T = A.shape
+            c = G.shape[1]
+        else:  # A [B, T, d], G [B, T, c]
+            B, T, d = A.shape
+            c = G.shape[2]
+        if T == 1:
+            a, g = (A[:, :, 0], G[:, :, 0]) if channels_first else (A[:, 0], G[:, 0])
+            sq = torch.linalg.vector_norm(a, dim=1, dtype=torch.float64).square() * torch.linalg.vector_norm(g, dim=1, dtype=torch.float64).square()
+            return sq, None
+        if B * c * d <= self.MAX_PER_EXAMPLE_ELEMENTS and T * d * c <= 4 * T * T * (d + c):
+            W = G @ A.transpose(1, 2) if channels_first else G.transpose(1, 2) @ A  # [B, c, d]
+            return torch.linalg.vector_norm(W.reshape(B, -1), dim=1, dtype=torch.float64).square(), W
+        if channels_first:
+            aa = A.transpose(1, 2).double() @ A.double()  # [B, T, T]
+            gg = G.transpose(1, 2).double() @ G.double()
+        else:
+            aa = A.double() @ A.double().transpose(1, 2)
+            gg = G.double() @ G.double().transpose(1, 2)
+        return (aa * gg).sum(dim=(1, 2)), None
+
+    @staticmethod
+    def _add(out: dict, key: str, value: torch.Tensor) -> None:
+        if key in out:
+            out[key].add_(value.to(out[key].dtype))
+        else:
+            out[key] = value

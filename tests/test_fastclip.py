@@ -1,0 +1,161 @@
+"""The book-keeping fast path (dpcore.fastclip) gives the reference clipped sum, keeps each
+example's share ≤ C, skips non-finite examples the same way, and falls back to the vmap path
+for anything it cannot handle."""
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpcore
+from dpcore.clipping import clipped_sum
+from dpcore.fastclip import BookKeepingClipper, Unsupported, supports, unsupported_parameters
+from dpcore.grad_sample import PerSampleGradients
+from pipelines.models import build_model
+
+ce = F.cross_entropy
+
+
+class SeqModel(nn.Module):
+    """Linear layers applied to a sequence (T positions per example), then pooled."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 12)
+        self.b = nn.Linear(12, 4, bias=False)
+
+    def forward(self, x):  # x [B, T=5, 6]
+        return self.b(torch.tanh(self.a(x))).mean(1)
+
+
+def conv_zoo():
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, (3, 2), dilation=(1, 2), padding=(2, 1), bias=False),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.LazyLinear(5),
+    )
+
+
+CASES = [
+    ("mlp", lambda: build_model("mlp", (1, 8, 8), 10), (1, 8, 8), 10),
+    ("small_cnn", lambda: build_model("small_cnn", (1, 8, 8), 10), (1, 8, 8), 10),
+    ("mnist_cnn", lambda: build_model("cnn", (1, 28, 28), 10), (1, 28, 28), 10),
+    ("sequence", SeqModel, (5, 6), 4),
+    ("conv_zoo", conv_zoo, (3, 9, 10), 5),
+]
+
+
+def _reference(model, x, y, clip):
+    return clipped_sum(PerSampleGradients(model, ce)(x, y), clip)
+
+
+@pytest.mark.parametrize("ghost", [False, True], ids=["materialised", "ghost"])
+@pytest.mark.parametrize("clip", [0.01, 1.0, 1e4])
+@pytest.mark.parametrize("name, make, shape, classes", CASES, ids=[c[0] for c in CASES])
+def test_bookkeeping_equals_the_vmap_clipped_sum(name, make, shape, classes, clip, ghost):
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(24, *shape)
+    model(x[:1])  # materialise lazy layers
+    y = torch.randint(0, classes, (24,))
+    assert supports(model)
+    bk = BookKeepingClipper(model, ce)
+    if ghost:
+        bk.MAX_PER_EXAMPLE_ELEMENTS = 0  # force the ghost-norm forms
+    ref, ref_bad = _reference(model, x, y, clip)
+    out = {}
+    bad = bk.clipped_sum(x, y, clip, out)
+    assert bad == ref_bad == 0
+    assert set(out) == set(ref)
+    for k in ref:
+        assert torch.allclose(out[k], ref[k], atol=1e-5, rtol=1e-5), (k, (out[k] - ref[k]).abs().max())
+
+
+@pytest.mark.parametrize("ghost", [False, True])
+def test_each_examples_share_has_norm_at_most_C_even_for_huge_gradients(ghost):
+    torch.manual_seed(1)
+    model = build_model("small_cnn", (1, 8, 8), 10)
+    bk = BookKeepingClipper(model, ce)
+    if ghost:
+        bk.MAX_PER_EXAMPLE_ELEMENTS = 0
+    clip = 0.3
+    for i in range(20):
+        x = torch.randn(1, 1, 8, 8) * 10.0 ** (i % 5)  # up to 1e4: large gradients
+        y = torch.randint(0, 10, (1,))
+        out = {}
+        bk.clipped_sum(x, y, clip, out)
+        norm = math.sqrt(sum(float(v.double().square().sum()) for v in out.values()))
+        assert norm <= clip, (i, norm)
+
+
+def test_nonfinite_examples_are_skipped_and_counted_like_the_reference():
+    torch.manual_seed(2)
+    model = build_model("mlp", (1, 8, 8), 10)
+    x = torch.randn(8, 1, 8, 8)
+    x[3, 0, 0, 0] = float("nan")
+    x[5, 0, 1, 1] = float("inf")
+    y = torch.randint(0, 10, (8,))
+    ref, ref_bad = _reference(model, x, y, 1.0)
+    out = {}
+    bad = BookKeepingClipper(model, ce).clipped_sum(x, y, 1.0, out)
+    assert bad == ref_bad == 2
+    for k in ref:
+        assert torch.isfinite(out[k]).all()
+        assert torch.allclose(out[k], ref[k], atol=1e-5)
+
+
+def test_unsupported_layers_are_named_and_the_optimizer_falls_back_to_vmap():
+    model = nn.Sequential(nn.Linear(4, 8), nn.GroupNorm(2, 8), nn.Linear(8, 3))
+    assert unsupported_parameters(model) == ["1.weight", "1.bias"]
+    opt = dict(noise_multiplier=1.0, clip_norm=1.0, sample_rate=0.1, dataset_size=100,
+               randomness=dpcore.SeededRandomness(0), ledger=dpcore.PrivacyLedger(None, 1e-5))
+    auto = dpcore.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=ce, **opt)
+    assert auto.clipping == "vmap"
+    with pytest.raises(dpcore.DPConfigError, match="1.weight"):
+        dpcore.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=ce, clipping="bookkeeping", **opt)
+    # Weight-standardised convs (a function of the weight) are not plain Conv2d: not handled.
+    assert not supports(build_model("resnet9", (3, 8, 8), 10))
+
+
+def test_a_layer_used_twice_falls_back_at_run_time_and_the_sum_is_still_right():
+    layer = nn.Linear(5, 5)
+    model = nn.Sequential(layer, nn.Tanh(), layer, nn.Flatten(), nn.Linear(5, 3))
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    with pytest.raises(Unsupported):
+        BookKeepingClipper(model, ce).clipped_sum(x, y, 1.0, {})
+    opt = dpcore.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=ce, noise_multiplier=1.0, clip_norm=1.0,
+        sample_rate=0.1, dataset_size=100, randomness=dpcore.SeededRandomness(0), ledger=dpcore.PrivacyLedger(None, 1e-5),
+    )
+    assert opt.clipping == "bookkeeping"
+    with pytest.warns(UserWarning, match="using the vmap path"):
+        opt.accumulate(x, y)
+    assert opt.clipping == "vmap"
+    ref, _ = _reference(model, x, y, 1.0)
+    for k, v in ref.items():
+        assert torch.allclose(opt._sum[k], v, atol=1e-6)
+
+
+def test_a_private_step_is_the_same_with_either_path():
+    def step(mode):
+        torch.manual_seed(0)
+        model = build_model("small_cnn", (1, 8, 8), 10)
+        opt = dpcore.DPOptimizer(
+            torch.optim.Adam(model.parameters(), lr=0.01), model=model, loss_fn=ce, noise_multiplier=1.0, clip_norm=1.0,
+            sample_rate=0.1, dataset_size=640, randomness=dpcore.SeededRandomness(7), ledger=dpcore.PrivacyLedger(None, 1e-5),
+            clipping=mode, physical_batch_size=16,
+        )
+        g = torch.Generator().manual_seed(3)
+        x, y = torch.randn(64, 1, 8, 8, generator=g), torch.randint(0, 10, (64,), generator=g)
+        opt.accumulate(x, y)
+        opt.step()
+        assert opt.clipping == mode
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(step("vmap"), step("bookkeeping")):
+        assert torch.allclose(a, b, atol=1e-5)
