@@ -4,6 +4,7 @@
     dp-platform ingest DATASET OUT_DIR            write a dataset once as Parquet shards
     dp-platform ledger RUN_ID                     print a run's privacy ledger from MLflow
     dp-platform ui                                the MLflow UI on 127.0.0.1, on the same store
+    dp-platform bench                             private step time and memory, beside Opacus
 """
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ def _ui(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": None, "ingest": _ingest, "ledger": _ledger, "ui": _ui}
+    commands = {"train": None, "ingest": _ingest, "ledger": _ledger, "ui": _ui, "bench": None}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):
@@ -141,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         from .train import main as train_main
 
         return train_main(rest, prog=f"{PROG} train")
+    if cmd == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(rest)
     return commands[cmd](rest)
 
 

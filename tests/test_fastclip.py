@@ -159,3 +159,16 @@ def test_a_private_step_is_the_same_with_either_path():
 
     for a, b in zip(step("vmap"), step("bookkeeping")):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_bench_command_prints_its_table():
+    """The benchmark runs and prints ratios (a smoke test: timings are not asserted)."""
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "bench", "--models", "mnist_cnn", "--rounds", "1", "--threads", "1", "--no-opacus"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "| mnist_cnn (256) | non-private |" in res.stdout and "clipping=bookkeeping" in res.stdout

@@ -1,0 +1,252 @@
+"""``dp-platform bench``: the private step against a non-private step and Opacus, side by side.
+
+    dp-platform bench                         # all models, 2 threads, 15 interleaved rounds
+    dp-platform bench --models mnist_cnn --rounds 30 --threads 1
+    dp-platform bench --memory                # peak RSS, lot 128 vs 4096 at physical batch 128
+
+Every mode runs in this process on the same model architecture, the same data and the same
+thread count; rounds are interleaved (one step of each mode per round, after warm-up) so that
+drifts of the machine hit all modes alike, and the median time per step is reported with the
+ratios to the non-private step and to Opacus's fastest mode. Opacus (a test extra) is used if
+it is installed.
+
+Modes:
+* ``non-private``: forward, backward, SGD step;
+* ``ours``: dpcore's DPOptimizer with its default clipping (book-keeping where the model is
+  made of Linear/Conv2d layers, else vmap), secure noise, no budget check overhead beyond
+  the ledger's cached allowance;
+* ``ours-vmap``: the same with the reference vmap per-example path;
+* ``opacus-hooks``, ``opacus-ew``, ``opacus-ghost``: Opacus 1.6 with that ``grad_sample_mode``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import dpcore
+
+from .models import build_model, mlp
+
+MODELS = {
+    # name: (builder, input shape, batch)
+    "mnist_cnn": (lambda: build_model("cnn", (1, 28, 28), 10), (1, 28, 28), 256),
+    "resnet9": (lambda: build_model("resnet9", (3, 32, 32), 10), (3, 32, 32), 64),
+    "mlp4": (lambda: mlp((1, 28, 28), 10, hidden=512, depth=4), (1, 28, 28), 256),
+}
+
+
+def _data(shape, batch):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn((batch,) + shape, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def _non_private(make, x, y):
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def _ours(make, x, y, clipping):
+    model = make()
+    opt = dpcore.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        model=model,
+        loss_fn=F.cross_entropy,
+        noise_multiplier=1.0,
+        clip_norm=1.0,
+        sample_rate=0.01,
+        dataset_size=100 * x.shape[0],
+        randomness=dpcore.SecureRandomness(),
+        ledger=dpcore.PrivacyLedger(None, 1e-5, epsilon_every=10**9),
+        physical_batch_size=x.shape[0],
+        clipping=clipping,
+    )
+    if clipping == "bookkeeping" and opt.clipping != "bookkeeping":
+        raise RuntimeError("not supported")
+
+    def step():
+        opt.accumulate(x, y)
+        opt.step()
+
+    return step, opt.clipping
+
+
+def _opacus(make, x, y, mode):
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(TensorDataset(x, y), batch_size=x.shape[0])
+    engine = PrivacyEngine(accountant="prv")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        made = engine.make_private(
+            module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+            poisson_sampling=False, grad_sample_mode=mode, criterion=torch.nn.CrossEntropyLoss(),
+        )
+    if mode == "ghost":
+        model, opt, criterion, _ = made
+    else:
+        model, opt, _ = made
+        criterion = torch.nn.CrossEntropyLoss()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        criterion(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def time_steps(model_name: str, rounds: int, warmup: int = 3, opacus: bool = True) -> list[dict]:
+    make, shape, batch = MODELS[model_name]
+    x, y = _data(shape, batch)
+    steps: dict[str, object] = {"non-private": _non_private(make, x, y)}
+    notes: dict[str, str] = {}
+    step, used = _ours(make, x, y, "auto")
+    steps["ours"] = step
+    notes["ours"] = f"clipping={used}"
+    steps["ours-vmap"] = _ours(make, x, y, "vmap")[0]
+    if opacus:
+        for mode in ("hooks", "ew", "ghost"):
+            try:
+                steps[f"opacus-{mode}"] = _opacus(make, x, y, mode)
+                for _ in range(2):
+                    steps[f"opacus-{mode}"]()
+            except Exception as e:  # a mode that does not support this model
+                steps.pop(f"opacus-{mode}", None)
+                notes[f"opacus-{mode}"] = f"fails: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for r in range(warmup + rounds):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            if r >= warmup:
+                times[name].append(dt)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    opacus_best = min((v for k, v in med.items() if k.startswith("opacus")), default=float("nan"))
+    rows = []
+    for name in list(steps) + [k for k in notes if k not in steps]:
+        if name not in med:
+            rows.append({"model": model_name, "mode": name, "note": notes[name]})
+            continue
+        rows.append(
+            {
+                "model": model_name,
+                "batch": batch,
+                "mode": name,
+                "ms_per_step": med[name] * 1e3,
+                "samples_per_s": batch / med[name],
+                "x_non_private": med[name] / med["non-private"],
+                "throughput_vs_opacus_best": opacus_best / med[name],
+                "note": notes.get(name, ""),
+            }
+        )
+    return rows
+
+
+def memory_child(model_name: str, lot: int, physical: int) -> int:
+    """Peak RSS (KiB) of this process after building the model and taking 2 private steps
+    with a lot of ``lot`` examples in physical batches of ``physical``."""
+    make, shape, _ = MODELS[model_name]
+    x, y = _data(shape, lot)
+    model = make()
+    opt = dpcore.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), model=model, loss_fn=F.cross_entropy, noise_multiplier=1.0,
+        clip_norm=1.0, sample_rate=0.01, dataset_size=100 * lot, randomness=dpcore.SecureRandomness(),
+        ledger=dpcore.PrivacyLedger(None, 1e-5, epsilon_every=10**9), physical_batch_size=physical,
+    )
+    for _ in range(2):
+        opt.accumulate(x, y)
+        opt.step()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def memory_rows(model_name: str, lots=(128, 4096), physical: int = 128, threads: int = 2) -> list[dict]:
+    rows = []
+    for lot in lots:
+        out = subprocess.run(
+            [sys.executable, "-m", "pipelines.bench", "--memory-child", model_name, str(lot), str(physical), "--threads", str(threads)],
+            capture_output=True, text=True, check=True,
+        )
+        rows.append({"model": model_name, "lot": lot, "physical_batch": physical, "peak_rss_mib": int(out.stdout.strip()) / 1024})
+    base = rows[0]["peak_rss_mib"]
+    for r in rows:
+        r["x_smallest_lot"] = r["peak_rss_mib"] / base
+    return rows
+
+
+def print_tables(step_rows: list[dict], mem_rows: list[dict], threads: int, rounds: int) -> None:
+    print(f"\nPrivate step time: {rounds} interleaved rounds, median; torch {torch.__version__}, {threads} thread(s), "
+          f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')}")
+    print("| model (batch) | mode | ms/step | samples/s | × non-private | throughput ÷ Opacus best | note |")
+    print("|---|---|---|---|---|---|---|")
+    for r in step_rows:
+        if "ms_per_step" not in r:
+            print(f"| {r['model']} | {r['mode']} | – | – | – | – | {r['note']} |")
+            continue
+        print(
+            f"| {r['model']} ({r['batch']}) | {r['mode']} | {r['ms_per_step']:.1f} | {r['samples_per_s']:.0f} | "
+            f"{r['x_non_private']:.2f} | {r['throughput_vs_opacus_best']:.2f} | {r['note']} |"
+        )
+    if mem_rows:
+        print("\nPeak RSS of a fresh process after two private steps (ours, default clipping)")
+        print("| model | lot | physical batch | peak RSS (MiB) | × lot 128 |")
+        print("|---|---|---|---|---|")
+        for r in mem_rows:
+            print(f"| {r['model']} | {r['lot']} | {r['physical_batch']} | {r['peak_rss_mib']:.0f} | {r['x_smallest_lot']:.2f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dp-platform bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--rounds", type=int, default=15, help="interleaved timed rounds (after 3 warm-up rounds)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (the same for every mode)")
+    p.add_argument("--memory", action="store_true", help="also measure peak RSS for lot 128 and 4096 (mnist_cnn)")
+    p.add_argument("--no-opacus", action="store_true", help="skip Opacus even if installed")
+    p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument("--memory-child", nargs=3, metavar=("MODEL", "LOT", "PHYSICAL"), help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    if a.memory_child:
+        print(memory_child(a.memory_child[0], int(a.memory_child[1]), int(a.memory_child[2])))
+        return 0
+    try:
+        import opacus  # noqa: F401
+
+        have_opacus = not a.no_opacus
+    except ImportError:
+        have_opacus = False
+        print("Opacus is not installed (pip install -e '.[test]'); its columns are skipped.", file=sys.stderr)
+    step_rows = []
+    for name in a.models:
+        print(f"timing {name} …", file=sys.stderr, flush=True)
+        step_rows += time_steps(name, a.rounds, opacus=have_opacus)
+    mem_rows = memory_rows("mnist_cnn", threads=a.threads) if a.memory else []
+    print_tables(step_rows, mem_rows, a.threads, a.rounds)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"steps": step_rows, "memory": mem_rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
