@@ -194,7 +194,51 @@ def memory_rows(model_name: str, lots=(128, 4096), physical: int = 128, threads:
     return rows
 
 
-def print_tables(step_rows: list[dict], mem_rows: list[dict], threads: int, rounds: int) -> None:
+def plain_bisection_sigma(eps: float, delta: float, q: float, steps: int, rel_tol: float = 1e-3) -> float:
+    """The reference: bisection on σ with dp_accounting's PLDAccountant evaluated from scratch
+    at every trial (no caching, no RDP bracket), to ``rel_tol`` in σ."""
+    import dp_accounting
+    from dp_accounting import pld
+
+    def epsilon(sigma: float) -> float:
+        acc = pld.PLDAccountant()
+        acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+        return acc.get_epsilon(delta)
+
+    lo, hi = 0.3, 50.0
+    while hi / lo > 1 + rel_tol:
+        mid = (lo * hi) ** 0.5
+        if epsilon(mid) > eps:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def accounting_rows(eps: float = 2.0, delta: float = 1e-5, q: float = 4096 / 50000, steps: int = 915) -> list[dict]:
+    """σ calibration against a plain bisection over dp_accounting's PLD, and ε after 10⁵ steps."""
+    from dpcore import accounting
+
+    accounting._base_pld.cache_clear()
+    t0 = time.perf_counter()
+    ours = accounting.calibrate_noise_multiplier(eps, delta, q, steps)
+    t_ours = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ref = plain_bisection_sigma(eps, delta, q, steps)
+    t_ref = time.perf_counter() - t0
+    accounting._base_pld.cache_clear()
+    t0 = time.perf_counter()
+    e_long = accounting.epsilon([(accounting.PrivacyEvent.dpsgd_step(ours, q), 100_000)], delta, "pld")
+    t_long = time.perf_counter() - t0
+    return [
+        {"what": f"calibrate σ for ε={eps:g}, δ={delta:g}, q={q:.5g}, T={steps} (ours, PLD)", "value": ours, "seconds": t_ours},
+        {"what": "plain bisection over dp_accounting PLDAccountant (σ to 0.1%)", "value": ref, "seconds": t_ref},
+        {"what": "ours ÷ plain bisection σ", "value": ours / ref, "seconds": float("nan")},
+        {"what": f"ε after 10⁵ steps at that σ (PLD, cold cache)", "value": e_long, "seconds": t_long},
+    ]
+
+
+def print_tables(step_rows: list[dict], mem_rows: list[dict], threads: int, rounds: int, acc_rows: list[dict] | None = None) -> None:
     print(f"\nPrivate step time: {rounds} interleaved rounds, median; torch {torch.__version__}, {threads} thread(s), "
           f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')}")
     print("| model (batch) | mode | ms/step | samples/s | × non-private | throughput ÷ Opacus best | note |")
@@ -207,6 +251,13 @@ def print_tables(step_rows: list[dict], mem_rows: list[dict], threads: int, roun
             f"| {r['model']} ({r['batch']}) | {r['mode']} | {r['ms_per_step']:.1f} | {r['samples_per_s']:.0f} | "
             f"{r['x_non_private']:.2f} | {r['throughput_vs_opacus_best']:.2f} | {r['note']} |"
         )
+    if acc_rows:
+        print("\nAccountant speed")
+        print("| what | value | seconds |")
+        print("|---|---|---|")
+        for r in acc_rows:
+            secs = "" if r["seconds"] != r["seconds"] else f"{r['seconds']:.3f}"
+            print(f"| {r['what']} | {r['value']:.5g} | {secs} |")
     if mem_rows:
         print("\nPeak RSS of a fresh process after two private steps (ours, default clipping)")
         print("| model | lot | physical batch | peak RSS (MiB) | × lot 128 |")
@@ -217,10 +268,11 @@ def print_tables(step_rows: list[dict], mem_rows: list[dict], threads: int, roun
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dp-platform bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS), help="models to time (none: skip step timing)")
     p.add_argument("--rounds", type=int, default=15, help="interleaved timed rounds (after 3 warm-up rounds)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (the same for every mode)")
     p.add_argument("--memory", action="store_true", help="also measure peak RSS for lot 128 and 4096 (mnist_cnn)")
+    p.add_argument("--accounting", action="store_true", help="also time σ calibration against a plain PLD bisection")
     p.add_argument("--no-opacus", action="store_true", help="skip Opacus even if installed")
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument("--memory-child", nargs=3, metavar=("MODEL", "LOT", "PHYSICAL"), help=argparse.SUPPRESS)
@@ -241,10 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"timing {name} …", file=sys.stderr, flush=True)
         step_rows += time_steps(name, a.rounds, opacus=have_opacus)
     mem_rows = memory_rows("mnist_cnn", threads=a.threads) if a.memory else []
-    print_tables(step_rows, mem_rows, a.threads, a.rounds)
+    acc_rows = accounting_rows() if a.accounting else None
+    print_tables(step_rows, mem_rows, a.threads, a.rounds, acc_rows)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"steps": step_rows, "memory": mem_rows}, f, indent=2)
+            json.dump({"steps": step_rows, "memory": mem_rows, "accounting": acc_rows}, f, indent=2)
     return 0
 
 
