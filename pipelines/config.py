@@ -36,7 +36,7 @@ class TrainConfig:
         None, "folder holding the dataset (torchvision layout or an ImageFolder tree), or an already ingested Parquet dataset (has manifest.json)", "data"
     )
     download: bool = _f(False, "download the torchvision dataset into data_dir (needs a network)", "data")
-    image_size: int | None = _f(None, "resize ImageFolder images to this square size", "data")
+    image_size: int | None = _f(None, "resize ImageFolder images to this square size; the size of 'generated' images (default 8)", "data")
     generated_size: int = _f(10_000, "number of examples of the 'generated' dataset", "data")
     val_fraction: float = _f(0.1, "fraction of the training data held out for validation (never trained on)", "data")
     test_fraction: float = _f(0.2, "fraction held out for testing, for datasets without their own test set", "data")

@@ -143,9 +143,13 @@ def load_generated(
     test_fraction: float = 0.2,
     val_fraction: float = 0.1,
     split_seed: int = 0,
+    image_size: int | None = None,
     **_,
 ) -> Dataset:
-    """``generated_size`` images: a random prototype per class plus Gaussian noise (public seed)."""
+    """``generated_size`` images: a random prototype per class plus Gaussian noise (public seed).
+    ``image_size`` makes them 1×S×S (default 1×8×8)."""
+    if image_size:
+        image_shape = (1, int(image_size), int(image_size))
     if isinstance(generated_size, bool) or not isinstance(generated_size, int) or generated_size < 10:
         raise DPConfigError(f"generated_size={generated_size!r} is invalid: it must be an integer ≥ 10.")
     g = torch.Generator().manual_seed(1234)
