@@ -55,6 +55,33 @@ class Randomness:
         raise NotImplementedError
 
 
+_PARALLEL_BYTES = 1 << 22  # requests above 4 MiB are split across threads
+_POOL = None
+
+
+def _urandom(nbytes: int) -> bytearray:
+    """``nbytes`` from the OS CSPRNG. Large requests are filled by several threads at once
+    (``os.urandom`` releases the GIL, and each chunk is an independent draw from the same
+    kernel CSPRNG), which roughly halves the time on two cores."""
+    global _POOL
+    workers = min(4, os.cpu_count() or 1)
+    if nbytes <= _PARALLEL_BYTES or workers == 1:
+        return bytearray(os.urandom(nbytes))
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dpcore-urandom")
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    step = -(-nbytes // workers)
+
+    def fill(start: int) -> None:
+        view[start : start + step] = os.urandom(min(step, nbytes - start))
+
+    list(_POOL.map(fill, range(0, nbytes, step)))
+    return buf
+
+
 class SecureRandomness(Randomness):
     """OS entropy for every draw. Accepts no seed; its state is empty by construction."""
 
@@ -71,7 +98,7 @@ class SecureRandomness(Randomness):
     def _uniform53(n: int) -> torch.Tensor:
         if n == 0:
             return torch.empty(0, dtype=torch.float64)
-        raw = torch.frombuffer(bytearray(os.urandom(8 * n)), dtype=torch.int64)
+        raw = torch.frombuffer(_urandom(8 * n), dtype=torch.int64)
         # Keep the top 53 bits (logical shift of the unsigned value) -> [0, 2^53).
         bits = torch.bitwise_right_shift(raw, 11) & ((1 << 53) - 1)
         return bits.to(torch.float64) * _TWO_POW_M53

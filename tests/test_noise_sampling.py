@@ -170,3 +170,18 @@ def test_seeded_mode_is_never_silent():
     with pytest.warns(dpcore.SeededRandomnessWarning, match="tests and research only"):
         r = dpcore.make_randomness(3)
     assert not r.secure and "seeded" in r.describe()
+
+
+def test_large_secure_draws_filled_by_several_threads_are_still_iid_normal():
+    """Above 4 MiB the OS entropy is fetched by several threads into one buffer: every part
+    must be filled (no zeros, no repeated chunk) and the whole must be N(0, 1)."""
+    from dpcore import randomness as rnd
+
+    n = rnd._PARALLEL_BYTES // 8 * 3 + 12345  # 3+ MiB-chunks' worth of uniforms, not a multiple of anything
+    u = dpcore.SecureRandomness().uniform(n)
+    assert u.shape == (n,) and (u > 0).float().mean() > 0.999  # no unfilled (zero) region
+    quarters = u.reshape(-1)[: n - n % 4].reshape(4, -1)
+    assert len({tuple(q[:64].tolist()) for q in quarters}) == 4  # no chunk repeated
+    assert stats.kstest(u[::37].numpy(), "uniform").pvalue > 1e-3
+    z = dpcore.SecureRandomness().normal((n,), 2.0)
+    assert stats.kstest(z[::37].numpy() / 2.0, "norm").pvalue > 1e-3
