@@ -202,3 +202,25 @@ def test_max_steps_respects_its_limit_exactly():
     assert dpcore.max_steps(sigma, q, eps, delta, limit=t + 9) == t  # the limit is not returned unchecked
     assert dpcore.max_steps(sigma, q, eps, delta, limit=t - 3) == t - 3
     assert dpcore.max_steps(sigma, q, eps, delta, limit=t) == t
+
+
+def test_calibrated_sigma_is_within_half_a_percent_above_a_plain_pld_bisection():
+    """Issue P's setting: ε=2, δ=1e-5, q=4096/50000, 915 steps. The reference is a bisection
+    on σ with dp_accounting's PLDAccountant evaluated from scratch at every trial."""
+    import dp_accounting
+    from dp_accounting import pld
+
+    q, steps = 4096 / 50000, 915
+
+    def eps(sigma):
+        acc = pld.PLDAccountant()
+        acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+        return acc.get_epsilon(1e-5)
+
+    lo, hi = 1.0, 20.0
+    while hi / lo > 1.0001:
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if eps(mid) > 2.0 else (lo, mid)
+    ours = dpcore.calibrate_noise_multiplier(2.0, 1e-5, q, steps)
+    assert hi <= ours <= hi * 1.005, (ours, hi)
+    assert eps(ours) <= 2.0
