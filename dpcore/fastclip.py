@@ -40,6 +40,18 @@ def _conv_ok(m: nn.Conv2d) -> bool:
     )
 
 
+def _altered(m: nn.Module) -> bool:
+    """True if the layer's output may not be its plain Linear/Conv2d function of its input:
+    user hooks (which may change inputs or outputs) or a forward replaced on the instance."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or "forward" in m.__dict__)
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as _m
+
+    return bool(_m._global_forward_hooks or _m._global_forward_pre_hooks or _m._global_backward_hooks)
+
+
 def unsupported_parameters(model: nn.Module) -> list[str]:
     """Names of trainable parameters that the fast path cannot handle (empty: all handled).
 
@@ -52,6 +64,9 @@ def unsupported_parameters(model: nn.Module) -> list[str]:
     for mod_name, m in model.named_modules():
         if (type(m) is nn.Linear) or (isinstance(m, nn.Conv2d) and _conv_ok(m)):
             prefix = f"{mod_name}." if mod_name else ""
+            if _altered(m):
+                problems.append(prefix + "weight (the layer has hooks or a replaced forward)")
+                continue
             if m.bias is not None and m.bias.requires_grad and not m.weight.requires_grad:
                 problems.append(prefix + "bias (its weight is frozen)")
                 continue
@@ -97,6 +112,9 @@ class BookKeepingClipper:
 
     # ----------------------------------------------------------------------------------
     def _capture(self, x: torch.Tensor):
+        # Re-checked at every call: hooks may be added after construction.
+        if _global_hooks() or any(_altered(m) for _, m in self.layers):
+            raise Unsupported("a layer has forward/backward hooks or a replaced forward")
         records: dict[str, list] = {name: [] for name, _ in self.layers}
 
         def hook_for(name):

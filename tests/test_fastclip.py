@@ -172,3 +172,28 @@ def test_bench_command_prints_its_table():
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "| mnist_cnn (256) | non-private |" in res.stdout and "clipping=bookkeeping" in res.stdout
+
+
+def test_layers_with_hooks_or_a_replaced_forward_are_left_to_the_reference_path():
+    """A forward hook can change a layer's output, and then z = Wa + b no longer holds: the
+    book-keeping formula would be wrong, so such layers are not handled, even when the hook
+    arrives after the optimizer was built."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    x, y = torch.randn(10, 5), torch.randint(0, 3, (10,))
+    opt = dpcore.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=ce, noise_multiplier=1.0, clip_norm=0.5,
+        sample_rate=0.1, dataset_size=100, randomness=dpcore.SeededRandomness(0), ledger=dpcore.PrivacyLedger(None, 1e-5),
+    )
+    assert opt.clipping == "bookkeeping"
+    handle = model[0].register_forward_hook(lambda m, inp, out: out * 3.0)
+    assert not supports(model) and "0.weight (the layer has hooks or a replaced forward)" in unsupported_parameters(model)
+    with pytest.warns(UserWarning, match="using the vmap path"):
+        opt.accumulate(x, y)
+    ref, _ = _reference(model, x, y, 0.5)  # the reference runs the hook too
+    for k, v in ref.items():
+        assert torch.allclose(opt._sum[k], v, atol=1e-6)
+    handle.remove()
+    patched = nn.Linear(5, 3)
+    patched.forward = lambda inp: nn.functional.linear(inp, patched.weight * 2.0, patched.bias)
+    assert not supports(nn.Sequential(patched))
