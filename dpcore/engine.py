@@ -112,7 +112,7 @@ def make_private(
     reduce_fn: ReduceFn | None = None,
     epsilon_every: int = 1,
     journal: str | None = None,
-    clipping: str = "auto",
+    clipping: str = "vmap",
 ) -> PrivateTraining:
     """Validate everything, calibrate σ (unless given), and build sampler, ledger and optimizer.
 
@@ -178,7 +178,7 @@ def build_private(
     rank: int = 0,
     reduce_fn: ReduceFn | None = None,
     physical_batch_size: int = 256,
-    clipping: str = "auto",
+    clipping: str = "vmap",
 ) -> PrivateTraining:
     """Build sampler and optimizer for an already planned run (σ, q, steps known).
 

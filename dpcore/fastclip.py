@@ -74,6 +74,14 @@ def unsupported_parameters(model: nn.Module) -> list[str]:
                 handled[prefix + pname] = id(p)
     trainable = {n: id(p) for n, p in model.named_parameters() if p.requires_grad}
     problems += [n for n in trainable if handled.get(n) != trainable[n]]
+    # Tied parameters: any trainable tensor reachable under two names (a head tied to an
+    # embedding, say) is used outside one layer.
+    seen: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if p.requires_grad:
+            if id(p) in seen and seen[id(p)] != n:
+                problems.append(f"{n} (tied to {seen[id(p)]})")
+            seen.setdefault(id(p), n)
     # A parameter shared by several layers appears once in named_parameters but is reached
     # through more than one layer: per-example gradients would have to be added across layers.
     shared = [n for n, pid in handled.items() if pid in trainable.values() and n not in trainable]
@@ -119,20 +127,36 @@ class BookKeepingClipper:
 
         def hook_for(name):
             def hook(module, inputs, output):
-                records[name].append((inputs[0].detach(), output))
+                if not inputs or not isinstance(inputs[0], torch.Tensor):
+                    raise Unsupported(f"layer {name} was not called with its input as a positional tensor")
+                a = inputs[0]
+                records[name].append((a.detach(), output, a._version, output._version))
 
             return hook
 
         handles = [m.register_forward_hook(hook_for(name)) for name, m in self.layers]
         try:
             out = self.model(x)
+        except Unsupported:
+            raise
+        except Exception as e:  # let the reference path run (and raise, if the model is broken)
+            raise Unsupported(f"the forward failed under book-keeping capture: {type(e).__name__}: {e}") from None
         finally:
             for h in handles:
                 h.remove()
+        if not isinstance(out, torch.Tensor):
+            raise Unsupported("the model's output is not a single tensor")
         for name, rec in records.items():
             if len(rec) != 1:
                 raise Unsupported(f"layer {name} ran {len(rec)} times in one forward")
-        return out, {name: rec[0] for name, rec in records.items()}
+            a, z, va, vz = rec[0]
+            # An in-place op on a layer's input or output (ReLU(inplace=True), +=) after the layer
+            # ran would make the recorded pair wrong.
+            if a._version != va or z._version != vz:
+                raise Unsupported(f"the input or output of layer {name} was modified in place")
+            if a.shape[0] != x.shape[0] or z.shape[0] != x.shape[0] or not z.requires_grad:
+                raise Unsupported(f"layer {name} does not see the batch on dim 0 with gradients")
+        return out, {name: rec[0][:2] for name, rec in records.items()}
 
     def clipped_sum(
         self, x: torch.Tensor, y: torch.Tensor, clip_norm: float, out: dict[str, torch.Tensor]
@@ -144,7 +168,12 @@ class BookKeepingClipper:
             return 0
         with torch.enable_grad():
             logits, rec = self._capture(x)
-            losses = self._per_sample_loss(logits, y)
+            try:
+                losses = self._per_sample_loss(logits, y)
+            except Exception as e:
+                raise Unsupported(f"the loss does not vmap over examples: {type(e).__name__}: {e}") from None
+            if losses.shape != (batch,):
+                raise Unsupported(f"the loss gives shape {tuple(losses.shape)} per batch, not one value per example")
             outputs = [rec[name][1] for name, _ in self.layers]
             grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
         parts = []  # per layer: (name, module, A [B, T, d_in] or [B, d, T], G, per-example grads or None)
@@ -183,8 +212,9 @@ class BookKeepingClipper:
         n_bad = int((~finite).sum())
         # A factor below the dtype's smallest normal number loses precision when cast (a gradient
         # of norm ≳1e32·C in float32): then this batch is summed in float64, as the reference does.
-        tiny = torch.finfo(self.layers[0][1].weight.dtype).tiny * 2.0**24
+        tiny = max(torch.finfo(m.weight.dtype).tiny for _, m in self.layers) * 2.0**24
         wide = bool(((factors < tiny) & finite).any())
+        contributions: list[tuple[str, torch.Tensor]] = []
         for name, m, A, G, channels_first, per_example, bias_g in parts:
             dtype = torch.float64 if wide else m.weight.dtype
             f = factors.to(dtype)
@@ -209,9 +239,11 @@ class BookKeepingClipper:
                     w = torch.einsum("b,bto,bti->oi", f.to(acc), G.to(acc), A.to(acc))
                 w = w.to(dtype)
             prefix = f"{name}." if name else ""
-            self._add(out, prefix + "weight", w.reshape(m.weight.shape).to(m.weight.dtype))
+            contributions.append((prefix + "weight", w.reshape(m.weight.shape).to(m.weight.dtype)))
             if bias_g is not None:
-                self._add(out, prefix + "bias", (f @ bias_g.to(dtype)).to(m.bias.dtype))
+                contributions.append((prefix + "bias", (f @ bias_g.to(dtype)).to(m.bias.dtype)))
+        for key, value in contributions:  # all computed first: nothing is added if anything above fails
+            self._add(out, key, value)
         return n_bad
 
     @staticmethod

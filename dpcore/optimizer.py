@@ -43,7 +43,7 @@ from .validation import (
 )
 
 ReduceFn = Callable[[list[torch.Tensor]], None]
-CLIPPING_MODES = ("auto", "vmap", "bookkeeping")
+CLIPPING_MODES = ("vmap", "bookkeeping")
 
 
 class DPOptimizer:
@@ -62,10 +62,13 @@ class DPOptimizer:
         physical_batch_size: the largest number of examples per vmap call.
         add_noise: False on every rank but one in sharded training.
         reduce_fn: called with the list of summed (noised) gradient tensors, in place.
-        clipping: how the clipped sum is computed. ``"vmap"``: per-example gradients with
-            torch.func (any model). ``"bookkeeping"``: :mod:`dpcore.fastclip` (Linear/Conv2d
-            parameters only; faster, same sum). ``"auto"`` (default): book-keeping where the
-            model allows it, else vmap. Both give the same clipped sum (tested).
+        clipping: how the clipped sum is computed. ``"vmap"`` (default): per-example gradients
+            with torch.func, for any model. ``"bookkeeping"``: :mod:`dpcore.fastclip` (Linear and
+            Conv2d parameters only; faster). Book-keeping assumes that the model treats the
+            examples of a batch independently along dim 0, which no cheap check can prove, so
+            before it is trusted its clipped sum is compared with the vmap path's on the first
+            physical batch of two or more examples; on any difference, or anything it cannot
+            handle at run time, the optimizer warns and stays on the vmap path.
     """
 
     def __init__(
@@ -83,7 +86,7 @@ class DPOptimizer:
         physical_batch_size: int = 256,
         add_noise: bool = True,
         reduce_fn: ReduceFn | None = None,
-        clipping: str = "auto",
+        clipping: str = "vmap",
     ):
         self.optimizer = optimizer
         self.model = model
@@ -107,14 +110,14 @@ class DPOptimizer:
         if clipping not in CLIPPING_MODES:
             raise DPConfigError(f"clipping={clipping!r} is unknown; use one of {', '.join(CLIPPING_MODES)}.")
         self._fast = None
-        if clipping != "vmap":
-            if fastclip.supports(model):
-                self._fast = fastclip.BookKeepingClipper(model, loss_fn)
-            elif clipping == "bookkeeping":
+        self._fast_verified = False
+        if clipping == "bookkeeping":
+            if not fastclip.supports(model):
                 raise DPConfigError(
                     "clipping='bookkeeping' handles Linear and Conv2d parameters only; these are not: "
-                    f"{fastclip.unsupported_parameters(model)[:5]}. Use clipping='auto' (falls back to vmap)."
+                    f"{fastclip.unsupported_parameters(model)[:5]}. Use clipping='vmap'."
                 )
+            self._fast = fastclip.BookKeepingClipper(model, loss_fn)
         self.clipping = "bookkeeping" if self._fast is not None else "vmap"
         self.params = dict((n, p) for n, p in model.named_parameters() if p.requires_grad)
         opt_params = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -145,15 +148,40 @@ class DPOptimizer:
             bad = None
             if self._fast is not None:
                 try:
-                    bad = self._fast.clipped_sum(xb, yb, self.clip_norm, self._sum)
+                    if self._fast_verified:
+                        bad = self._fast.clipped_sum(xb, yb, self.clip_norm, self._sum)
+                    elif xb.shape[0] >= 2:
+                        bad = self._verify_fast(xb, yb)
                 except fastclip.Unsupported as e:  # raised before anything is added
-                    warnings.warn(f"book-keeping clipping cannot handle this model ({e}); using the vmap path.", stacklevel=2)
-                    self._fast, self.clipping = None, "vmap"
+                    self._leave_fast(str(e))
             if bad is None:
                 per_sample = self.grad_sampler(xb, yb)
                 _, bad = clipped_sum(per_sample, self.clip_norm, out=self._sum)
             self._nonfinite_in_lot += bad
             self._examples_in_lot += xb.shape[0]
+
+    def _leave_fast(self, why: str) -> None:
+        warnings.warn(f"book-keeping clipping cannot be used for this model ({why}); using the vmap path.", stacklevel=3)
+        self._fast, self.clipping = None, "vmap"
+
+    def _verify_fast(self, xb: torch.Tensor, yb: torch.Tensor) -> int | None:
+        """First use of book-keeping: compute the batch both ways and keep book-keeping only if
+        the clipped sums agree (to 1e-5 relative to the sum's scale). Adds the reference sum
+        either way. Returns the reference's non-finite count."""
+        fast: dict[str, torch.Tensor] = {}
+        fast_bad = self._fast.clipped_sum(xb, yb, self.clip_norm, fast)
+        ref, bad = clipped_sum(self.grad_sampler(xb, yb), self.clip_norm)
+        scale = max(float(v.abs().max()) for v in ref.values()) if ref else 0.0
+        agree = fast_bad == bad and set(fast) == set(ref) and all(
+            torch.allclose(fast[k], ref[k], rtol=0.0, atol=1e-5 * max(scale, self.clip_norm)) for k in ref
+        )
+        for k, v in ref.items():
+            self._sum[k].add_(v)
+        if agree:
+            self._fast_verified = True
+        else:
+            self._leave_fast("its clipped sum differs from the per-example (vmap) reference on this model")
+        return bad
 
     def step(self) -> None:
         """Noise, reduce, normalise by q·N, step the wrapped optimizer, record the release."""

@@ -109,7 +109,7 @@ def test_nonfinite_examples_are_skipped_and_counted_like_the_reference():
         assert torch.allclose(out[k], ref[k], atol=1e-5)
 
 
-def test_unsupported_layers_are_named_and_the_optimizer_falls_back_to_vmap():
+def test_unsupported_layers_are_named_and_vmap_is_the_default():
     model = nn.Sequential(nn.Linear(4, 8), nn.GroupNorm(2, 8), nn.Linear(8, 3))
     assert unsupported_parameters(model) == ["1.weight", "1.bias"]
     opt = dict(noise_multiplier=1.0, clip_norm=1.0, sample_rate=0.1, dataset_size=100,
@@ -123,14 +123,27 @@ def test_unsupported_layers_are_named_and_the_optimizer_falls_back_to_vmap():
 
 
 def test_a_layer_used_twice_falls_back_at_run_time_and_the_sum_is_still_right():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(5, 5)  # registered once, called twice: only the run shows it
+            self.head = nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.head(self.layer(torch.tanh(self.layer(x))))
+
+    model = Twice()
+    assert supports(model)
+    # The same module registered twice is a tied parameter: refused up front.
     layer = nn.Linear(5, 5)
-    model = nn.Sequential(layer, nn.Tanh(), layer, nn.Flatten(), nn.Linear(5, 3))
+    assert not supports(nn.Sequential(layer, nn.Tanh(), layer))
     x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
     with pytest.raises(Unsupported):
         BookKeepingClipper(model, ce).clipped_sum(x, y, 1.0, {})
     opt = dpcore.DPOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=ce, noise_multiplier=1.0, clip_norm=1.0,
         sample_rate=0.1, dataset_size=100, randomness=dpcore.SeededRandomness(0), ledger=dpcore.PrivacyLedger(None, 1e-5),
+        clipping="bookkeeping",
     )
     assert opt.clipping == "bookkeeping"
     with pytest.warns(UserWarning, match="using the vmap path"):
@@ -184,6 +197,7 @@ def test_layers_with_hooks_or_a_replaced_forward_are_left_to_the_reference_path(
     opt = dpcore.DPOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=ce, noise_multiplier=1.0, clip_norm=0.5,
         sample_rate=0.1, dataset_size=100, randomness=dpcore.SeededRandomness(0), ledger=dpcore.PrivacyLedger(None, 1e-5),
+        clipping="bookkeeping",
     )
     assert opt.clipping == "bookkeeping"
     handle = model[0].register_forward_hook(lambda m, inp, out: out * 3.0)
@@ -197,3 +211,72 @@ def test_layers_with_hooks_or_a_replaced_forward_are_left_to_the_reference_path(
     patched = nn.Linear(5, 3)
     patched.forward = lambda inp: nn.functional.linear(inp, patched.weight * 2.0, patched.bias)
     assert not supports(nn.Sequential(patched))
+
+
+class Center(nn.Module):
+    """Mixes the examples of a batch (no parameters, so dpcore.validate_model cannot see it)."""
+
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True)
+
+
+def _bk_optimizer(model, clip=0.01):
+    return dpcore.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=ce, noise_multiplier=1.0, clip_norm=clip,
+        sample_rate=0.1, dataset_size=100, randomness=dpcore.SeededRandomness(0), ledger=dpcore.PrivacyLedger(None, 1e-5),
+        clipping="bookkeeping", physical_batch_size=16,
+    )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.Sequential(nn.Linear(4, 8), Center(), nn.Tanh(), nn.Linear(8, 3)),  # mixes examples
+        lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 3)),  # in place on an output
+    ],
+    ids=["batch-mixing", "inplace-relu"],
+)
+def test_book_keeping_is_verified_against_vmap_before_it_is_trusted(make):
+    """Book-keeping runs one batched forward; a model that mixes examples, or modifies a layer's
+    output in place, breaks its formula. The first batch is computed both ways: on any
+    difference the optimizer warns and stays on vmap, and what it added is the reference sum."""
+    torch.manual_seed(6)
+    model = make()
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    opt = _bk_optimizer(model)
+    with pytest.warns(UserWarning, match="using the vmap path"):
+        opt.accumulate(x, y)
+    assert opt.clipping == "vmap"
+    ref = {}
+    for i in range(0, 32, 16):  # the reference, in the optimizer's physical batches
+        part, _ = _reference(model, x[i : i + 16], y[i : i + 16], 0.01)
+        for k, v in part.items():
+            ref[k] = ref.get(k, 0) + v
+    for k, v in ref.items():
+        assert torch.allclose(opt._sum[k], v, atol=1e-7)
+
+
+def test_verified_book_keeping_stays_on_and_matches_the_reference():
+    torch.manual_seed(7)
+    model = build_model("small_cnn", (1, 8, 8), 10)
+    opt = _bk_optimizer(model, clip=0.5)
+    x, y = torch.randn(48, 1, 8, 8), torch.randint(0, 10, (48,))
+    opt.accumulate(x, y)
+    assert opt.clipping == "bookkeeping" and opt._fast_verified
+    ref, _ = _reference(model, x, y, 0.5)
+    for k, v in ref.items():
+        assert torch.allclose(opt._sum[k], v, atol=1e-5)
+
+
+def test_tied_parameters_are_not_handled():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(8, 8)
+            self.body = nn.Linear(8, 8)
+            self.body.weight = self.head.weight  # registered after the head: deduplicated away by named_parameters()
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.body(x)))
+
+    assert any("tied" in p or "shared" in p for p in unsupported_parameters(Tied()))

@@ -3,7 +3,7 @@
     .venv/bin/python docs/benchmarks/ray_throughput.py            # about 8 minutes on 2 cores
 
 Data: the `generated` dataset, 28×28 images, 60,000 training examples. Model: the 2-conv MNIST
-CNN. Expected lot 1024 (q = 1024/60000), σ = 1, the default (book-keeping) clipping, secure
+CNN. Expected lot 1024 (q = 1024/60000), σ = 1, book-keeping clipping, secure
 noise. The same number of steps for each setting.
 
 * Ray rows: the real main job (`pipelines.train.run`), its steady-state rate measured from the
@@ -43,7 +43,7 @@ def ray_row(workers: int, root: str) -> dict:
     q = LOT / N_TRAIN
     cfg = TrainConfig(
         **DATA, model="cnn", optimizer="sgd", lr=0.05, lot_size=LOT, epochs=STEPS * q, noise_multiplier=SIGMA,
-        target_epsilon=50.0, num_workers=workers, checkpoint_every=STEPS // 2, storage_path=f"{root}/runs",
+        target_epsilon=50.0, num_workers=workers, checkpoint_every=STEPS // 2, clipping="bookkeeping", storage_path=f"{root}/runs",
         tracking_uri=f"sqlite:///{root}/mlflow.db", registered_model="none", quiet=True, physical_batch_size=512,
     )
     t0 = time.perf_counter()
@@ -67,7 +67,7 @@ def in_process_row() -> dict:
     private = dpcore.make_private(
         model, torch.optim.SGD(model.parameters(), lr=0.05), F.cross_entropy, dataset_size=n, lot_size=LOT,
         epochs=STEPS * LOT / n, target_epsilon=50.0, target_delta=1e-5, clip_norm=1.0, noise_multiplier=SIGMA,
-        physical_batch_size=512, epsilon_every=max(1, STEPS // 20),  # the ε cadence the main job uses
+        physical_batch_size=512, epsilon_every=max(1, STEPS // 20), clipping="bookkeeping",  # ε cadence as the main job
     )
     times = []
     for lot in private.sampler:
