@@ -270,8 +270,9 @@ class BookKeepingClipper:
             a, g = (A[:, :, 0], G[:, :, 0]) if channels_first else (A[:, 0], G[:, 0])
             sq = torch.linalg.vector_norm(a, dim=1, dtype=torch.float64).square() * torch.linalg.vector_norm(g, dim=1, dtype=torch.float64).square()
             return sq, None
-        if B * c * d <= self.MAX_PER_EXAMPLE_ELEMENTS and T * d * c <= 4 * T * T * (d + c):
-            W = G @ A.transpose(1, 2) if channels_first else G.transpose(1, 2) @ A  # [B, c, d]
+        # (Convolutions reach here only when materialising is over budget: the ghost form.)
+        if not channels_first and B * c * d <= self.MAX_PER_EXAMPLE_ELEMENTS and T * d * c <= 4 * T * T * (d + c):
+            W = G.transpose(1, 2) @ A  # [B, c, d]
             return torch.linalg.vector_norm(W.reshape(B, -1), dim=1, dtype=torch.float64).square(), W
         if channels_first:
             aa = A.transpose(1, 2).double() @ A.double()  # [B, T, T]

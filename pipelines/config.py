@@ -131,9 +131,6 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def replace(self, **changes) -> "TrainConfig":
-        return dataclasses.replace(self, **changes)
-
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 

@@ -27,9 +27,6 @@ import numpy as np
 
 import dpcore
 
-TAG_PREFIX = "dp."
-
-
 class TrackingError(dpcore.DPConfigError):
     """The MLflow tracking store cannot be used."""
 
