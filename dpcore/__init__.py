@@ -23,9 +23,12 @@ from .errors import (
     SeededRandomnessWarning,
     UnsupportedModuleError,
 )
+from .ema import ParameterEMA
 from .grad_sample import PerSampleGradients
 from .ledger import LedgerEntry, PrivacyLedger
+from .methods import METHODS, ascent_schedule, check_method_options
 from .optimizer import DPOptimizer
+from .pca import PCAProjection, dp_pca
 from .randomness import Randomness, SecureRandomness, SeededRandomness, make_randomness
 from .sampling import PoissonSampler, shard_indices
 from .validation import convert_batchnorm_to_groupnorm, sample_rate_from_lot_size, validate_model
@@ -38,6 +41,9 @@ __all__ = [
     "DPOptimizer",
     "DeltaTooLargeWarning",
     "LedgerEntry",
+    "METHODS",
+    "PCAProjection",
+    "ParameterEMA",
     "PerSampleGradients",
     "PoissonSampler",
     "PrivacyEvent",
@@ -48,10 +54,13 @@ __all__ = [
     "SeededRandomness",
     "SeededRandomnessWarning",
     "UnsupportedModuleError",
+    "ascent_schedule",
     "build_private",
+    "check_method_options",
     "calibrate_noise_multiplier",
     "clipped_sum",
     "convert_batchnorm_to_groupnorm",
+    "dp_pca",
     "dpsgd_epsilon",
     "epsilon",
     "make_private",

@@ -233,8 +233,11 @@ def calibrate_noise_multiplier(
     accountant: str = "pld",
     rel_tol: float = 0.005,
     prior_groups: Sequence[tuple[PrivacyEvent, int]] = (),
+    kind: str = POISSON_GAUSSIAN,
 ) -> float:
     """The smallest σ (to ``rel_tol`` in ε) whose ε after ``steps`` DP-SGD steps is ≤ target.
+
+    ``kind=POISSON_LAPLACE`` calibrates the Laplace form's b/C instead (PLD only).
 
     Guarantees ε(σ) ≤ target_epsilon and ε(σ) ≥ (1 − rel_tol)·target_epsilon, unless no σ
     can reach the target (then :class:`DPConfigError`). ``prior_groups`` are other events of
@@ -249,14 +252,18 @@ def calibrate_noise_multiplier(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
         raise DPConfigError(f"steps={steps!r} is invalid: it must be a positive integer.")
     check_accountant(accountant)
+    if kind not in (POISSON_GAUSSIAN, POISSON_LAPLACE):
+        raise DPConfigError(f"kind={kind!r}: only per-step events ({POISSON_GAUSSIAN}, {POISSON_LAPLACE}) are calibrated.")
+    if kind == POISSON_LAPLACE and accountant != "pld":
+        raise DPConfigError(f"Laplace steps are accounted by PLD only, not {accountant!r}.")
     prior = list(prior_groups)
 
     def eps(sigma: float, acc: str = accountant) -> float:
-        return epsilon(prior + [(PrivacyEvent.dpsgd_step(sigma, sample_rate), steps)], target_delta, acc)
+        return epsilon(prior + [(PrivacyEvent(kind, float(sigma), sample_rate), steps)], target_delta, acc)
 
     # An upper end: RDP's σ (looser accountant ⇒ larger σ) or grow until ε ≤ target.
     hi = 1.0
-    cheap = "rdp" if accountant != "moments" else "moments"
+    cheap = accountant if (accountant == "moments" or kind == POISSON_LAPLACE) else "rdp"
     while eps(hi, cheap) > target_epsilon:
         hi *= 2.0
         if hi > 1e6:

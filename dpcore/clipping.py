@@ -26,13 +26,25 @@ import torch
 CLIP_MARGIN = 1e-6
 
 
-def per_sample_norms(per_sample: dict[str, torch.Tensor]) -> torch.Tensor:
-    """DIAGNOSTICS ONLY (not private): the L2 norm of each example's whole gradient, float64."""
-    sq = None
+NORM_ORDERS = (1, 2)
+
+
+def per_sample_norms(per_sample: dict[str, torch.Tensor], ord: int = 2) -> torch.Tensor:
+    """The L2 (or, with ``ord=1``, L1) norm of each example's whole gradient, in float64.
+
+    Used inside the clipped sum; on its own it is a DIAGNOSTICS call (per-example norms are
+    not private)."""
+    if ord not in NORM_ORDERS:
+        raise ValueError(f"ord={ord!r}: clipping norms are L1 (1) or L2 (2).")
+    total = None
     for g in per_sample.values():
-        s = torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1, dtype=torch.float64).square()
-        sq = s if sq is None else sq + s
-    return sq.sqrt()
+        flat = g.reshape(g.shape[0], -1)
+        if ord == 2:
+            s = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64).square()
+        else:
+            s = torch.linalg.vector_norm(flat, ord=1, dim=1, dtype=torch.float64)
+        total = s if total is None else total + s
+    return total.sqrt() if ord == 2 else total
 
 
 def clip_factors(norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,13 +61,15 @@ def clip_factors(norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, t
 
 
 def clipped_sum(
-    per_sample: dict[str, torch.Tensor], clip_norm: float, out: dict[str, torch.Tensor] | None = None
+    per_sample: dict[str, torch.Tensor], clip_norm: float, out: dict[str, torch.Tensor] | None = None, ord: int = 2
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Σ_i g_i·min(1, C/‖g_i‖) over the batch, added into ``out`` when given.
 
+    ``ord=1`` clips the L1 norm instead (for Laplace noise, whose sensitivity is in L1); the
+    same float64 norms and relative margin keep ‖clipped g_i‖₁ ≤ C.
     Returns ``(sums, nonfinite_count)``. Examples with a non-finite gradient contribute zero.
     """
-    norms = per_sample_norms(per_sample)
+    norms = per_sample_norms(per_sample, ord)
     factors, finite = clip_factors(norms, clip_norm)
     n_bad = int((~finite).sum())
     result = {} if out is None else out

@@ -13,14 +13,17 @@ Every input is checked here, before the sampler draws anything or any noise is a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from . import accounting
+from .accounting import PrivacyEvent
 from .errors import DPConfigError
 from .grad_sample import LossFn
 from .ledger import PrivacyLedger
+from .methods import check_method_options
 from .optimizer import DPOptimizer, ReduceFn
 from .randomness import Randomness, make_randomness
 from .sampling import PoissonSampler, shard_indices
@@ -57,8 +60,13 @@ def plan(
     noise_multiplier: float | None = None,
     accountant: str = "pld",
     max_noise_multiplier: float | None = None,
+    noise: str = "gaussian",
+    prior_groups: Sequence[tuple[PrivacyEvent, int]] = (),
 ) -> tuple[float, float, int]:
     """(σ, q, steps) for a run. σ is calibrated to the budget unless given.
+
+    ``noise="laplace"`` plans the Laplace form (σ is then b/C). ``prior_groups`` are the run's
+    other releases (a DP-PCA projection), composed with the steps in the budget.
 
     With a given σ, the number of steps is min(epochs/q, the steps the budget allows); a
     budget that allows no step at all is an error. With ``max_noise_multiplier``, a budget
@@ -70,8 +78,18 @@ def plan(
     check_epsilon(target_epsilon)
     check_delta(target_delta, dataset_size=dataset_size)
     steps = accounting.steps_for_epochs(epochs, q)
+    check_method_options(noise=noise, clip_norm_type="l1" if noise == "laplace" else "l2", accountant=accountant)
+    kind = accounting.POISSON_LAPLACE if noise == "laplace" else accounting.POISSON_GAUSSIAN
+    prior = list(prior_groups)
+    if prior and accounting.epsilon(prior, target_delta, accountant) >= target_epsilon:
+        raise DPConfigError(
+            f"the run's other releases (DP-PCA) alone spend ε={accounting.epsilon(prior, target_delta, accountant):.4g} "
+            f"≥ target_epsilon={target_epsilon}: nothing is left for training. Raise pca_noise_multiplier or target_epsilon."
+        )
     if noise_multiplier is None:
-        sigma = accounting.calibrate_noise_multiplier(target_epsilon, target_delta, q, steps, accountant)
+        sigma = accounting.calibrate_noise_multiplier(
+            target_epsilon, target_delta, q, steps, accountant, prior_groups=prior, kind=kind
+        )
         if max_noise_multiplier is not None and sigma > max_noise_multiplier:
             raise DPConfigError(
                 f"target_epsilon={target_epsilon} cannot be reached in {epochs:g} epochs ({steps} steps at "
@@ -81,7 +99,9 @@ def plan(
             )
     else:
         sigma = check_noise_multiplier(noise_multiplier)
-        allowed = accounting.max_steps(sigma, q, target_epsilon, target_delta, accountant)
+        allowed = accounting.max_steps(
+            sigma, q, target_epsilon, target_delta, accountant, prior_groups=prior, event=accounting.PrivacyEvent(kind, sigma, q)
+        )
         if allowed == 0:
             raise DPConfigError(
                 f"noise_multiplier={sigma} cannot take even one step within ε={target_epsilon} at "
@@ -113,8 +133,13 @@ def make_private(
     epsilon_every: int = 1,
     journal: str | None = None,
     clipping: str = "vmap",
+    **method_options: Any,
 ) -> PrivateTraining:
     """Validate everything, calibrate σ (unless given), and build sampler, ledger and optimizer.
+
+    ``method_options`` are :class:`DPOptimizer`'s method arguments (``method``, ``ascent``,
+    ``bam_variant``, ``noise``, ``clip_norm_type``, ``augment``, ``augmentation_multiplicity``,
+    ``diagnostics``); they are checked before σ is calibrated.
 
     ``journal`` is the path of the ledger's append-only journal (see :class:`PrivacyLedger`);
     an existing journal is resumed. ``seed=None`` (default) is secure mode. In sharded use, each rank passes its ``rank``; it
@@ -128,6 +153,9 @@ def make_private(
             "without it each rank would step on its own shard and ranks ≥ 1 would step without noise."
         )
     check_positive_int(physical_batch_size, "physical_batch_size")
+    check_method_options(
+        **{k: v for k, v in method_options.items() if k not in ("augment", "diagnostics")}, clipping=clipping, accountant=accountant
+    )
     sigma, q, steps = plan(
         dataset_size=dataset_size,
         lot_size=lot_size,
@@ -136,6 +164,7 @@ def make_private(
         target_delta=target_delta,
         noise_multiplier=noise_multiplier,
         accountant=accountant,
+        noise=method_options.get("noise", "gaussian"),
     )
     return build_private(
         model,
@@ -156,6 +185,7 @@ def make_private(
         reduce_fn=reduce_fn,
         ledger=PrivacyLedger(target_epsilon, target_delta, accountant, epsilon_every=epsilon_every, journal=journal),
         clipping=clipping,
+        **method_options,
     )
 
 
@@ -179,6 +209,7 @@ def build_private(
     reduce_fn: ReduceFn | None = None,
     physical_batch_size: int = 256,
     clipping: str = "vmap",
+    **method_options: Any,
 ) -> PrivateTraining:
     """Build sampler and optimizer for an already planned run (σ, q, steps known).
 
@@ -208,5 +239,6 @@ def build_private(
         add_noise=(rank == 0),
         reduce_fn=reduce_fn,
         clipping=clipping,
+        **method_options,
     )
     return PrivateTraining(dp_optimizer, sampler, ledger, randomness, noise_multiplier, sample_rate, steps)

@@ -7,6 +7,18 @@ the lot size.
 
 ``loss_fn(output, target)`` is called on a batch of one example (the leading dimension is
 kept), so any ordinary PyTorch loss works (``F.cross_entropy`` with its default reduction).
+
+Per-example quantities beyond the plain gradient, each one a function of that example alone
+(so each one's contribution is still clipped to C and the sensitivity analysis of DP-SGD is
+untouched):
+
+* **augmentation multiplicity** (``multiplicity=K``): example i arrives as K augmented
+  copies ``x[i] : [K, ...]``; its loss is the mean of the K losses, so its gradient is the
+  mean of the K gradients (De et al. 2022), clipped afterwards as one vector;
+* **BAM, SAM form** (:meth:`PerSampleGradients.bam`): the gradient at the example's own
+  ascent point θ + λ·g_i/‖g_i‖ (per-sample parameters under vmap);
+* **BAM, exact form**: ∇L_i + λ·H_i g_i/‖g_i‖, the gradient of L_i + λ‖∇L_i‖, with the
+  Hessian-vector product by forward-over-reverse (a ``jvp`` of ``grad``), per example.
 """
 from __future__ import annotations
 
@@ -14,11 +26,17 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, grad, jvp, vmap
 
 from .validation import validate_model
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Grads = dict[str, torch.Tensor]
+
+
+def _joint_norm(g: Grads) -> torch.Tensor:
+    """L2 norm of all of one example's gradient tensors together (float64 sums)."""
+    return torch.sqrt(sum(t.double().square().sum() for t in g.values()))
 
 
 class PerSampleGradients:
@@ -27,25 +45,55 @@ class PerSampleGradients:
     Only parameters with ``requires_grad=True`` get gradients; frozen parameters and all
     buffers are passed to the functional call unchanged. Modules that draw randomness in
     the forward pass (dropout) get an independent draw per example.
+
+    With ``multiplicity=K > 1``, inputs are ``[B, K, ...]`` (K augmentations of each example)
+    and example i's gradient is the mean over its K copies.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn):
+    def __init__(self, model: nn.Module, loss_fn: LossFn, multiplicity: int = 1):
         validate_model(model)
         self.model = model
         self.loss_fn = loss_fn
+        self.multiplicity = int(multiplicity)
         self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
 
+        def one_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.loss_fn(out.unsqueeze(0), y.unsqueeze(0))
+
         def example_loss(params, consts, x, y):
-            out = functional_call(self.model, {**consts, **params}, (x.unsqueeze(0),))
-            return self.loss_fn(out, y.unsqueeze(0))
+            if self.multiplicity == 1:
+                out = functional_call(self.model, {**consts, **params}, (x.unsqueeze(0),))
+                return self.loss_fn(out, y.unsqueeze(0))
+            out = functional_call(self.model, {**consts, **params}, (x,))  # the K copies of one example
+            return vmap(one_loss, in_dims=(0, None))(out, y).mean()
+
+        example_grad = grad(example_loss)
+
+        def bam_sam(params, consts, x, y, lam):
+            g = example_grad(params, consts, x, y)
+            norm = _joint_norm(g)
+            scale = torch.where(norm > 0, lam / norm.clamp_min(1e-300), torch.zeros_like(norm))
+            shifted = {k: params[k] + scale.to(params[k].dtype) * g[k] for k in params}
+            return example_grad(shifted, consts, x, y), g
+
+        def bam_exact(params, consts, x, y, lam):
+            g = example_grad(params, consts, x, y)
+            norm = _joint_norm(g)
+            inv = torch.where(norm > 0, 1.0 / norm.clamp_min(1e-300), torch.zeros_like(norm))
+            direction = {k: inv.to(g[k].dtype) * g[k] for k in g}
+            _, hvp = jvp(lambda p: example_grad(p, consts, x, y), (params,), (direction,))
+            return {k: g[k] + lam.to(g[k].dtype) * hvp[k] for k in g}, g
 
         self._example_loss = example_loss
-        self._per_sample = vmap(grad(example_loss), in_dims=(None, None, 0, 0), randomness="different")
-        # Per-sample parameters (one set per example), used by methods that evaluate each
-        # example at its own perturbed point (BAM's ascent step).
-        self._per_sample_at = vmap(grad(example_loss), in_dims=(0, None, 0, 0), randomness="different")
+        self._per_sample = vmap(example_grad, in_dims=(None, None, 0, 0), randomness="different")
+        # Per-sample parameters (one set per example): each example evaluated at its own point.
+        self._per_sample_at = vmap(example_grad, in_dims=(0, None, 0, 0), randomness="different")
+        self._bam = {
+            "sam": vmap(bam_sam, in_dims=(None, None, 0, 0, None), randomness="different"),
+            "exact": vmap(bam_exact, in_dims=(None, None, 0, 0, None), randomness="different"),
+        }
 
-    def params(self) -> dict[str, torch.Tensor]:
+    def params(self) -> Grads:
         named = dict(self.model.named_parameters())
         return {n: named[n].detach() for n in self.param_names}
 
@@ -54,10 +102,19 @@ class PerSampleGradients:
         consts.update({n: b for n, b in self.model.named_buffers()})
         return consts
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-example gradients at the model's current parameters."""
-        return self._per_sample(self.params(), self.constants(), x, y)
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, params: Grads | None = None) -> Grads:
+        """Per-example gradients at the model's current parameters (or at ``params``)."""
+        return self._per_sample(self.params() if params is None else params, self.constants(), x, y)
 
-    def at(self, params_per_sample: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    def at(self, params_per_sample: Grads, x: torch.Tensor, y: torch.Tensor) -> Grads:
         """Per-example gradients, example i evaluated at ``params_per_sample[·][i]``."""
         return self._per_sample_at(params_per_sample, self.constants(), x, y)
+
+    def bam(self, x: torch.Tensor, y: torch.Tensor, lam: float, variant: str = "sam") -> tuple[Grads, Grads]:
+        """BAM's per-example gradients and the plain per-example gradients at θ they started from.
+
+        ``variant="sam"``: ∇L_i(θ + λ·g_i/‖g_i‖). ``variant="exact"``: ∇L_i + λ·H_i g_i/‖g_i‖.
+        An example whose gradient is zero takes no ascent step.
+        """
+        lam_t = torch.tensor(float(lam), dtype=torch.float64)
+        return self._bam[variant](self.params(), self.constants(), x, y, lam_t)

@@ -269,7 +269,9 @@ class PrivacyLedger:
         return n
 
     def committed_steps(self) -> list[int]:
-        return [e.step for e in self._entries if e.status == COMMITTED]
+        """The training steps (step ≥ 1) whose releases are committed. Releases made before
+        training (step 0, such as a DP-PCA projection) are in the ledger but are not steps."""
+        return [e.step for e in self._entries if e.status == COMMITTED and e.step > 0]
 
     # ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:

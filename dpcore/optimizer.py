@@ -17,6 +17,11 @@
 
 The wrapped optimizer's state (momentum, Adam moments) therefore only ever sees the noised
 gradient: that is why DP-Adam has exactly DP-SGD's guarantee (post-processing).
+
+The methods of :mod:`dpcore.methods` change only *which* per-example vector is clipped (BAM,
+augmentation multiplicity) or *where* the lot's gradients are evaluated (DP-SAT), and the
+noise's distribution (Gaussian or Laplace). Clipping, the one noise draw per lot, the all-reduce,
+the division by qN and the ledger are the same code for all of them.
 """
 from __future__ import annotations
 
@@ -28,9 +33,10 @@ from torch import nn
 import warnings
 
 from . import fastclip
-from .accounting import PrivacyEvent
-from .clipping import clipped_sum, per_sample_norms
+from .accounting import POISSON_LAPLACE, PrivacyEvent
+from .clipping import clip_factors, clipped_sum, per_sample_norms
 from .grad_sample import LossFn, PerSampleGradients
+from .methods import AscentArg, as_schedule, check_method_options
 from .ledger import PrivacyLedger
 from .errors import DPConfigError
 from .randomness import Randomness
@@ -43,6 +49,7 @@ from .validation import (
 )
 
 ReduceFn = Callable[[list[torch.Tensor]], None]
+AugmentFn = Callable[[torch.Tensor], torch.Tensor]
 CLIPPING_MODES = ("vmap", "bookkeeping")
 
 
@@ -69,6 +76,23 @@ class DPOptimizer:
             before it is trusted its clipped sum is compared with the vmap path's on the first
             physical batch of two or more examples; on any difference, or anything it cannot
             handle at run time, the optimizer warns and stays on the vmap path.
+        method: ``"dpsgd"`` (default), ``"bam"`` or ``"dpsat"`` (see :mod:`dpcore.methods`).
+        ascent: BAM's λ or DP-SAT's ρ: a number, or a schedule ``step -> value`` (0-based step).
+        bam_variant: ``"sam"`` (gradient at the per-example ascent point) or ``"exact"``
+            (∇L_i + λ·H_i g_i/‖g_i‖ by forward-over-reverse).
+        noise: ``"gaussian"`` (default) or ``"laplace"`` (needs ``clip_norm_type="l1"``; then
+            ``noise_multiplier`` is b/C, the Laplace scale over the L1 bound).
+        clip_norm_type: ``"l2"`` (default) or ``"l1"``.
+        augment: ``x[B, ...] -> x[B, K, ...]``, K augmented copies of each example, applied to
+            every physical batch; with it, each example's gradient is the mean over its copies,
+            clipped afterwards (so its contribution is still ≤ C).
+        augmentation_multiplicity: K (must match what ``augment`` returns).
+        diagnostics: NON-PRIVATE research mode. Each step also records the bias magnitude
+            ‖ĝ_clip − ĝ‖ of the clipped mean at θ, the magnitude error a and direction error c
+            of the released gradient (BAM Appendix C), and the cosines between the ascent
+            directions (per-example, as BAM; previous private gradient, as DP-SAT) and the
+            non-private lot gradient ĝ, in :attr:`diagnostics_history`. Costs extra passes and
+            an extra all-reduce per step. Forces the vmap path.
     """
 
     def __init__(
@@ -87,7 +111,40 @@ class DPOptimizer:
         add_noise: bool = True,
         reduce_fn: ReduceFn | None = None,
         clipping: str = "vmap",
+        method: str = "dpsgd",
+        ascent: AscentArg = 0.0,
+        bam_variant: str = "sam",
+        noise: str = "gaussian",
+        clip_norm_type: str = "l2",
+        augment: AugmentFn | None = None,
+        augmentation_multiplicity: int = 1,
+        diagnostics: bool = False,
     ):
+        check_method_options(
+            method=method,
+            ascent=ascent,
+            bam_variant=bam_variant,
+            noise=noise,
+            clip_norm_type=clip_norm_type,
+            augmentation_multiplicity=augmentation_multiplicity,
+            clipping=clipping,
+            accountant=ledger.accountant,
+        )
+        if (augment is None) != (augmentation_multiplicity == 1):
+            raise DPConfigError(
+                f"augmentation_multiplicity={augmentation_multiplicity} needs an augment function that returns that many "
+                "copies per example (and augment needs multiplicity > 1)."
+            )
+        self.method, self.bam_variant, self.noise = method, bam_variant, noise
+        self.schedule = as_schedule(ascent)
+        self.norm_ord = 1 if clip_norm_type == "l1" else 2
+        self.clip_norm_type = clip_norm_type
+        self.augment = augment
+        self.augmentation_multiplicity = augmentation_multiplicity
+        self.diagnostics_enabled = bool(diagnostics)
+        if self.diagnostics_enabled and clipping == "bookkeeping":
+            warnings.warn("diagnostics need per-example gradients: using the vmap path.", stacklevel=2)
+            clipping = "vmap"
         self.optimizer = optimizer
         self.model = model
         self.noise_multiplier = check_noise_multiplier(noise_multiplier)
@@ -106,7 +163,7 @@ class DPOptimizer:
             )
         self.add_noise = add_noise
         self.reduce_fn = reduce_fn
-        self.grad_sampler = PerSampleGradients(model, loss_fn)
+        self.grad_sampler = PerSampleGradients(model, loss_fn, multiplicity=augmentation_multiplicity)
         if clipping not in CLIPPING_MODES:
             raise DPConfigError(f"clipping={clipping!r} is unknown; use one of {', '.join(CLIPPING_MODES)}.")
         self._fast = None
@@ -127,24 +184,37 @@ class DPOptimizer:
                 f"the optimizer does not hold these trainable parameters: {missing[:5]}; "
                 "build it from model.parameters() or freeze them (requires_grad=False)."
             )
-        self.event = PrivacyEvent.dpsgd_step(self.noise_multiplier, self.sample_rate)
+        if noise == "laplace":
+            self.event = PrivacyEvent(POISSON_LAPLACE, self.noise_multiplier, self.sample_rate)
+        else:
+            self.event = PrivacyEvent.dpsgd_step(self.noise_multiplier, self.sample_rate)
         self.steps_taken = 0
         self._sum = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self._examples_in_lot = 0
         self._nonfinite_in_lot = 0
         self._nonfinite_total = 0
+        self._lot_open = False
+        self._unshifted: dict[str, torch.Tensor] | None = None  # DP-SAT: θ while the weights are shifted
+        self.shifts_applied = 0  # DP-SAT: number of lots evaluated at a shifted point
+        self._prev_private: dict[str, torch.Tensor] | None = None  # the last released gradient (DP-SAT, diagnostics)
+        self._diag: dict[str, torch.Tensor] | None = None
+        self.diagnostics_history: list[dict] = []
 
     # ----------------------------------------------------------------------------------
     def accumulate(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add the clipped per-example gradients of (x, y) to this lot's sum.
 
         ``x`` may be larger than a physical batch; it is processed in chunks of
-        ``physical_batch_size``.
+        ``physical_batch_size``. Call it once or more per lot (also with an empty batch).
         """
+        if not self._lot_open:
+            self._begin_lot()
         n = x.shape[0]
         for start in range(0, n, self.physical_batch_size):
             xb = x[start : start + self.physical_batch_size]
             yb = y[start : start + self.physical_batch_size]
+            if self.augment is not None:
+                xb = self._augmented(xb)
             bad = None
             if self._fast is not None:
                 try:
@@ -155,10 +225,68 @@ class DPOptimizer:
                 except fastclip.Unsupported as e:  # raised before anything is added
                     self._leave_fast(str(e))
             if bad is None:
-                per_sample = self.grad_sampler(xb, yb)
-                _, bad = clipped_sum(per_sample, self.clip_norm, out=self._sum)
+                per_sample, at_theta = self._per_example(xb, yb)
+                _, bad = clipped_sum(per_sample, self.clip_norm, out=self._sum, ord=self.norm_ord)
+                if self.diagnostics_enabled:
+                    self._diag_accumulate(at_theta)
             self._nonfinite_in_lot += bad
             self._examples_in_lot += xb.shape[0]
+
+    def _augmented(self, xb: torch.Tensor) -> torch.Tensor:
+        out = self.augment(xb)
+        k = self.augmentation_multiplicity
+        if out.shape[:2] != (xb.shape[0], k):
+            raise DPConfigError(
+                f"augment returned shape {tuple(out.shape)}; it must return [batch, K={k}, ...] "
+                f"for a batch of shape {tuple(xb.shape)}."
+            )
+        return out
+
+    def current_ascent(self) -> float:
+        """λ (BAM) or ρ (DP-SAT) for the lot being computed."""
+        value = float(self.schedule(self.steps_taken))
+        if not (value >= 0 and value < float("inf")):
+            raise DPConfigError(f"the ascent schedule gave {value!r} at step {self.steps_taken}; it must be a finite number ≥ 0.")
+        return value
+
+    def _per_example(self, xb: torch.Tensor, yb: torch.Tensor):
+        """(the per-example vectors to clip, the plain per-example gradients at θ or None)."""
+        if self.method == "bam":
+            lam = self.current_ascent()
+            if lam > 0:
+                return self.grad_sampler.bam(xb, yb, lam, self.bam_variant)
+        per_sample = self.grad_sampler(xb, yb)
+        if not self.diagnostics_enabled:
+            return per_sample, None
+        if self._unshifted is not None:  # DP-SAT: the diagnostics are about θ, not the ascent point
+            return per_sample, self.grad_sampler(xb, yb, params=self._unshifted)
+        return per_sample, per_sample
+
+    def _begin_lot(self) -> None:
+        """DP-SAT: move the weights once, for the whole lot, along the last released gradient."""
+        self._lot_open = True
+        if self.method != "dpsat" or self._prev_private is None:
+            return
+        rho = self.current_ascent()
+        if rho == 0:
+            return
+        sq = sum(float(g.double().square().sum()) for g in self._prev_private.values())
+        if not (sq > 0 and sq < float("inf")):
+            return
+        scale = rho / sq**0.5
+        with torch.no_grad():
+            self._unshifted = {n: p.detach().clone() for n, p in self.params.items()}
+            for n, p in self.params.items():
+                p.add_(self._prev_private[n], alpha=scale)
+        self.shifts_applied += 1
+
+    def _remove_shift(self) -> None:
+        if self._unshifted is None:
+            return
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self._unshifted[n])
+        self._unshifted = None
 
     def _leave_fast(self, why: str) -> None:
         warnings.warn(f"book-keeping clipping cannot be used for this model ({why}); using the vmap path.", stacklevel=3)
@@ -185,27 +313,99 @@ class DPOptimizer:
 
     def step(self) -> None:
         """Noise, reduce, normalise by q·N, step the wrapped optimizer, record the release."""
-        self.ledger.check(self.event)  # raises before anything leaves
+        try:
+            self.ledger.check(self.event)  # raises before anything leaves
+        except BaseException:
+            self._remove_shift()
+            self._reset_lot()
+            raise
         sums = [self._sum[n] for n in self.params]
+        clean = [s.clone() for s in sums] if self.diagnostics_enabled else None
         if self.add_noise:
-            std = self.noise_multiplier * self.clip_norm
             for s in sums:
-                s.add_(self.randomness.normal(s.shape, std, dtype=s.dtype, device=s.device))
+                s.add_(self._noise(s))
         if self.reduce_fn is not None:
             self.reduce_fn(sums)
+        if clean is not None:
+            self._diag_finish(clean)
+        self._remove_shift()  # DP-SAT: back to θ exactly, before the update
         for name, p in self.params.items():
             p.grad = self._sum[name].div(self.expected_lot_size)
         self.optimizer.step()
+        if self.method == "dpsat" or self.diagnostics_enabled:
+            self._prev_private = {n: p.grad.detach().clone() for n, p in self.params.items()}
         self.steps_taken += 1
         self.ledger.append(self.event, step=self.steps_taken, clip_norm=self.clip_norm)
         self._nonfinite_total += self._nonfinite_in_lot
         self._reset_lot()
+
+    def _noise(self, s: torch.Tensor) -> torch.Tensor:
+        scale = self.noise_multiplier * self.clip_norm
+        if self.noise == "laplace":
+            return self.randomness.laplace(s.shape, scale, dtype=s.dtype, device=s.device)
+        return self.randomness.normal(s.shape, scale, dtype=s.dtype, device=s.device)
 
     def _reset_lot(self) -> None:
         for s in self._sum.values():
             s.zero_()
         self._examples_in_lot = 0
         self._nonfinite_in_lot = 0
+        self._lot_open = False
+        self._diag = None
+
+    # ----------------------------------------------------------------------------------
+    # Diagnostics (NON-PRIVATE research mode; see the class docstring).
+    def _diag_accumulate(self, g: dict[str, torch.Tensor]) -> None:
+        if self._diag is None:
+            self._diag = {"count": torch.zeros((), dtype=torch.float64)}
+            for key in ("sum", "clipped", "unit"):
+                self._diag.update({f"{key}:{n}": torch.zeros_like(p) for n, p in self.params.items()})
+        norms = per_sample_norms(g)
+        factors, finite = clip_factors(norms if self.norm_ord == 2 else per_sample_norms(g, 1), self.clip_norm)
+        finite = finite & torch.isfinite(norms)
+        unit = torch.where(finite & (norms > 0), 1.0 / norms.clamp_min(1e-300), torch.zeros_like(norms))
+        for n in self.params:
+            gi = torch.where(finite.view(-1, *([1] * (g[n].dim() - 1))), g[n], torch.zeros((), dtype=g[n].dtype))
+            self._diag[f"sum:{n}"].add_(gi.sum(0))
+            self._diag[f"clipped:{n}"].add_(torch.einsum("i,i...->...", factors.to(gi.dtype), gi))
+            self._diag[f"unit:{n}"].add_(torch.einsum("i,i...->...", unit.to(gi.dtype), gi))
+        self._diag["count"] += float(finite.sum())
+
+    def _diag_finish(self, clean: list[torch.Tensor]) -> None:
+        if self._diag is None:  # no example on this rank: contribute zeros to the reduction
+            self._diag_accumulate({n: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for n, p in self.params.items()})
+        names = list(self.params)
+        tensors = [self._diag[f"{k}:{n}"] for k in ("sum", "clipped", "unit") for n in names] + clean
+        count = self._diag["count"].to(self._sum[names[0]].dtype).reshape(1)
+        if self.reduce_fn is not None:
+            self.reduce_fn(tensors + [count])
+        l = float(count)
+        flat = lambda ts: torch.cat([t.reshape(-1).double() for t in ts])  # noqa: E731
+        k = len(names)
+        g_hat = flat(tensors[:k]) / max(l, 1.0)
+        g_clip = flat(tensors[k : 2 * k]) / max(l, 1.0)
+        unit_sum = flat(tensors[2 * k : 3 * k])
+        method_clip = flat(tensors[3 * k :]) / max(l, 1.0)
+        released = flat([self._sum[n] for n in names]) / max(l, 1.0)
+        gn = float(g_hat.norm())
+        a = float(method_clip @ g_hat) / gn**2 if gn > 0 else float("nan")
+        rec = {
+            "step": self.steps_taken + 1,
+            "examples": l,
+            "grad_norm": gn,
+            "bias": float((g_clip - g_hat).norm()),
+            "magnitude_error_a": a,
+            "direction_error_c": float((released - a * g_hat).norm()) if gn > 0 else float("nan"),
+            "direction_error_c_clip": float((method_clip - a * g_hat).norm()) if gn > 0 else float("nan"),
+            "cos_per_example_ascent": float(unit_sum @ g_hat) / (max(l, 1.0) * gn) if gn > 0 else float("nan"),
+            "cos_previous_private": float("nan"),
+        }
+        if self._prev_private is not None and gn > 0:
+            prev = flat([self._prev_private[n] for n in names])
+            pn = float(prev.norm())
+            if pn > 0:
+                rec["cos_previous_private"] = float(prev @ g_hat) / (pn * gn)
+        self.diagnostics_history.append(rec)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -220,7 +420,9 @@ class DPOptimizer:
         """
         out: dict = {"nonfinite_examples_skipped": self._nonfinite_total + self._nonfinite_in_lot}
         if x is not None:
-            out["per_sample_norms"] = per_sample_norms(self.grad_sampler(x, y))
+            if self.augment is not None:
+                x = self._augmented(x)
+            out["per_sample_norms"] = per_sample_norms(self.grad_sampler(x, y), self.norm_ord)
         return out
 
     def state_dict(self) -> dict:
@@ -230,10 +432,14 @@ class DPOptimizer:
             "optimizer": self.optimizer.state_dict(),
             "steps_taken": self.steps_taken,
             "randomness": self.randomness.state_dict(),
+            "previous_private_gradient": self._prev_private,
         }
 
     def load_state_dict(self, state: dict) -> None:
+        self._remove_shift()
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps_taken = int(state["steps_taken"])
         self.randomness.load_state_dict(state["randomness"])
+        prev = state.get("previous_private_gradient")
+        self._prev_private = None if prev is None else {n: t.clone() for n, t in prev.items()}
         self._reset_lot()

@@ -42,6 +42,16 @@ class Randomness:
     def normal(self, shape, std: float, dtype=torch.float32, device=None) -> torch.Tensor:
         raise NotImplementedError
 
+    def laplace(self, shape, scale: float, dtype=torch.float32, device=None) -> torch.Tensor:
+        """i.i.d. Laplace(0, scale): a random sign times an Exp(1) magnitude, −log(1 − u) with u
+        a 53-bit uniform in [0, 1) (finite), from this source's uniforms."""
+        shape = torch.Size(shape if not isinstance(shape, int) else (shape,))
+        n = shape.numel()
+        u = self.uniform(2 * n)
+        sign = torch.where(u[:n] < 0.5, -1.0, 1.0).to(torch.float64)
+        magnitude = -torch.log1p(-u[n:])
+        return (sign * magnitude * float(scale)).to(dtype=dtype, device=device).reshape(shape)
+
     def spawn(self, *key: Any) -> "Randomness":
         raise NotImplementedError
 

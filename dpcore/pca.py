@@ -1,0 +1,112 @@
+"""DP-PCA (Abadi et al. 2016, §4): a private linear projection of the inputs.
+
+1. Flatten the inputs and normalise each row to unit L2 norm (the rows of A). A zero row stays 0.
+2. Release AᵀA + E, with E symmetric: its upper triangle (diagonal included) is i.i.d.
+   N(0, σ²) and mirrored below. Adding or removing one example changes AᵀA by aaᵀ, whose
+   upper triangle has L2 norm ≤ ‖aaᵀ‖_F = ‖a‖² ≤ 1: the sensitivity is 1, so this is the
+   Gaussian mechanism with noise multiplier σ on the upper triangle (which determines the
+   released matrix).
+3. The top-k eigenvectors of the released matrix are the projection: the model's first,
+   frozen stage (:class:`PCAProjection`, a buffer, so no gradient and no privacy cost).
+
+Sampled variant (``sample_rate=q < 1``): the rows are a Poisson sample at rate q, and the
+release is accounted as a Poisson-sampled Gaussian. Either way the release is one event in
+the run's ledger (step 0: before training), composed with the training steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .accounting import GAUSSIAN, POISSON_GAUSSIAN, PrivacyEvent
+from .errors import DPConfigError
+from .ledger import PrivacyLedger
+from .randomness import Randomness
+from .validation import check_noise_multiplier, check_sample_rate
+
+
+def check_pca_components(k, input_dim: int) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or not (1 <= k <= input_dim):
+        raise DPConfigError(
+            f"pca_components={k!r} is invalid for inputs of dimension {input_dim}: the projection keeps k "
+            f"principal directions, 1 ≤ k ≤ {input_dim}."
+        )
+    return k
+
+
+def pca_event(noise_multiplier: float, sample_rate: float = 1.0) -> PrivacyEvent:
+    check_noise_multiplier(noise_multiplier, "pca_noise_multiplier")
+    check_sample_rate(sample_rate, "pca_sample_rate")
+    if sample_rate == 1.0:
+        return PrivacyEvent(GAUSSIAN, float(noise_multiplier))
+    return PrivacyEvent(POISSON_GAUSSIAN, float(noise_multiplier), float(sample_rate))
+
+
+def normalized_rows(x: torch.Tensor) -> torch.Tensor:
+    a = x.reshape(x.shape[0], -1).to(torch.float64)
+    norms = a.norm(dim=1, keepdim=True)
+    return torch.where(norms > 0, a / norms.clamp_min(1e-300), torch.zeros_like(a))
+
+
+def symmetric_noise(dim: int, std: float, randomness: Randomness) -> torch.Tensor:
+    """E with i.i.d. N(0, std²) on and above the diagonal, mirrored below."""
+    iu = torch.triu_indices(dim, dim)
+    upper = randomness.normal(iu.shape[1], std, dtype=torch.float64)
+    e = torch.zeros(dim, dim, dtype=torch.float64)
+    e[iu[0], iu[1]] = upper
+    return e + e.triu(1).T
+
+
+@dataclass
+class DPPCAResult:
+    components: torch.Tensor  # [k, d], orthonormal rows, float32
+    eigenvalues: torch.Tensor  # the released matrix's top-k eigenvalues (post-processing of the release)
+    released: torch.Tensor  # the released matrix AᵀA + E itself (float64, [d, d])
+    event: PrivacyEvent
+    rows_used: int | None  # None: not reported (it is the size of a private sample)
+
+
+def dp_pca(
+    x: torch.Tensor,
+    k: int,
+    noise_multiplier: float,
+    randomness: Randomness,
+    sample_rate: float = 1.0,
+    ledger: PrivacyLedger | None = None,
+) -> DPPCAResult:
+    """The top-k principal directions of the normalised rows of ``x``, privately.
+
+    With a ``ledger`` the release is checked against the budget first and appended (step 0).
+    """
+    d = x[0].numel() if x.shape[0] else int(torch.tensor(x.shape[1:]).prod())
+    check_pca_components(k, d)
+    event = pca_event(noise_multiplier, sample_rate)
+    if ledger is not None:
+        ledger.check(event)
+    a = normalized_rows(x)
+    if sample_rate < 1.0:
+        a = a[randomness.uniform(a.shape[0]) < sample_rate]
+    gram = a.T @ a
+    released = 0.5 * (gram + gram.T) + symmetric_noise(d, noise_multiplier, randomness)  # exactly symmetric
+    eigvals, eigvecs = torch.linalg.eigh(released)  # ascending
+    top = torch.argsort(eigvals, descending=True)[:k]
+    if ledger is not None:
+        ledger.append(event, step=0, clip_norm=1.0)
+    return DPPCAResult(eigvecs[:, top].T.contiguous().to(torch.float32), eigvals[top].to(torch.float32), released, event, None)
+
+
+class PCAProjection(nn.Module):
+    """x ↦ flatten(x) @ componentsᵀ: the frozen first stage of a model (a buffer, not a parameter)."""
+
+    def __init__(self, components: torch.Tensor):
+        super().__init__()
+        self.register_buffer("components", components.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], -1) @ self.components.T
+
+    def extra_repr(self) -> str:
+        k, d = self.components.shape
+        return f"{d} -> {k} (DP-PCA, frozen)"
