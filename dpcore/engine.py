@@ -133,13 +133,16 @@ def make_private(
     epsilon_every: int = 1,
     journal: str | None = None,
     clipping: str = "vmap",
+    prior_groups: Sequence[tuple[PrivacyEvent, int]] = (),
     **method_options: Any,
 ) -> PrivateTraining:
     """Validate everything, calibrate σ (unless given), and build sampler, ledger and optimizer.
 
     ``method_options`` are :class:`DPOptimizer`'s method arguments (``method``, ``ascent``,
     ``bam_variant``, ``noise``, ``clip_norm_type``, ``augment``, ``augmentation_multiplicity``,
-    ``diagnostics``); they are checked before σ is calibrated.
+    ``diagnostics``); they are checked before σ is calibrated. ``prior_groups`` are releases
+    of the run made outside the training steps (a DP-PCA projection): σ is calibrated with them
+    composed in, and the caller appends them to ``private.ledger`` (``dp_pca(ledger=...)``).
 
     ``journal`` is the path of the ledger's append-only journal (see :class:`PrivacyLedger`);
     an existing journal is resumed. ``seed=None`` (default) is secure mode. In sharded use, each rank passes its ``rank``; it
@@ -165,6 +168,7 @@ def make_private(
         noise_multiplier=noise_multiplier,
         accountant=accountant,
         noise=method_options.get("noise", "gaussian"),
+        prior_groups=prior_groups,
     )
     return build_private(
         model,

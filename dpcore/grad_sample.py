@@ -73,7 +73,8 @@ class PerSampleGradients:
             g = example_grad(params, consts, x, y)
             norm = _joint_norm(g)
             scale = torch.where(norm > 0, lam / norm.clamp_min(1e-300), torch.zeros_like(norm))
-            shifted = {k: params[k] + scale.to(params[k].dtype) * g[k] for k in params}
+            # λ·g/‖g‖ formed in float64 (a tiny ‖g‖ must not overflow the scale), then cast.
+            shifted = {k: params[k] + (scale * g[k].double()).to(params[k].dtype) for k in params}
             return example_grad(shifted, consts, x, y), g
 
         def bam_exact(params, consts, x, y, lam):

@@ -87,12 +87,17 @@ class DPOptimizer:
             every physical batch; with it, each example's gradient is the mean over its copies,
             clipped afterwards (so its contribution is still ≤ C).
         augmentation_multiplicity: K (must match what ``augment`` returns).
-        diagnostics: NON-PRIVATE research mode. Each step also records the bias magnitude
-            ‖ĝ_clip − ĝ‖ of the clipped mean at θ, the magnitude error a and direction error c
-            of the released gradient (BAM Appendix C), and the cosines between the ascent
-            directions (per-example, as BAM; previous private gradient, as DP-SAT) and the
-            non-private lot gradient ĝ, in :attr:`diagnostics_history`. Costs extra passes and
-            an extra all-reduce per step. Forces the vmap path.
+        diagnostics: NON-PRIVATE research mode. Each step also records, in
+            :attr:`diagnostics_history` (all lot means over the realised count l, not qN):
+            ``bias`` = ‖ĝ_clip − ĝ‖, the bias of DP-SGD's clipped mean at θ (BAM Fig. 2; the
+            plain per-example gradients at θ for every method, so methods compare on the same
+            quantity); ``magnitude_error_a`` = ⟨s/l, ĝ⟩/‖ĝ‖² with s the method's clipped sum
+            before noise — for DP-SGD exactly Appendix C's (1/l)Σ η_i/M_i, for BAM/DP-SAT the
+            same projection of their clipped vectors; ``direction_error_c`` = ‖(s + noise)/l − aĝ‖
+            and ``direction_error_c_clip`` = ‖s/l − aĝ‖ (without the noise); and the cosines
+            with ĝ of the per-example ascent directions g_i/‖g_i‖ (mean over i; BAM's) and of
+            the previous released gradient (DP-SAT's), BAM Fig. 4. Costs extra passes and an
+            extra all-reduce per step. Forces the vmap path.
     """
 
     def __init__(
@@ -209,6 +214,15 @@ class DPOptimizer:
         """
         if not self._lot_open:
             self._begin_lot()
+        try:
+            self._accumulate(x, y)
+        except BaseException:
+            # Never leave the weights at DP-SAT's ascent point, nor a half-summed lot behind.
+            self._remove_shift()
+            self._reset_lot()
+            raise
+
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> None:
         n = x.shape[0]
         for start in range(0, n, self.physical_batch_size):
             xb = x[start : start + self.physical_batch_size]
@@ -320,14 +334,19 @@ class DPOptimizer:
             self._reset_lot()
             raise
         sums = [self._sum[n] for n in self.params]
-        clean = [s.clone() for s in sums] if self.diagnostics_enabled else None
-        if self.add_noise:
-            for s in sums:
-                s.add_(self._noise(s))
-        if self.reduce_fn is not None:
-            self.reduce_fn(sums)
-        if clean is not None:
-            self._diag_finish(clean)
+        try:
+            clean = [s.clone() for s in sums] if self.diagnostics_enabled else None
+            if self.add_noise:
+                for s in sums:
+                    s.add_(self._noise(s))
+            if self.reduce_fn is not None:
+                self.reduce_fn(sums)
+            if clean is not None:
+                self._diag_finish(clean)
+        except BaseException:
+            self._remove_shift()
+            self._reset_lot()
+            raise
         self._remove_shift()  # DP-SAT: back to θ exactly, before the update
         for name, p in self.params.items():
             p.grad = self._sum[name].div(self.expected_lot_size)
@@ -357,7 +376,8 @@ class DPOptimizer:
     # Diagnostics (NON-PRIVATE research mode; see the class docstring).
     def _diag_accumulate(self, g: dict[str, torch.Tensor]) -> None:
         if self._diag is None:
-            self._diag = {"count": torch.zeros((), dtype=torch.float64)}
+            device = next(iter(self.params.values())).device
+            self._diag = {"count": torch.zeros((), dtype=torch.float64, device=device)}
             for key in ("sum", "clipped", "unit"):
                 self._diag.update({f"{key}:{n}": torch.zeros_like(p) for n, p in self.params.items()})
         norms = per_sample_norms(g)
@@ -436,7 +456,7 @@ class DPOptimizer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self._remove_shift()
+        self._unshifted = None  # the model's weights come from the checkpoint, not from a lot in flight
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps_taken = int(state["steps_taken"])
         self.randomness.load_state_dict(state["randomness"])

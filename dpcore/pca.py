@@ -45,7 +45,11 @@ def pca_event(noise_multiplier: float, sample_rate: float = 1.0) -> PrivacyEvent
 
 
 def normalized_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows scaled to unit L2 norm (float64). A zero row, or one with a NaN/inf, becomes 0:
+    it then contributes nothing, which keeps the sensitivity at 1."""
     a = x.reshape(x.shape[0], -1).to(torch.float64)
+    finite = torch.isfinite(a).all(dim=1, keepdim=True)
+    a = torch.where(finite, a, torch.zeros((), dtype=a.dtype))
     norms = a.norm(dim=1, keepdim=True)
     return torch.where(norms > 0, a / norms.clamp_min(1e-300), torch.zeros_like(a))
 
@@ -73,12 +77,16 @@ def dp_pca(
     k: int,
     noise_multiplier: float,
     randomness: Randomness,
+    *,
+    ledger: PrivacyLedger | None,
     sample_rate: float = 1.0,
-    ledger: PrivacyLedger | None = None,
 ) -> DPPCAResult:
     """The top-k principal directions of the normalised rows of ``x``, privately.
 
-    With a ``ledger`` the release is checked against the budget first and appended (step 0).
+    ``ledger`` is required: the release is checked against its budget first and appended
+    (step 0). Pass ``ledger=None`` only if you record ``result.event`` yourself; use the same
+    event in :func:`dpcore.plan`'s (or ``make_private``'s) ``prior_groups`` so that σ of the
+    training steps is calibrated with the projection's cost included.
     """
     d = x[0].numel() if x.shape[0] else int(torch.tensor(x.shape[1:]).prod())
     check_pca_components(k, d)

@@ -59,9 +59,24 @@ class TrainConfig:
     )
     max_noise_multiplier: float = _f(100.0, "refuse a plan whose calibrated σ exceeds this (the target ε is out of reach)", "privacy")
     accountant: str = _f("pld", f"accountant: {', '.join(dpcore.ACCOUNTANTS)}; pld is tight, rdp is the moments accountant", "privacy")
+    noise: str = _f("gaussian", "noise: gaussian (DP-SGD), or laplace (the DP-Adam paper's form, made honest: needs --clip-norm-type l1, pld accountant)", "privacy")
+    clip_norm_type: str = _f("l2", "per-example clipping norm: l2, or l1 (for laplace noise)", "privacy")
     seed: int | None = _f(
         None, "seed for noise and sampling: tests and research only. Default: secure mode (OS entropy, no seed)", "privacy"
     )
+    # method (Knolle et al. 2023 BAM; Park et al. 2023 DP-SAT; De et al. 2022 practice; Abadi et al. 2016 DP-PCA)
+    method: str = _f("dpsgd", "dpsgd; bam (per-example ascent before clipping); dpsat (ascent along the previous private gradient)", "method")
+    ascent: float | None = _f(None, "ascent radius: λ for bam (default 0.02), ρ for dpsat (default 0.086); 0 is DP-SGD", "method")
+    ascent_schedule: str = _f("constant", "λ/ρ over the run: constant, warmup (linear from 0), cosine (down to 0)", "method")
+    ascent_warmup_fraction: float = _f(0.1, "fraction of the steps the warmup schedule takes", "method")
+    bam_variant: str = _f("sam", "bam: sam (gradient at θ+λg_i/‖g_i‖) or exact (∇L_i + λH_i g_i/‖g_i‖, forward-over-reverse)", "method")
+    augmentation_multiplicity: int = _f(1, "K augmented copies per example (random crop with padding, flip), gradients averaged before clipping", "method")
+    augment_padding: int = _f(4, "random-crop padding in pixels (augmentation multiplicity)", "method")
+    augment_flip: bool = _f(True, "random horizontal flips (augmentation multiplicity)", "method")
+    ema_decay: float | None = _f(None, "parameter EMA decay (De et al.: 0.999); evaluation and the logged model use the average", "method")
+    pca_components: int = _f(0, "DP-PCA: project the inputs on k private principal directions (0: off; mlp only)", "method")
+    pca_noise_multiplier: float = _f(8.0, "DP-PCA: σ of the symmetric noise on AᵀA (sensitivity 1)", "method")
+    pca_sample_rate: float = _f(1.0, "DP-PCA: Poisson rate of the rows used (1: all)", "method")
     # cluster
     num_workers: int = _f(2, "Ray Train workers (each samples its own shard)", "cluster")
     use_gpu: bool = _f(False, "one GPU per worker, NCCL (default: CPU, gloo)", "cluster")
@@ -98,6 +113,38 @@ class TrainConfig:
             raise err(f"model={self.model!r} is unknown; available: {', '.join(MODELS)}.")
         if self.clipping not in dpcore.optimizer.CLIPPING_MODES:
             raise err(f"clipping={self.clipping!r} is unknown; available: {', '.join(dpcore.optimizer.CLIPPING_MODES)}.")
+        if self.ascent is not None and (isinstance(self.ascent, bool) or not isinstance(self.ascent, (int, float))):
+            raise err(f"ascent={self.ascent!r} has the wrong type: expected a number.")
+        dpcore.check_method_options(
+            method=self.method,
+            ascent=self.resolved_ascent(),
+            bam_variant=self.bam_variant,
+            noise=self.noise,
+            clip_norm_type=self.clip_norm_type,
+            augmentation_multiplicity=self.augmentation_multiplicity,
+            clipping=self.clipping,
+            accountant=self.accountant,
+        )
+        if self.ascent is not None and self.method == "dpsgd" and self.ascent != 0:
+            raise err(f"ascent={self.ascent} has no effect with method='dpsgd'; set --method bam or dpsat, or drop --ascent.")
+        if self.ascent_schedule not in dpcore.methods.ASCENT_SCHEDULES:
+            raise err(f"ascent_schedule={self.ascent_schedule!r} is unknown; available: {', '.join(dpcore.methods.ASCENT_SCHEDULES)}.")
+        if not (0 < self.ascent_warmup_fraction <= 1):
+            raise err(f"ascent_warmup_fraction={self.ascent_warmup_fraction} must lie in (0, 1].")
+        if isinstance(self.augment_padding, bool) or not isinstance(self.augment_padding, int) or self.augment_padding < 0:
+            raise err(f"augment_padding={self.augment_padding!r} is invalid: it must be an integer ≥ 0.")
+        if self.ema_decay is not None and not (0 <= self.ema_decay < 1):
+            raise err(f"ema_decay={self.ema_decay} must lie in [0, 1) (De et al. use 0.999).")
+        if isinstance(self.pca_components, bool) or not isinstance(self.pca_components, int) or self.pca_components < 0:
+            raise err(
+                f"pca_components={self.pca_components!r} is invalid: it is the number k ≥ 1 of principal directions "
+                "kept by DP-PCA, or 0 for no projection."
+            )
+        if self.pca_components:
+            dpcore.validation.check_noise_multiplier(self.pca_noise_multiplier, "pca_noise_multiplier")
+            dpcore.validation.check_sample_rate(self.pca_sample_rate, "pca_sample_rate")
+            if self.model != "mlp":
+                raise err(f"pca_components={self.pca_components} projects the inputs to vectors, which only model='mlp' takes (not {self.model!r}).")
         if self.optimizer not in OPTIMIZERS:
             raise err(f"optimizer={self.optimizer!r} is unknown; available: {', '.join(OPTIMIZERS)}.")
         for name in ("lr", "epochs", "max_noise_multiplier"):
@@ -127,6 +174,12 @@ class TrainConfig:
             )
         if self.fault_at_step is not None and not (0 <= self.fault_rank < self.num_workers):
             raise err(f"fault_rank={self.fault_rank} must be a worker rank in [0, {self.num_workers}).")
+
+    def resolved_ascent(self) -> float:
+        """λ or ρ: the given value, or the method's default from the papers (CIFAR-10 settings)."""
+        if self.ascent is not None:
+            return float(self.ascent)
+        return {"bam": 0.02, "dpsat": 0.086}.get(self.method, 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

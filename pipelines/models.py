@@ -179,3 +179,16 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, repla
 
         model = convert_batchnorm_to_groupnorm(model)
     return model
+
+
+def build_run_model(cfg, input_shape: tuple[int, ...], num_classes: int, pca_components=None) -> nn.Module:
+    """The model of a run: with DP-PCA (``cfg.pca_components``), a frozen projection onto the
+    private principal directions first (``pca_components`` [k, d]; zeros as a placeholder of the
+    right shape when it is not known yet), then ``cfg.model`` on k-vectors."""
+    if not getattr(cfg, "pca_components", 0):
+        return build_model(cfg.model, input_shape, num_classes, cfg.replace_batchnorm)
+    from dpcore import PCAProjection
+
+    k, d = cfg.pca_components, math.prod(input_shape)
+    comps = torch.zeros(k, d) if pca_components is None else pca_components
+    return nn.Sequential(PCAProjection(comps), build_model(cfg.model, (k,), num_classes, cfg.replace_batchnorm))

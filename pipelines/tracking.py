@@ -5,7 +5,8 @@ What a run holds:
 * params: the whole config, plus the plan (σ, q, steps, N);
 * tags: ``dp.epsilon`` (spent, from the ledger), ``dp.delta``, ``dp.accountant``,
   ``dp.level=example``, ``dp.sampling=poisson``, ``dp.randomness``, and
-  ``dp.diagnostics=non-private`` when the diagnostics mode is on;
+  ``dp.method``, ``dp.noise`` (and ``dp.ascent``, ``dp.pca`` when used), and
+  ``dp.diagnostics=non-private`` when the diagnostics mode is on (per-step ``diag_*`` metrics);
 * metrics per report: ``epsilon``, validation and test accuracy and loss, throughput;
 * artifacts: ``config.json``, ``split.json``, ``ledger/ledger.parquet`` plus the MLflow table
   ``ledger/ledger.json`` (viewable in the UI), ``plots/epsilon_vs_step.png``,
@@ -87,7 +88,13 @@ def dp_tags(cfg, spec: dict) -> dict[str, str]:
         "dp.run_dir": spec["run_dir"],
         "dp.ray_run_name": spec["ray_run_name"],
         "dp.guarantee": "covers the training split only; validation/test splits, initial weights and hyperparameter selection are not covered",
+        "dp.method": cfg.method + (f"-{cfg.bam_variant}" if cfg.method == "bam" else ""),
+        "dp.noise": f"{cfg.noise} ({cfg.clip_norm_type} clipping)",
     }
+    if cfg.method != "dpsgd":
+        tags["dp.ascent"] = f"{cfg.resolved_ascent():g} ({cfg.ascent_schedule})"
+    if cfg.pca_components:
+        tags["dp.pca"] = f"k={cfg.pca_components}, σ={cfg.pca_noise_multiplier:g}, q={cfg.pca_sample_rate:g} (ledgered at step 0)"
     if cfg.diagnostics:
         tags["dp.diagnostics"] = "non-private"
     return tags

@@ -33,7 +33,7 @@ from . import tracking
 from .config import TrainConfig, add_config_arguments, config_from_dict, load_config
 from .data import load_dataset
 from .ingest import CorruptShardError, ingest, verify
-from .models import build_model
+from .models import build_run_model
 
 JOURNAL = "ledger.journal.jsonl"
 
@@ -84,7 +84,17 @@ def plan_run(cfg: TrainConfig) -> dict:
             f"num_workers={cfg.num_workers} but {data_dir} has {manifest['num_shards']} training shards; "
             f"re-ingest with at least {cfg.num_workers} shards or use fewer workers."
         )
-    model = build_model(cfg.model, tuple(manifest["input_shape"]), manifest["num_classes"], cfg.replace_batchnorm)
+    input_shape = tuple(manifest["input_shape"])
+    prior = []
+    if cfg.pca_components:
+        dpcore.pca.check_pca_components(cfg.pca_components, math.prod(input_shape))
+        prior = [(dpcore.pca.pca_event(cfg.pca_noise_multiplier, cfg.pca_sample_rate), 1)]
+    if cfg.augmentation_multiplicity > 1 and len(input_shape) != 3:
+        raise dpcore.DPConfigError(
+            f"augmentation_multiplicity={cfg.augmentation_multiplicity} crops and flips images, but {cfg.dataset} has "
+            f"inputs of shape {input_shape}."
+        )
+    model = build_run_model(cfg, input_shape, manifest["num_classes"])
     dpcore.validate_model(model)
     sigma, q, steps = dpcore.plan(
         dataset_size=n,
@@ -95,6 +105,8 @@ def plan_run(cfg: TrainConfig) -> dict:
         noise_multiplier=cfg.noise_multiplier,
         accountant=cfg.accountant,
         max_noise_multiplier=None if cfg.noise_multiplier is not None else cfg.max_noise_multiplier,
+        noise=cfg.noise,
+        prior_groups=prior,
     )
     every = cfg.checkpoint_every or max(1, math.ceil(steps / 10))
     name = cfg.run_name or f"{cfg.dataset}-{cfg.model.replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -115,6 +127,8 @@ def plan_run(cfg: TrainConfig) -> dict:
         "dataset_size": n,
         "noise_multiplier": sigma,
         "sample_rate": q,
+        "event_kind": dpcore.accounting.POISSON_LAPLACE if cfg.noise == "laplace" else dpcore.accounting.POISSON_GAUSSIAN,
+        "pca_path": str(run_dir / "pca.pt") if cfg.pca_components else None,
         "steps": steps,
         "checkpoint_every": every,
         "epsilon_every": max(1, steps // 20),
@@ -258,12 +272,39 @@ def final_checkpoint(spec: dict, world: int, reported) -> str:
 
 
 def load_final_model(spec: dict, checkpoint_path: str):
+    """The run's model from a checkpoint: the EMA average when the run keeps one."""
     import torch
 
+    from .worker import EMA_MODEL_FILE, MODEL_FILE, load_pca
+
     cfg = config_from_dict(spec["config"])
-    model = build_model(cfg.model, tuple(spec["input_shape"]), spec["num_classes"], cfg.replace_batchnorm)
-    model.load_state_dict(torch.load(Path(checkpoint_path) / "model.pt", map_location="cpu"))
+    model = build_run_model(cfg, tuple(spec["input_shape"]), spec["num_classes"], load_pca(spec))
+    name = EMA_MODEL_FILE if cfg.ema_decay is not None else MODEL_FILE
+    model.load_state_dict(torch.load(Path(checkpoint_path) / name, map_location="cpu"))
     return model.eval()
+
+
+def ensure_pca(spec: dict, cfg: TrainConfig, client, run_id: str) -> None:
+    """DP-PCA (Abadi et al. §4) on the driver, before any worker starts: the release is checked
+    against the budget and written to the run's ledger journal (step 0) before the components
+    are saved for the workers. A resumed run re-uses the saved components; if the driver died
+    between the release and the save, the release is made (and ledgered) again."""
+    if not cfg.pca_components or Path(spec["pca_path"]).is_file():
+        return
+    import torch
+
+    from .ingest import read_split
+
+    ledger = open_run_ledger(spec)
+    train = read_split(spec["data_dir"], "train")
+    result = dpcore.dp_pca(
+        train.x, cfg.pca_components, cfg.pca_noise_multiplier, dpcore.make_randomness(cfg.seed).spawn("pca"),
+        sample_rate=cfg.pca_sample_rate, ledger=ledger,
+    )
+    tmp = Path(spec["pca_path"] + ".tmp")
+    torch.save({"components": result.components, "eigenvalues": result.eigenvalues}, tmp)
+    os.replace(tmp, spec["pca_path"])
+    client.log_artifact(run_id, spec["pca_path"], "dp_pca")
 
 
 def open_run_ledger(spec: dict) -> dpcore.PrivacyLedger:
@@ -306,6 +347,7 @@ def run(cfg: TrainConfig | None = None, resume: str | None = None, resume_change
             tracking.write_json_artifact(client, run_id, "config.json", cfg.to_dict())
             tracking.write_json_artifact(client, run_id, "split.json", spec["split_info"])
             tracking.write_json_artifact(client, run_id, "spec.json", spec)
+        ensure_pca(spec, cfg, client, run_id)
         with ray_cluster(cfg), JournalProgress(spec, enabled=not cfg.quiet):
             result = _fit(spec, cfg)
         if result.error is not None:
@@ -340,7 +382,7 @@ def run(cfg: TrainConfig | None = None, resume: str | None = None, resume_change
             "steps": len(committed),
             "planned_steps": spec["steps"],
             "releases": len(ledger),
-            "rolled_back": len(ledger) - len(committed),
+            "rolled_back": sum(e.status != "committed" for e in ledger.entries),
             "test_accuracy": metrics.get("test_accuracy", float("nan")),
             "val_accuracy": metrics.get("val_accuracy", float("nan")),
             "epsilon": epsilon,

@@ -37,11 +37,44 @@ from dpcore.ledger import COMMITTED
 
 from .config import TrainConfig, config_from_dict
 from .ingest import read_split, sha256_file
-from .models import build_model
+from .models import build_run_model
 
 MODEL_FILE = "model.pt"
+EMA_MODEL_FILE = "ema_model.pt"
 STATE_FILE = "state.pt"
 LEDGER_FILE = "ledger.json"
+PCA_FILE = "pca.pt"
+
+
+def step_event(spec: dict) -> dpcore.PrivacyEvent:
+    """The privacy event of one training step of the run (Gaussian or Laplace)."""
+    return dpcore.PrivacyEvent(spec.get("event_kind", "poisson_gaussian"), spec["noise_multiplier"], spec["sample_rate"])
+
+
+def method_options(cfg: TrainConfig, spec: dict, rank: int) -> dict:
+    """DPOptimizer's method arguments for the run's config."""
+    augment = None
+    if cfg.augmentation_multiplicity > 1:
+        from .augment import CropFlipMultiplicity
+
+        augment = CropFlipMultiplicity(cfg.augmentation_multiplicity, cfg.augment_padding, cfg.augment_flip, seed=cfg.init_seed * 1000 + rank)
+    return {
+        "method": cfg.method,
+        "ascent": dpcore.ascent_schedule(cfg.resolved_ascent(), cfg.ascent_schedule, spec["steps"], cfg.ascent_warmup_fraction),
+        "bam_variant": cfg.bam_variant,
+        "noise": cfg.noise,
+        "clip_norm_type": cfg.clip_norm_type,
+        "augment": augment,
+        "augmentation_multiplicity": cfg.augmentation_multiplicity,
+        "diagnostics": cfg.diagnostics,
+    }
+
+
+def load_pca(spec: dict):
+    """The run's DP-PCA components (released by the driver before training), or None."""
+    if not spec.get("pca_path"):
+        return None
+    return torch.load(spec["pca_path"], map_location="cpu")["components"]
 
 
 def make_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
@@ -157,7 +190,7 @@ def open_ledger(spec: dict, checkpoint_meta: dict | None, checkpoint_ledger: dic
         after = checkpoint_meta["step"] if checkpoint_meta is not None else 0
         if any(e.status == COMMITTED and e.step > after for e in ledger.entries):
             ledger.mark_rolled_back(after)
-        left = ledger.allowance(dpcore.PrivacyEvent.dpsgd_step(spec["noise_multiplier"], spec["sample_rate"]))
+        left = ledger.allowance(step_event(spec))
         allowance = int(min(max(left, 0), spec["steps"] - after))
     else:
         ledger = dpcore.PrivacyLedger(None, cfg["target_delta"], cfg["accountant"], epsilon_every=10**9)
@@ -268,8 +301,8 @@ def train_loop_per_worker(spec: dict) -> None:
         held_out = {k: (s.x.to(device), s.y.to(device)) for k, s in (("val", val), ("test", test))}
 
     torch.manual_seed(cfg.init_seed)  # public: identical initial weights on every rank
-    model = build_model(cfg.model, tuple(spec["input_shape"]), spec["num_classes"], cfg.replace_batchnorm).to(device)
-    optimizer = make_optimizer(cfg, model.parameters())
+    model = build_run_model(cfg, tuple(spec["input_shape"]), spec["num_classes"], load_pca(spec)).to(device)
+    optimizer = make_optimizer(cfg, [p for p in model.parameters() if p.requires_grad])
 
     checkpoint = find_checkpoint(spec, ray.train.get_checkpoint(), rank, world)
     meta, rank_state, ckpt_ledger = None, None, None
@@ -307,10 +340,16 @@ def train_loop_per_worker(spec: dict) -> None:
         reduce_fn=allreduce_sum if world > 1 else None,
         physical_batch_size=cfg.physical_batch_size,
         clipping=cfg.clipping,
+        **method_options(cfg, spec, rank),
     )
+    ema = dpcore.ParameterEMA(model, cfg.ema_decay) if cfg.ema_decay is not None else None
     if checkpoint is not None:
         private.optimizer.load_state_dict({**shared["optimizer"], "randomness": rank_state["noise"]})
         private.sampler.load_state_dict(rank_state["sampler"])
+        if ema is not None:
+            ema.load_state_dict(shared["ema"])
+        if private.optimizer.augment is not None and "augment" in rank_state:
+            private.optimizer.augment.load_state_dict(rank_state["augment"])
     if private.sampler.step != start_step or private.optimizer.steps_taken != start_step:
         raise RuntimeError(f"inconsistent checkpoint: sampler at {private.sampler.step}, optimizer at {private.optimizer.steps_taken}, meta at {start_step}")
 
@@ -320,11 +359,13 @@ def train_loop_per_worker(spec: dict) -> None:
     t_last, step_last = time.monotonic(), start_step
     step = start_step
     reported_releases = meta["releases"] if meta is not None else -1
-    report = lambda rate: _report(spec, cfg, private, model, rank, world, step, last_step, rate, tracker, held_out if rank == 0 else None, x_train, y_train)  # noqa: E731
+    report = lambda rate: _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, tracker, held_out if rank == 0 else None, x_train, y_train)  # noqa: E731
     while step < last_step:
         lot = private.sampler.sample()
         private.optimizer.accumulate(x_train[lot], y_train[lot])
         private.optimizer.step()
+        if ema is not None:
+            ema.update()
         step += 1
         if cfg.fault_at_step == step and rank == cfg.fault_rank:
             marker = Path(spec["run_dir"]) / "fault-injected"
@@ -349,7 +390,7 @@ def train_loop_per_worker(spec: dict) -> None:
         report(float("nan"))
 
 
-def _report(spec, cfg, private, model, rank, world, step, last_step, rate, tracker, held_out, x_train, y_train) -> int:
+def _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, tracker, held_out, x_train, y_train) -> int:
     """Metrics (rank 0) and a checkpoint (every rank's part) in one ``ray.train.report``.
     Returns the number of ledger releases the checkpoint holds (rank 0; -1 elsewhere)."""
     import ray.train
@@ -359,11 +400,21 @@ def _report(spec, cfg, private, model, rank, world, step, last_step, rate, track
     metrics: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
-        torch.save({"sampler": private.sampler.state_dict(), "noise": private.optimizer.randomness.state_dict()}, d / f"rank-{rank}.pt")
+        rank_state = {"sampler": private.sampler.state_dict(), "noise": private.optimizer.randomness.state_dict()}
+        if private.optimizer.augment is not None:
+            rank_state["augment"] = private.optimizer.augment.state_dict()
+        torch.save(rank_state, d / f"rank-{rank}.pt")
         info = {"file_sha256": sha256_file(d / f"rank-{rank}.pt"), "param_sha256": checksum, "step": step}
         (d / f"rank-{rank}.json").write_text(json.dumps(info))
         if rank == 0:
-            (val_acc, val_loss), (test_acc, test_loss) = (evaluate(model, *held_out[k]) for k in ("val", "test"))
+            eval_model = model
+            if ema is not None:  # De et al.: evaluate (and publish) the averaged parameters
+                import copy
+
+                eval_model = copy.deepcopy(model)
+                eval_model.load_state_dict(ema.averaged_state_dict())
+                torch.save(eval_model.state_dict(), d / EMA_MODEL_FILE)
+            (val_acc, val_loss), (test_acc, test_loss) = (evaluate(eval_model, *held_out[k]) for k in ("val", "test"))
             metrics = {
                 "step": step,
                 "epsilon": private.ledger.epsilon(),
@@ -390,14 +441,21 @@ def _report(spec, cfg, private, model, rank, world, step, last_step, rate, track
                 )
             torch.save(model.state_dict(), d / MODEL_FILE)
             opt_state = private.optimizer.state_dict()
-            torch.save({"optimizer": {"optimizer": opt_state["optimizer"], "steps_taken": opt_state["steps_taken"]}}, d / STATE_FILE)
+            shared = {"optimizer": {k: v for k, v in opt_state.items() if k != "randomness"}}
+            if ema is not None:
+                shared["ema"] = ema.state_dict()
+            torch.save(shared, d / STATE_FILE)
             (d / LEDGER_FILE).write_text(json.dumps(private.ledger.state_dict()))
-            files = {n: sha256_file(d / n) for n in (MODEL_FILE, STATE_FILE, LEDGER_FILE)}
+            names = (MODEL_FILE, STATE_FILE, LEDGER_FILE) + ((EMA_MODEL_FILE,) if ema is not None else ())
+            files = {n: sha256_file(d / n) for n in names}
             meta = {"step": step, "releases": len(private.ledger), "world_size": world, "final": final, "run_id": spec["run_id"], "files": files}
             (d / "meta.json").write_text(json.dumps(meta))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
     if tracker is not None:
         tracker.log(metrics, step)
+        if cfg.diagnostics:  # NON-PRIVATE per-step BAM diagnostics (bias, a, c, ascent cosines)
+            tracker.log_history(private.optimizer.diagnostics_history)
+            private.optimizer.diagnostics_history.clear()
     return len(private.ledger) if rank == 0 else -1
 
 
@@ -416,3 +474,12 @@ class _Tracker:
         ts = int(time.time() * 1000)
         batch = [Metric(k, float(v), ts, step) for k, v in metrics.items() if k not in ("step", "final") and v == v]
         self.client.log_batch(self.run_id, metrics=batch)
+
+    def log_history(self, records: list[dict]) -> None:
+        """One metric per key and step (``diag_<key>``), in batches of at most 1000."""
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        batch = [Metric(f"diag_{k}", float(v), ts, int(r["step"])) for r in records for k, v in r.items() if k != "step" and v == v]
+        for i in range(0, len(batch), 1000):
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])

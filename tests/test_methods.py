@@ -354,15 +354,54 @@ def test_dpsat_state_survives_a_checkpoint():
 
 def test_budget_refusal_while_shifted_restores_the_weights():
     model = mlp64()
-    ledger = dpcore.PrivacyLedger(0.5, 1e-5)
+    ledger = dpcore.PrivacyLedger(6.0, 1e-5)
     opt = make_opt(model, method="dpsat", ascent=0.5, ledger=ledger, sigma=0.8, q=0.5)
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
     with pytest.raises(dpcore.BudgetExceededError):
         for _ in range(100):
             before = [p.detach().clone() for p in model.parameters()]
             opt.accumulate(x, y)
+            assert opt.shifts_applied == 0 or not torch.equal(next(model.parameters()), before[0])  # shifted now
             opt.step()
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert opt.shifts_applied >= 1  # the refused lot was evaluated at a shifted point ...
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # ... and θ is back
+
+
+def test_an_error_inside_a_shifted_lot_restores_the_weights_and_a_restore_keeps_the_checkpoint():
+    model = mlp64()
+    opt = make_opt(model, method="dpsat", ascent=0.5)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+    opt.accumulate(x, y)
+    opt.step()
+    checkpoint = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict())
+    theta = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError):
+        opt.accumulate(x, torch.full((8,), 7))  # class 7 of 3: cross_entropy raises mid-lot
+    assert opt.shifts_applied == 1 and all(torch.equal(p, t) for p, t in zip(model.parameters(), theta))
+    # A restart in the same process: model first, then the optimizer, must give the checkpoint.
+    opt.accumulate(x, y)  # a lot in flight (shifted) when the worker restores
+    model.load_state_dict(checkpoint[0])
+    opt.load_state_dict(checkpoint[1])
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in checkpoint[0].items())
+
+
+def test_dpsat_ascends_along_the_noised_released_gradient():
+    """The shift direction is the previous *released* gradient (clipped sum + noise)/(qN),
+    replayed here from the seeded noise stream, not the clean clipped sum."""
+    from dpcore.clipping import clipped_sum
+
+    model = mlp64()
+    q, n, sigma, clip = 0.25, 64, 1.0, 1.0
+    opt = make_opt(model, method="dpsat", ascent=0.3, q=q, n=n, sigma=sigma, clip=clip, seed=8)
+    replay = dpcore.SeededRandomness(8)
+    x, y = torch.randn(10, 6, dtype=torch.float64), torch.randint(0, 3, (10,))
+    ref, _ = clipped_sum(dpcore.PerSampleGradients(model, ce)(x, y), clip)
+    opt.accumulate(x, y)
+    opt.step()
+    for name, p in model.named_parameters():
+        released = (ref[name] + replay.normal(p.shape, sigma * clip, dtype=torch.float64)) / (q * n)
+        torch.testing.assert_close(opt._prev_private[name], released, rtol=1e-12, atol=1e-14)
+        assert not torch.allclose(opt._prev_private[name], ref[name] / (q * n), rtol=1e-3, atol=0)
 
 
 # ------------------------------------------------------------------------------------------
@@ -399,7 +438,7 @@ def test_dp_pca_noise_has_the_stated_scale_and_is_symmetric():
     exact = 0.5 * (exact + exact.T)
     devs = []
     for seed in range(4):
-        res = dpcore.dp_pca(x, 10, sigma, dpcore.SeededRandomness(seed))
+        res = dpcore.dp_pca(x, 10, sigma, dpcore.SeededRandomness(seed), ledger=None)
         assert torch.equal(res.released, res.released.T)
         e = res.released - exact
         iu = torch.triu_indices(d, d)
@@ -409,7 +448,7 @@ def test_dp_pca_noise_has_the_stated_scale_and_is_symmetric():
     assert abs(z.std() - 1) < 5 * se and abs(z.mean()) < 5 / math.sqrt(z.size)
     assert scipy.stats.kstest(z, "norm").pvalue > 1e-3
     # the secure generator gives the same scale
-    e = dpcore.dp_pca(x, 10, sigma, dpcore.SecureRandomness()).released - exact
+    e = dpcore.dp_pca(x, 10, sigma, dpcore.SecureRandomness(), ledger=None).released - exact
     iu = torch.triu_indices(d, d)
     assert abs(float(e[iu[0], iu[1]].std()) / sigma - 1) < 5 / math.sqrt(2 * iu.shape[1])
 

@@ -53,6 +53,15 @@ def corrupt_dataset(tmp_path_factory):
         (dict(tracking_uri="http://127.0.0.1:9"), "MLflow tracking server http://127.0.0.1:9 is unreachable"),
         (dict(model="resnet99"), "model='resnet99' is unknown"),
         (dict(num_workers=0), "num_workers=0 is invalid"),
+        # issue C, must-show 5
+        (dict(method="bam", ascent=-0.01), "lambda (BAM) = -0.01 is negative"),
+        (dict(method="dpsat", ascent=-0.5), "rho (DP-SAT) = -0.5 is negative"),
+        (dict(augmentation_multiplicity=0), "augmentation_multiplicity=0 is invalid"),
+        (dict(pca_components=65), "pca_components=65 is invalid for inputs of dimension 64"),
+        (dict(pca_components=-1), "pca_components=-1 is invalid"),
+        (dict(noise="laplace"), "noise='laplace' needs clip_norm_type='l1'"),
+        (dict(noise="laplace", clip_norm_type="l1", accountant="rdp"), "accounted by PLD only"),
+        (dict(pca_components=10, pca_noise_multiplier=0.5, target_epsilon=1.0), "nothing is left for training"),
     ],
 )
 def test_bad_input_fails_before_anything_starts(tmp_path, over, message):
