@@ -34,9 +34,21 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Grads = dict[str, torch.Tensor]
 
 
+# Below this norm a gradient's direction is numerically meaningless (and 1/‖g‖ would overflow
+# float32): such an example takes no ascent step, as an exactly zero gradient does.
+TINY_NORM = 1e-30
+
+
 def _joint_norm(g: Grads) -> torch.Tensor:
-    """L2 norm of all of one example's gradient tensors together (float64 sums)."""
-    return torch.sqrt(sum(t.double().square().sum() for t in g.values()))
+    """L2 norm of all of one example's gradient tensors together: per-tensor norms in the
+    gradient's dtype, combined in float64. (Only the ascent direction uses it; clipping norms
+    are computed in float64 by :mod:`dpcore.clipping`.)"""
+    return torch.sqrt(sum(torch.linalg.vector_norm(t).double().square() for t in g.values()))
+
+
+def _inverse_norm(norm: torch.Tensor) -> torch.Tensor:
+    ok = torch.isfinite(norm) & (norm > TINY_NORM)
+    return torch.where(ok, 1.0 / torch.where(ok, norm, torch.ones_like(norm)), torch.zeros_like(norm))
 
 
 class PerSampleGradients:
@@ -71,16 +83,13 @@ class PerSampleGradients:
 
         def bam_sam(params, consts, x, y, lam):
             g = example_grad(params, consts, x, y)
-            norm = _joint_norm(g)
-            scale = torch.where(norm > 0, lam / norm.clamp_min(1e-300), torch.zeros_like(norm))
-            # λ·g/‖g‖ formed in float64 (a tiny ‖g‖ must not overflow the scale), then cast.
-            shifted = {k: params[k] + (scale * g[k].double()).to(params[k].dtype) for k in params}
+            scale = lam * _inverse_norm(_joint_norm(g))  # float64, finite: ≤ λ/1e-30
+            shifted = {k: params[k] + scale.to(params[k].dtype) * g[k] for k in params}
             return example_grad(shifted, consts, x, y), g
 
         def bam_exact(params, consts, x, y, lam):
             g = example_grad(params, consts, x, y)
-            norm = _joint_norm(g)
-            inv = torch.where(norm > 0, 1.0 / norm.clamp_min(1e-300), torch.zeros_like(norm))
+            inv = _inverse_norm(_joint_norm(g))
             direction = {k: inv.to(g[k].dtype) * g[k] for k in g}
             _, hvp = jvp(lambda p: example_grad(p, consts, x, y), (params,), (direction,))
             return {k: g[k] + lam.to(g[k].dtype) * hvp[k] for k in g}, g
@@ -115,7 +124,7 @@ class PerSampleGradients:
         """BAM's per-example gradients and the plain per-example gradients at θ they started from.
 
         ``variant="sam"``: ∇L_i(θ + λ·g_i/‖g_i‖). ``variant="exact"``: ∇L_i + λ·H_i g_i/‖g_i‖.
-        An example whose gradient is zero takes no ascent step.
+        An example whose gradient is zero (norm ≤ 1e-30) or not finite takes no ascent step.
         """
         lam_t = torch.tensor(float(lam), dtype=torch.float64)
         return self._bam[variant](self.params(), self.constants(), x, y, lam_t)
