@@ -173,6 +173,23 @@ def plot_run(client, run_id: str, ledger: dpcore.PrivacyLedger) -> None:
         fig.tight_layout()
         fig.savefig(Path(tmp) / "accuracy_vs_epsilon.png", dpi=110)
         plt.close(fig)
+
+        bias = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "diag_bias"))
+        if bias:  # NON-PRIVATE diagnostics were asked for: draw them too (BAM Fig. 2 and App. C)
+            fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+            axes[0].plot([s for s, _ in bias], [v for _, v in bias], lw=1)
+            axes[0].set(xlabel="step", ylabel="‖ĝ_clip − ĝ‖", title="Clipping bias (non-private diagnostic)")
+            for key, label in (("diag_magnitude_error_a", "magnitude error a"), ("diag_cos_per_example_ascent", "cos(g_i, ĝ), mean"),
+                               ("diag_cos_previous_private", "cos(previous ĝ_priv, ĝ)")):
+                hist = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+                axes[1].plot([s for s, _ in hist], [v for _, v in hist], lw=1, label=label)
+            axes[1].set(xlabel="step", title="Appendix C and ascent directions")
+            axes[1].legend()
+            for ax in axes:
+                ax.grid(alpha=0.3)
+            fig.tight_layout()
+            fig.savefig(Path(tmp) / "diagnostics.png", dpi=110)
+            plt.close(fig)
         client.log_artifacts(run_id, tmp, artifact_path="plots")
 
 

@@ -71,6 +71,7 @@ def test_bam_run_is_tagged_and_logs_diagnostics_per_step(bam_pca):
     assert sorted(m.step for m in hist) == list(range(1, bam_pca["steps"] + 1))
     assert all(m.value >= 0 for m in hist)
     assert client.get_metric_history(bam_pca["run_id"], "diag_magnitude_error_a")
+    assert "plots/diagnostics.png" in [f.path for f in client.list_artifacts(bam_pca["run_id"], "plots")]
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,11 @@ def train(seed: int, *, laplace_eps0: float | None = None, target_epsilon: float
     model = build_model("mlp", data.input_shape, data.num_classes)
     opt = torch.optim.Adam(model.parameters(), lr=0.02)
     if laplace_eps0 is not None:
-        kw = dict(noise="laplace", clip_norm_type="l1", noise_multiplier=1.0 / laplace_eps0, target_epsilon=1e9)
+        # The budget is the composed ε of the planned steps (so that exactly those steps fit).
+        q = dpcore.sample_rate_from_lot_size(LOT, len(data.train))
+        steps = dpcore.steps_for_epochs(EPOCHS, q)
+        composed = dpcore.epsilon([(PrivacyEvent(POISSON_LAPLACE, 1.0 / laplace_eps0, q), steps)], DELTA)
+        kw = dict(noise="laplace", clip_norm_type="l1", noise_multiplier=1.0 / laplace_eps0, target_epsilon=composed * (1 + 1e-9))
     else:
         kw = dict(target_epsilon=target_epsilon)
     private = dpcore.make_private(
