@@ -440,8 +440,11 @@ class DPOptimizer:
         """
         out: dict = {"nonfinite_examples_skipped": self._nonfinite_total + self._nonfinite_in_lot}
         if x is not None:
-            if self.augment is not None:
+            if self.augment is not None:  # leave the training augmentations' stream where it was
+                saved = self.augment.state_dict() if hasattr(self.augment, "state_dict") else None
                 x = self._augmented(x)
+                if saved is not None:
+                    self.augment.load_state_dict(saved)
             out["per_sample_norms"] = per_sample_norms(self.grad_sampler(x, y), self.norm_ord)
         return out
 

@@ -53,7 +53,7 @@ class TrainConfig:
     epochs: float = _f(60.0, "passes over the data; steps = round(epochs/q)", "privacy")
     target_epsilon: float = _f(2.0, "privacy budget ε (example-level, add/remove)", "privacy")
     target_delta: float = _f(1e-5, "privacy budget δ (keep it well below 1/N)", "privacy")
-    clip_norm: float = _f(1.0, "per-example L2 clipping bound C", "privacy")
+    clip_norm: float = _f(1.0, "per-example clipping bound C (in the norm of --clip-norm-type)", "privacy")
     noise_multiplier: float | None = _f(
         None, "σ. Default: calibrated to (ε, δ) on the driver. If given, training stops when the budget is spent", "privacy"
     )
@@ -127,6 +127,10 @@ class TrainConfig:
         )
         if self.ascent is not None and self.method == "dpsgd" and self.ascent != 0:
             raise err(f"ascent={self.ascent} has no effect with method='dpsgd'; set --method bam or dpsat, or drop --ascent.")
+        if self.method != "bam" and self.bam_variant != "sam":
+            raise err(f"bam_variant={self.bam_variant!r} has no effect with method={self.method!r}; set --method bam.")
+        if self.method == "dpsgd" and self.ascent_schedule != "constant":
+            raise err(f"ascent_schedule={self.ascent_schedule!r} has no effect with method='dpsgd'; set --method bam or dpsat.")
         if self.ascent_schedule not in dpcore.methods.ASCENT_SCHEDULES:
             raise err(f"ascent_schedule={self.ascent_schedule!r} is unknown; available: {', '.join(dpcore.methods.ASCENT_SCHEDULES)}.")
         if not (0 < self.ascent_warmup_fraction <= 1):

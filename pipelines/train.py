@@ -36,6 +36,7 @@ from .ingest import CorruptShardError, ingest, verify
 from .models import build_run_model
 
 JOURNAL = "ledger.journal.jsonl"
+MAX_PCA_DIM = 8192  # a d×d float64 matrix of 512 MiB
 
 
 # ------------------------------------------------------------------------------------------
@@ -87,7 +88,13 @@ def plan_run(cfg: TrainConfig) -> dict:
     input_shape = tuple(manifest["input_shape"])
     prior = []
     if cfg.pca_components:
-        dpcore.pca.check_pca_components(cfg.pca_components, math.prod(input_shape))
+        d = math.prod(input_shape)
+        if d > MAX_PCA_DIM:
+            raise dpcore.DPConfigError(
+                f"DP-PCA on inputs of dimension {d} would need a {d}×{d} float64 matrix and its eigendecomposition "
+                f"on the driver; the limit is {MAX_PCA_DIM}. Resize the images (--image-size) or drop --pca-components."
+            )
+        dpcore.pca.check_pca_components(cfg.pca_components, d)
         prior = [(dpcore.pca.pca_event(cfg.pca_noise_multiplier, cfg.pca_sample_rate), 1)]
     if cfg.augmentation_multiplicity > 1 and len(input_shape) != 3:
         raise dpcore.DPConfigError(
@@ -175,9 +182,11 @@ class JournalProgress:
         for line in lines[:-1]:
             rec = json.loads(line)
             if rec.get("op") == "append":
-                self._steps = rec["step"]
                 if rec.get("epsilon") is not None:
                     self._eps = rec["epsilon"]
+                if rec["step"] == 0:  # a release before training (DP-PCA): not a step
+                    continue
+                self._steps = rec["step"]
                 if self._first is None:
                     self._first = (rec["timestamp"], rec["step"])
                 self._last = (rec["timestamp"], rec["step"])

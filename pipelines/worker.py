@@ -13,8 +13,9 @@ Every worker (rank r of W):
    the same budget decisions;
 4. steps until the plan is done or the budget allows no further step, and every
    ``checkpoint_every`` steps reports metrics (rank 0: ε, validation and test accuracy and
-   loss, throughput) together with a checkpoint: model, optimizer and ledger from rank 0, the
-   sampler and noise-stream state of every rank.
+   loss, throughput) together with a checkpoint: model, optimizer (with DP-SAT's previous
+   released gradient), ledger and, with ``ema_decay``, the EMA state and averaged model from
+   rank 0; the sampler, noise-stream and augmentation state of every rank.
 
 Nothing computed on training data leaves the worker except through the noised update, unless
 ``diagnostics`` is on.
@@ -74,6 +75,11 @@ def load_pca(spec: dict):
     """The run's DP-PCA components (released by the driver before training), or None."""
     if not spec.get("pca_path"):
         return None
+    if not os.path.isfile(spec["pca_path"]):
+        raise dpcore.DPConfigError(
+            f"the run's DP-PCA projection {spec['pca_path']} does not exist on this node. The driver releases it "
+            "before training; storage_path must be storage that every node shares."
+        )
     return torch.load(spec["pca_path"], map_location="cpu")["components"]
 
 
@@ -186,6 +192,11 @@ def open_ledger(spec: dict, checkpoint_meta: dict | None, checkpoint_ledger: dic
                 f"the ledger journal {journal} holds {len(ledger)} releases but the checkpoint holds "
                 f"{len(checkpoint_ledger['entries'])}: the journal was lost or truncated, so releases after the "
                 "checkpoint cannot be accounted for. Refusing to resume."
+            )
+        if spec.get("pca_path") and not any(e.step == 0 for e in ledger.entries):
+            raise dpcore.DPConfigError(
+                f"the run uses a DP-PCA projection but its ledger journal {journal} holds no release for it. "
+                "Refusing to train on a projection that is not accounted for."
             )
         after = checkpoint_meta["step"] if checkpoint_meta is not None else 0
         if any(e.status == COMMITTED and e.step > after for e in ledger.entries):
@@ -455,7 +466,7 @@ def _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, 
         tracker.log(metrics, step)
         if cfg.diagnostics:  # NON-PRIVATE per-step BAM diagnostics (bias, a, c, ascent cosines)
             tracker.log_history(private.optimizer.diagnostics_history)
-            private.optimizer.diagnostics_history.clear()
+    private.optimizer.diagnostics_history.clear()  # every rank: only rank 0 logs them
     return len(private.ledger) if rank == 0 else -1
 
 

@@ -62,6 +62,8 @@ def corrupt_dataset(tmp_path_factory):
         (dict(noise="laplace"), "noise='laplace' needs clip_norm_type='l1'"),
         (dict(noise="laplace", clip_norm_type="l1", accountant="rdp"), "accounted by PLD only"),
         (dict(pca_components=10, pca_noise_multiplier=0.5, target_epsilon=1.0), "nothing is left for training"),
+        (dict(bam_variant="exact"), "bam_variant='exact' has no effect with method='dpsgd'"),
+        (dict(pca_components=10, model="small_cnn"), "only model='mlp' takes"),
     ],
 )
 def test_bad_input_fails_before_anything_starts(tmp_path, over, message):
@@ -157,3 +159,29 @@ def test_a_locked_journal_refuses_a_second_trainer(tmp_path):
     assert not journal_is_locked(journal)
     ledger, allowance = open_ledger(spec, None, None, rank=0, world=1)
     assert allowance == 10 and len(ledger) == 0
+
+
+def test_a_worker_refuses_a_pca_projection_that_is_not_in_the_ledger(tmp_path):
+    """The driver ledgers DP-PCA before it saves the components; a worker that finds a
+    projection but no step-0 release refuses to train on it."""
+    from pipelines.worker import open_ledger
+
+    journal = str(tmp_path / "ledger.journal.jsonl")
+    spec = {
+        "config": {"target_epsilon": 2.0, "target_delta": 1e-5, "accountant": "pld"},
+        "journal": journal, "epsilon_every": 1, "noise_multiplier": 5.0, "sample_rate": 0.1, "steps": 10,
+        "pca_path": str(tmp_path / "pca.pt"),
+    }
+    dpcore.PrivacyLedger(2.0, 1e-5, journal=journal)
+    with pytest.raises(dpcore.DPConfigError, match="holds no release for it"):
+        open_ledger(spec, None, None, rank=0, world=1)
+    from pipelines import worker
+
+    worker._JOURNAL_LOCK.close()
+    worker._JOURNAL_LOCK = None
+    ledger = dpcore.PrivacyLedger(2.0, 1e-5, journal=journal)
+    ledger.append(dpcore.PrivacyEvent("gaussian", 8.0), step=0, clip_norm=1.0)  # as ensure_pca does
+    ledger2, allowance = open_ledger(spec, None, None, rank=0, world=1)
+    assert allowance == 10 and len(ledger2) == 1
+    worker._JOURNAL_LOCK.close()
+    worker._JOURNAL_LOCK = None

@@ -1,7 +1,7 @@
 """Issue C in the sharded Ray training of issue B: each method is a config choice, runs on two
 Ray Train workers, and is recorded in the same ledger.
 
-Two runs (module fixtures):
+Three runs:
 * BAM (SAM form) with DP-PCA, parameter EMA and the non-private diagnostics, on an MLP;
 * DP-SAT with augmentation multiplicity K=2 on a small CNN;
 * the Laplace form.

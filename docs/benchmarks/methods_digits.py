@@ -157,7 +157,8 @@ def figure(eps: float, seeds: int, out: Path) -> None:
     print(f"| method | mean bias, first half | mean bias, second half | mean bias, all steps |\n|---|---|---|---|")
     for m, a, b, c in summary:
         print(f"| {m} | {a:.4f} | {b:.4f} | {c:.4f} |")
-    print(f"\n{seeds} seed(s), ε={eps:g}, choices {choices}; figure: {out}")
+    shown = out.relative_to(HERE.parent.parent) if out.is_relative_to(HERE.parent.parent) else out
+    print(f"\n{seeds} seed(s), ε={eps:g}, choices {choices}; figure: {shown}")
 
 
 def main() -> int:
