@@ -104,3 +104,29 @@ def test_laplace_form_runs_on_ray_and_is_ledgered_as_laplace(ray_cluster, tmp_pa
     acc = dp_accounting.pld.PLDAccountant()
     acc.compose(dp_accounting.PoissonSampledDpEvent(out["sample_rate"], dp_accounting.LaplaceDpEvent(out["noise_multiplier"])), out["steps"])
     assert out["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3) and out["epsilon"] <= 8.0
+
+
+def test_a_killed_worker_restarts_a_dpsat_ema_pca_augmented_run(ray_cluster, tmp_path):
+    """Issue B's fault injection with issue C's state: DP-SAT's previous released gradient,
+    the EMA, the augmentation streams and the DP-PCA projection all come back from the
+    checkpoint; the PCA release stays committed at step 0 while the steps after the checkpoint
+    are rolled back, and every release is in ε."""
+    out = run(_cfg(tmp_path, method="dpsat", ascent=0.1, ema_decay=0.9, pca_components=12, augmentation_multiplicity=2,
+                   augment_padding=1, epochs=5, checkpoint_every=3, fault_at_step=5, fault_rank=1, max_failures=1))
+    spec = out["spec"]
+    assert (Path(spec["run_dir"]) / "fault-injected").exists()
+    entries = out["ledger"].entries
+    assert (entries[0].step, entries[0].kind, entries[0].status) == (0, GAUSSIAN, "committed")
+    rolled = [e.step for e in entries if e.status == "rolled_back"]
+    committed = [e.step for e in entries[1:] if e.status == "committed"]
+    assert rolled[:2] == [4, 5] and committed == list(range(1, len(committed) + 1)) and out["steps"] == len(committed)
+    import dp_accounting
+
+    acc = dp_accounting.pld.PLDAccountant()
+    acc.compose(dp_accounting.GaussianDpEvent(8.0))
+    acc.compose(dp_accounting.PoissonSampledDpEvent(out["sample_rate"], dp_accounting.GaussianDpEvent(out["noise_multiplier"])), len(entries) - 1)
+    assert out["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3) and out["epsilon"] <= 3.0
+    state = torch.load(Path(out["checkpoint"]) / "state.pt", weights_only=False)
+    assert state["ema"]["updates"] == out["steps"]  # the EMA continued from the checkpoint, not from scratch
+    rank1 = torch.load(Path(out["checkpoint"]) / "rank-1.pt", weights_only=False)
+    assert "augment" in rank1
