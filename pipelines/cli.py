@@ -1,6 +1,7 @@
 """``dp-platform``: one command for the platform.
 
     dp-platform train [CONFIG.yaml] [--flags]     train with DP on Ray; ledger and model to MLflow
+    dp-platform sweep [CONFIG.yaml] [--flags]     Optuna sweep at a fixed (ε, δ); trials on Ray, runs in MLflow
     dp-platform ingest DATASET OUT_DIR            write a dataset once as Parquet shards
     dp-platform ledger RUN_ID                     print a run's privacy ledger from MLflow
     dp-platform ui                                the MLflow UI on 127.0.0.1, on the same store
@@ -130,7 +131,7 @@ def _ui(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": None, "ingest": _ingest, "ledger": _ledger, "ui": _ui, "bench": None}
+    commands = {"train": None, "sweep": None, "ingest": _ingest, "ledger": _ledger, "ui": _ui, "bench": None}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):
@@ -142,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         from .train import main as train_main
 
         return train_main(rest, prog=f"{PROG} train")
+    if cmd == "sweep":
+        from tuning.sweep import main as sweep_main
+
+        return sweep_main(rest, prog=f"{PROG} sweep")
     if cmd == "bench":
         from .bench import main as bench_main
 

@@ -96,6 +96,7 @@ class TrainConfig:
     diagnostics: bool = _f(
         False, "NON-PRIVATE: also log training loss/accuracy and clip fractions; tags the run dp.diagnostics=non-private", "tracking"
     )
+    log_model: bool = _f(True, "log (and register) the final model; sweeps log only the best trial's", "tracking")
     quiet: bool = _f(False, "no progress output", "tracking")
     # testing only
     fault_at_step: int | None = _f(None, "fault injection for tests: one worker dies once, after this step", "testing")

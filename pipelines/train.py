@@ -322,12 +322,22 @@ def open_run_ledger(spec: dict) -> dpcore.PrivacyLedger:
     return dpcore.PrivacyLedger(cfg["target_epsilon"], cfg["target_delta"], cfg["accountant"], epsilon_every=spec["epsilon_every"], journal=spec["journal"])
 
 
-def run(cfg: TrainConfig | None = None, resume: str | None = None, resume_changes: dict | None = None) -> dict:
+def run(
+    cfg: TrainConfig | None = None,
+    resume: str | None = None,
+    resume_changes: dict | None = None,
+    parent_run_id: str | None = None,
+    extra_tags: dict | None = None,
+    optuna_trial: dict | None = None,
+) -> dict:
     """Plan, train on Ray, log to MLflow. Returns a summary (run id, ε, accuracy, ...).
 
     With ``resume`` (an MLflow run id) the earlier run is continued with its own config; its
     tracking URI is ``cfg.tracking_uri``, and ``resume_changes`` may change only the options
-    in :data:`RESUME_MAY_CHANGE`."""
+    in :data:`RESUME_MAY_CHANGE`. A sweep passes ``parent_run_id`` (the run is nested under
+    it), ``extra_tags``, and ``optuna_trial`` = {"storage", "study", "trial_id"}: rank 0 then
+    reports the validation accuracy of every checkpoint to that trial and stops the run early
+    when Optuna's pruner says so (``summary["pruned"]``)."""
     import mlflow
     from mlflow import MlflowClient
 
@@ -336,12 +346,16 @@ def run(cfg: TrainConfig | None = None, resume: str | None = None, resume_change
     else:
         cfg = cfg or TrainConfig()
         spec = plan_run(cfg)
+        spec["optuna"] = optuna_trial
     client = MlflowClient(spec["tracking_uri"])
     mlflow.set_tracking_uri(spec["tracking_uri"])
     if resume is None:
         exp = client.get_experiment_by_name(cfg.experiment)
         exp_id = exp.experiment_id if exp is not None else client.create_experiment(cfg.experiment)
-        mlrun = client.create_run(exp_id, run_name=spec["run_name"], tags=tracking.dp_tags(cfg, spec))
+        tags = {**tracking.dp_tags(cfg, spec), **(extra_tags or {})}
+        if parent_run_id is not None:
+            tags["mlflow.parentRunId"] = parent_run_id
+        mlrun = client.create_run(exp_id, run_name=spec["run_name"], tags=tags)
         spec["run_id"] = mlrun.info.run_id
     else:
         client.update_run(spec["run_id"], status="RUNNING")
@@ -380,7 +394,9 @@ def run(cfg: TrainConfig | None = None, resume: str | None = None, resume_change
 
         example = read_split(spec["data_dir"], "test").x[:4].numpy().astype(np.float32)
         reg = cfg.registered_model or f"dp-{cfg.dataset}-{cfg.model.replace(':', '_')}"
-        version = tracking.log_model(run_id, model, example, None if reg.lower() == "none" else reg, epsilon, cfg.target_delta, cfg.accountant)
+        version = None
+        if cfg.log_model:
+            version = tracking.log_model(run_id, model, example, None if reg.lower() == "none" else reg, epsilon, cfg.target_delta, cfg.accountant)
         status = "FINISHED"
         return {
             "run_id": run_id,
@@ -403,6 +419,7 @@ def run(cfg: TrainConfig | None = None, resume: str | None = None, resume_change
             "seconds": time.monotonic() - t0,
             "checkpoint": checkpoint,
             "registered_model": None if version is None else f"{version.name} v{version.version}",
+            "pruned": bool(meta.get("pruned", False)),
             "spec": spec,
             "ledger": ledger,
             "model": model,

@@ -387,7 +387,9 @@ def train_loop_per_worker(spec: dict) -> None:
             now = time.monotonic()
             rate = (step - step_last) / max(now - t_last, 1e-9)
             t_last, step_last = now, step
-            reported_releases = report(rate)
+            reported_releases, pruned = report(rate)
+            if pruned:  # Optuna's pruner stopped this trial (a sweep); every rank got the decision
+                break
     # Restored right at the budget (the rolled-back releases used it up): the restored state
     # is the final one, but the ledger has grown since that checkpoint, so report it again.
     need = None
@@ -407,6 +409,7 @@ def _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, 
     import ray.train
 
     final = step == last_step
+    pruned = False
     checksum = param_checksum(model)
     metrics: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -426,6 +429,8 @@ def _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, 
                 eval_model.load_state_dict(ema.averaged_state_dict())
                 torch.save(eval_model.state_dict(), d / EMA_MODEL_FILE)
             (val_acc, val_loss), (test_acc, test_loss) = (evaluate(eval_model, *held_out[k]) for k in ("val", "test"))
+            if spec.get("optuna") and not final:
+                pruned = tracker.prune(val_acc, step)
             metrics = {
                 "step": step,
                 "epsilon": private.ledger.epsilon(),
@@ -459,7 +464,10 @@ def _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, 
             (d / LEDGER_FILE).write_text(json.dumps(private.ledger.state_dict()))
             names = (MODEL_FILE, STATE_FILE, LEDGER_FILE) + ((EMA_MODEL_FILE,) if ema is not None else ())
             files = {n: sha256_file(d / n) for n in names}
-            meta = {"step": step, "releases": len(private.ledger), "world_size": world, "final": final, "run_id": spec["run_id"], "files": files}
+            meta = {
+                "step": step, "releases": len(private.ledger), "world_size": world, "final": final or pruned,
+                "pruned": pruned, "run_id": spec["run_id"], "files": files,
+            }
             (d / "meta.json").write_text(json.dumps(meta))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
     if tracker is not None:
@@ -467,7 +475,11 @@ def _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, 
         if cfg.diagnostics:  # NON-PRIVATE per-step BAM diagnostics (bias, a, c, ascent cosines)
             tracker.log_history(private.optimizer.diagnostics_history)
     private.optimizer.diagnostics_history.clear()  # every rank: only rank 0 logs them
-    return len(private.ledger) if rank == 0 else -1
+    if spec.get("optuna") and world > 1:
+        box = [pruned]
+        dist.broadcast_object_list(box, src=0)
+        pruned = box[0]
+    return (len(private.ledger) if rank == 0 else -1), pruned
 
 
 class _Tracker:
@@ -478,6 +490,19 @@ class _Tracker:
 
         self.client = MlflowClient(spec["tracking_uri"])
         self.run_id = spec["run_id"]
+        self.optuna = spec.get("optuna")
+        self._trial = None
+
+    def prune(self, value: float, step: int) -> bool:
+        """Report the validation accuracy to the sweep's Optuna trial; True if it should stop."""
+        if self._trial is None:
+            import optuna
+
+            storage = optuna.storages.RDBStorage(self.optuna["storage"])
+            study = optuna.load_study(study_name=self.optuna["study"], storage=storage)
+            self._trial = optuna.trial.Trial(study, self.optuna["trial_id"])
+        self._trial.report(float(value), int(step))
+        return bool(self._trial.should_prune())
 
     def log(self, metrics: dict, step: int) -> None:
         from mlflow.entities import Metric

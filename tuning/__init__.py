@@ -1,5 +1,6 @@
-"""tuning: Optuna sweeps under a fixed (ε, δ) on Ray. Not built yet: see issue D.
+"""tuning: hyperparameter sweeps under a fixed (ε, δ), with Optuna on Ray and MLflow.
 
-Nothing here is importable functionality; the package exists so that the top-level layout
-of the project is fixed from the start.
+See :mod:`tuning.sweep` (the driver and the ``dp-platform sweep`` command),
+:mod:`tuning.space` (the search space) and :mod:`tuning.selection` (the privacy cost of
+choosing the best trial).
 """

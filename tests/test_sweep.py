@@ -1,0 +1,225 @@
+"""Issue D: sweeps at a fixed (ε, δ) with Optuna on Ray, tracked in MLflow.
+
+* an end-to-end sweep of 6 trials, 2 at a time, on a SQLite study, with one trial's process
+  killed mid-trial (it is failed through its stale heartbeat and retried);
+* the sweep driver killed midway and the same command run again;
+* private selection's total ε against dp_accounting;
+* bad input, refused before the study or any run is written.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import dp_accounting
+import mlflow
+import optuna
+import pytest
+
+import dpcore
+from pipelines.config import TrainConfig
+from tuning import selection
+from tuning.sweep import SweepConfig, run_sweep
+
+pytestmark = pytest.mark.slow
+
+
+def _base(root: Path, **over) -> TrainConfig:
+    values = dict(epochs=2, target_epsilon=2.0, num_workers=1, seed=5, storage_path=str(root / "runs"),
+                  tracking_uri=f"sqlite:///{root}/mlflow.db", quiet=True, registered_model="dp-sweep-test")
+    values.update(over)
+    return TrainConfig(**values)
+
+
+SPACE = {"lr": {"low": 0.005, "high": 0.05, "log": True}, "lot_size": {"choices": [128, 256, 512]}}
+
+
+@pytest.fixture(scope="module")
+def e2e(ray_cluster, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep")
+    sweep = SweepConfig(study="e2e", storage=f"sqlite:///{root}/optuna.db", n_trials=6, max_concurrent=2, sampler="tpe",
+                        sampler_seed=0, heartbeat_interval=2, grace_period=6, space=SPACE, quiet=True)
+    killed = {}
+
+    def kill_first_trial():
+        pid_file = root / "runs" / "sweeps" / "e2e" / "trial-0.pid"
+        deadline = time.time() + 120
+        while not pid_file.exists() and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(4)  # mid-trial: Ray Train has started its worker
+        killed["pid"] = int(pid_file.read_text())
+        os.kill(killed["pid"], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_first_trial, daemon=True)
+    killer.start()
+    out = run_sweep(sweep, _base(root))
+    killer.join(timeout=1)
+    study = optuna.load_study(study_name="e2e", storage=sweep.storage)
+    return {"out": out, "root": root, "study": study, "killed": killed, "base": _base(root)}
+
+
+def test_sweep_completes_its_trials_with_parent_and_child_runs(e2e):
+    out, study = e2e["out"], e2e["study"]
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) == 6 and out["complete"] == 6
+    client = mlflow.MlflowClient(e2e["base"].tracking_uri)
+    parent = client.get_run(out["parent_run_id"])
+    assert parent.info.status == "FINISHED" and parent.data.tags["sweep.study"] == "e2e"
+    assert "not accounted" in parent.data.tags["dp.selection"]
+    children = client.search_runs([parent.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{out['parent_run_id']}'")
+    finished = [c for c in children if c.info.status == "FINISHED"]
+    assert {c.info.run_id for c in finished} == {t.user_attrs["run_id"] for t in complete}
+    best = [c for c in children if c.data.tags.get("sweep.best") == "true"]
+    assert len(best) == 1 and best[0].info.run_id == out["best"]["run_id"]
+    assert best[0].info.run_id == max(complete, key=lambda t: t.value).user_attrs["run_id"]
+    assert out["best"]["registered_model"].startswith("dp-sweep-test v")
+    plots = {f.path for f in client.list_artifacts(out["parent_run_id"], "plots")}
+    assert {"plots/optimization_history.png", "plots/param_importances.png", "plots/contour_lr_lot_size.png"} <= plots
+
+
+def test_every_child_meets_the_target_with_its_own_calibrated_sigma(e2e):
+    from pipelines.cli import fetch_ledger
+
+    base, study = e2e["base"], e2e["study"]
+    n = 1258  # digits' training split
+    sigmas = set()
+    for t in study.trials:
+        if t.state != optuna.trial.TrialState.COMPLETE:
+            continue
+        ledger = fetch_ledger(t.user_attrs["run_id"], base.tracking_uri).to_pydict()
+        sigma, q, steps = dpcore.plan(dataset_size=n, lot_size=t.params["lot_size"], epochs=base.epochs,
+                                      target_epsilon=base.target_epsilon, target_delta=base.target_delta)
+        assert set(ledger["noise_multiplier"]) == {sigma} and set(ledger["sample_rate"]) == {q}
+        assert len(ledger["step"]) == steps
+        assert t.user_attrs["epsilon"] <= base.target_epsilon
+        sigmas.add((t.params["lot_size"], sigma))
+    assert len({s for _, s in sigmas}) == len({lot for lot, _ in sigmas})  # each lot size: its own σ
+
+
+def test_a_trial_whose_process_died_is_failed_and_retried(e2e):
+    study = e2e["study"]
+    assert e2e["killed"].get("pid")
+    first = study.trials[0]
+    assert first.state == optuna.trial.TrialState.FAIL
+    retries = [t for t in study.trials if t.system_attrs.get("failed_trial") == 0]
+    assert len(retries) == 1 and retries[0].params == first.params
+    assert retries[0].state == optuna.trial.TrialState.COMPLETE
+    numbers = [t.number for t in study.trials]
+    assert len(numbers) == len(set(numbers)) == 7  # 6 complete + the failed one; nothing lost or doubled
+
+
+def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path):
+    base = _base(tmp_path, lot_size=256, registered_model="none", epochs=1)
+    sweep = SweepConfig(study="private", storage=f"sqlite:///{tmp_path}/optuna.db", sampler="random", sampler_seed=1,
+                        private_selection="poisson", selection_mean=1.5, selection_noise_multiplier=3.0,
+                        space={"lr": {"low": 0.005, "high": 0.05, "log": True}}, quiet=True, max_concurrent=2)
+    out = run_sweep(sweep, base)
+    sigma, q, steps = dpcore.plan(dataset_size=1258, lot_size=256, epochs=1, target_epsilon=2.0, target_delta=1e-5)
+    one_trial = dp_accounting.ComposedDpEvent([
+        dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps),
+        dp_accounting.GaussianDpEvent(3.0),
+    ])
+    acc = dp_accounting.rdp.RdpAccountant()
+    acc.compose(dp_accounting.RepeatAndSelectDpEvent(one_trial, 1.5, float("inf")))
+    reference = acc.get_epsilon(1e-5)
+    assert out["selection_total_epsilon"] == pytest.approx(reference, rel=1e-9)
+    client = mlflow.MlflowClient(base.tracking_uri)
+    parent = client.get_run(out["parent_run_id"])
+    assert float(parent.data.tags["dp.sweep_total_epsilon"]) == pytest.approx(reference, rel=1e-5)
+    assert "accounted (Papernot & Steinke 2022)" in parent.data.tags["dp.selection"]
+    study = optuna.load_study(study_name="private", storage=sweep.storage)
+    assert out["n_trials"] == study.user_attrs["selection_k"] == len(study.trials)
+    assert reference > 2.0  # selection is not free
+
+
+def test_number_of_trials_follows_the_chosen_distribution():
+    r = dpcore.SeededRandomness(0)
+    ks = [selection.draw_number_of_trials(4.0, "poisson", 1.0, r) for _ in range(3000)]
+    assert abs(sum(ks) / len(ks) - 4.0) < 5 * (4.0 / len(ks)) ** 0.5
+    ks = [selection.draw_number_of_trials(4.0, "negative-binomial", 1.0, r) for _ in range(3000)]
+    assert min(ks) >= 1 and abs(sum(ks) / len(ks) - 4.0) < 0.35  # geometric on {1, 2, ...}, variance 12
+
+
+def test_killed_sweep_driver_continues_with_the_same_command(tmp_path):
+    """The driver (and its local Ray cluster) is killed with SIGKILL after its first finished
+    trial; the same command then continues the study to its 4 trials."""
+    cmd = [sys.executable, "-m", "pipelines.cli", "sweep", "--study", "resume", "--storage", f"sqlite:///{tmp_path}/optuna.db",
+           "--n-trials", "4", "--max-concurrent", "2", "--heartbeat-interval", "2", "--grace-period", "6", "--epochs", "1",
+           "--lot-size", "256", "--seed", "3", "--sampler-seed", "0", "--storage-path", str(tmp_path / "runs"),
+           "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--registered-model", "none", "--quiet"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    first = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    deadline = time.time() + 300
+    done = 0
+    while time.time() < deadline and first.poll() is None:
+        time.sleep(1)
+        try:
+            study = optuna.load_study(study_name="resume", storage=storage)
+            done = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+        except Exception:  # noqa: BLE001 - the study is not created yet
+            continue
+        if done >= 1:
+            break
+    assert first.poll() is None and done >= 1, "the first driver should still be running after its first trial"
+    os.killpg(first.pid, signal.SIGKILL)  # the driver and its Ray cluster, as a crash would
+    first.wait()
+    before = optuna.load_study(study_name="resume", storage=storage).trials
+    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    trials = optuna.load_study(study_name="resume", storage=storage).trials
+    numbers = [t.number for t in trials]
+    assert len(numbers) == len(set(numbers))
+    complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) == 4
+    # The trials finished before the kill are kept as they were, not re-run.
+    kept = {t.number for t in before if t.state == optuna.trial.TrialState.COMPLETE}
+    assert kept <= {t.number for t in complete}
+    # Those still running at the kill were failed (stale) and retried with their parameters.
+    stale = [t for t in before if t.state == optuna.trial.TrialState.RUNNING]
+    for t in stale:
+        assert [u.state for u in trials if u.number == t.number] == [optuna.trial.TrialState.FAIL]
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    parents = client.search_runs([e.experiment_id for e in client.search_experiments()], filter_string="tags.`sweep.study` = 'resume'")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"  # one parent run, continued
+
+
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "sweep_over, base_over, message",
+    [
+        ({"space": {}}, {}, "the search space is empty"),
+        ({"space": {"lot_size": {"choices": [256, 4096]}}}, {}, "lot_size reaches 4096, beyond the 1258 training examples"),
+        ({"space": {"lot_size": {"choices": [16, 32]}}}, {"target_epsilon": 0.05, "epochs": 30}, "no trial can meet ε=0.05"),
+        ({"storage": "postgresql://dp@127.0.0.1:9/optuna"}, {}, "the Optuna storage postgresql://dp@127.0.0.1:9/optuna is unreachable"),
+        ({"space": {"ascent": {"low": 0.01, "high": 0.1}}}, {}, "method='dpsgd' has no ascent step"),
+        ({"private_selection": "poisson"}, {}, "needs --sampler random"),
+        ({"private_selection": "poisson", "sampler": "random"}, {}, "fix lot_size"),
+        ({"space": {"lr": {"low": 0.1, "high": 0.01}}}, {}, "needs low < high"),
+    ],
+)
+def test_bad_sweeps_fail_before_anything_is_written(tmp_path, sweep_over, base_over, message):
+    sweep = SweepConfig(**{"study": "bad", "storage": f"sqlite:///{tmp_path}/optuna.db", "quiet": True, **sweep_over})
+    with pytest.raises(dpcore.DPConfigError) as err:
+        run_sweep(sweep, _base(tmp_path, **base_over))
+    assert message in str(err.value)
+    db = tmp_path / "optuna.db"
+    if db.exists():
+        assert optuna.get_all_study_summaries(storage=f"sqlite:///{db}") == []
+    ml = tmp_path / "mlflow.db"
+    if ml.exists():
+        client = mlflow.MlflowClient(f"sqlite:///{ml}")
+        assert client.search_runs([e.experiment_id for e in client.search_experiments()]) == []
+
+
+def test_sweep_cli_bad_input_exit_code(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "pipelines.cli", "sweep", "--storage", "postgresql://dp@127.0.0.1:9/x", "--quiet",
+                          "--storage-path", str(tmp_path / "runs"), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 2 and "error: the Optuna storage" in res.stderr and "Traceback" not in res.stderr
