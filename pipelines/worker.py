@@ -499,7 +499,8 @@ class _Tracker:
             import optuna
 
             storage = optuna.storages.RDBStorage(self.optuna["storage"])
-            study = optuna.load_study(study_name=self.optuna["study"], storage=storage)
+            median = self.optuna.get("median_pruner", {})  # the sweep's pruner (not kept in the storage)
+            study = optuna.load_study(study_name=self.optuna["study"], storage=storage, pruner=optuna.pruners.MedianPruner(**median))
             self._trial = optuna.trial.Trial(study, self.optuna["trial_id"])
         self._trial.report(float(value), int(step))
         return bool(self._trial.should_prune())

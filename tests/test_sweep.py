@@ -44,7 +44,7 @@ SPACE = {"lr": {"low": 0.005, "high": 0.05, "log": True}, "lot_size": {"choices"
 def e2e(ray_cluster, tmp_path_factory):
     root = tmp_path_factory.mktemp("sweep")
     sweep = SweepConfig(study="e2e", storage=f"sqlite:///{root}/optuna.db", n_trials=6, max_concurrent=2, sampler="tpe",
-                        sampler_seed=0, heartbeat_interval=2, grace_period=6, space=SPACE, quiet=True)
+                        sampler_seed=0, heartbeat_interval=2, grace_period=20, space=SPACE, quiet=True)
     killed = {}
 
     def kill_first_trial():
@@ -126,7 +126,7 @@ def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path):
         dp_accounting.GaussianDpEvent(3.0),
     ])
     acc = dp_accounting.rdp.RdpAccountant()
-    acc.compose(dp_accounting.RepeatAndSelectDpEvent(one_trial, 1.5, float("inf")))
+    acc.compose(dp_accounting.dp_event.RepeatAndSelectDpEvent(one_trial, 1.5, float("inf")))
     reference = acc.get_epsilon(1e-5)
     assert out["selection_total_epsilon"] == pytest.approx(reference, rel=1e-9)
     client = mlflow.MlflowClient(base.tracking_uri)
@@ -150,10 +150,11 @@ def test_killed_sweep_driver_continues_with_the_same_command(tmp_path):
     """The driver (and its local Ray cluster) is killed with SIGKILL after its first finished
     trial; the same command then continues the study to its 4 trials."""
     cmd = [sys.executable, "-m", "pipelines.cli", "sweep", "--study", "resume", "--storage", f"sqlite:///{tmp_path}/optuna.db",
-           "--n-trials", "4", "--max-concurrent", "2", "--heartbeat-interval", "2", "--grace-period", "6", "--epochs", "1",
+           "--n-trials", "4", "--max-concurrent", "2", "--heartbeat-interval", "2", "--grace-period", "20", "--epochs", "1",
            "--lot-size", "256", "--seed", "3", "--sampler-seed", "0", "--storage-path", str(tmp_path / "runs"),
            "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--registered-model", "none", "--quiet"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    sessions_before = set(Path("/tmp/ray").glob("session_2*"))
     first = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
     storage = f"sqlite:///{tmp_path}/optuna.db"
     deadline = time.time() + 300
@@ -168,8 +169,10 @@ def test_killed_sweep_driver_continues_with_the_same_command(tmp_path):
         if done >= 1:
             break
     assert first.poll() is None and done >= 1, "the first driver should still be running after its first trial"
-    os.killpg(first.pid, signal.SIGKILL)  # the driver and its Ray cluster, as a crash would
+    os.killpg(first.pid, signal.SIGKILL)  # the driver, as a crash would
     first.wait()
+    for session in set(Path("/tmp/ray").glob("session_2*")) - sessions_before:  # and its orphaned local Ray cluster
+        subprocess.run(["pkill", "-9", "-f", session.name], check=False)
     before = optuna.load_study(study_name="resume", storage=storage).trials
     res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
@@ -196,7 +199,7 @@ def test_killed_sweep_driver_continues_with_the_same_command(tmp_path):
     [
         ({"space": {}}, {}, "the search space is empty"),
         ({"space": {"lot_size": {"choices": [256, 4096]}}}, {}, "lot_size reaches 4096, beyond the 1258 training examples"),
-        ({"space": {"lot_size": {"choices": [16, 32]}}}, {"target_epsilon": 0.05, "epochs": 30}, "no trial can meet ε=0.05"),
+        ({"space": {"lot_size": {"choices": [16, 32]}}}, {"target_epsilon": 0.01, "epochs": 60}, "no trial can meet ε=0.01"),
         ({"storage": "postgresql://dp@127.0.0.1:9/optuna"}, {}, "the Optuna storage postgresql://dp@127.0.0.1:9/optuna is unreachable"),
         ({"space": {"ascent": {"low": 0.01, "high": 0.1}}}, {}, "method='dpsgd' has no ascent step"),
         ({"private_selection": "poisson"}, {}, "needs --sampler random"),
@@ -223,3 +226,25 @@ def test_sweep_cli_bad_input_exit_code(tmp_path):
                           "--storage-path", str(tmp_path / "runs"), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 2 and "error: the Optuna storage" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_rank0_reports_to_the_trial_and_obeys_the_median_pruner(tmp_path):
+    """The worker-side hook of --pruner median: each checkpoint's validation accuracy goes to
+    the trial; a trial below the median of earlier trials at that step is told to stop."""
+    from pipelines.worker import _Tracker
+
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    study = optuna.create_study(study_name="p", storage=storage, direction="maximize",
+                                pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0))
+    for v in (0.8, 0.9):
+        t = study.ask()
+        t.report(v, 10)
+        study.tell(t, v)
+    good, bad = study.ask(), study.ask()
+    spec = {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "run_id": None}
+    median = {"n_startup_trials": 2, "n_warmup_steps": 0}
+    keep = _Tracker({**spec, "optuna": {"storage": storage, "study": "p", "trial_id": good._trial_id, "median_pruner": median}})
+    stop = _Tracker({**spec, "optuna": {"storage": storage, "study": "p", "trial_id": bad._trial_id, "median_pruner": median}})
+    assert keep.prune(0.95, 10) is False
+    assert stop.prune(0.2, 10) is True
+    assert optuna.load_study(study_name="p", storage=storage).trials[3].intermediate_values == {10: 0.2}

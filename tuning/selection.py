@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 
 import dp_accounting
-import numpy as np
 
 import dpcore
 from dpcore.accounting import _quiet_absl
@@ -46,7 +45,7 @@ def shape_of(distribution: str, shape: float) -> float:
 
 
 def selection_event(event: dp_accounting.DpEvent, mean: float, distribution: str, shape: float = 1.0) -> dp_accounting.DpEvent:
-    return dp_accounting.RepeatAndSelectDpEvent(event, float(mean), shape_of(distribution, shape))
+    return dp_accounting.dp_event.RepeatAndSelectDpEvent(event, float(mean), shape_of(distribution, shape))
 
 
 def total_epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
@@ -90,8 +89,11 @@ def draw_number_of_trials(mean: float, distribution: str, shape: float, randomne
         return k
     eta = shape_of(distribution, shape)
     gamma = _truncated_nb_gamma(mean, eta)
-    ks = np.arange(1, 100_000)
-    logp = ks * math.log1p(-gamma) + np.array([math.lgamma(k + eta) - math.lgamma(k + 1) - math.lgamma(eta) for k in ks])
-    p = np.exp(logp - logp.max())
-    cdf = np.cumsum(p) / p.sum()
-    return int(ks[min(np.searchsorted(cdf, u), len(ks) - 1)])
+    # P(K=k) = (1−γ)^k·C(k+η−1, k)/(γ^(−η) − 1), k ≥ 1; walk the CDF with the ratio of terms.
+    p = (1 - gamma) * eta / (gamma**-eta - 1)
+    k, cdf = 1, p
+    while u > cdf and k < 10_000_000:
+        p *= (1 - gamma) * (k + eta) / (k + 1)
+        k += 1
+        cdf += p
+    return k

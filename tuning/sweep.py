@@ -44,6 +44,7 @@ from .space import SearchSpace, default_space, parse_space
 SAMPLERS = ("tpe", "random")
 PRUNERS = ("none", "median")
 PRESETS = ("bam-appendix",)
+MEDIAN_PRUNER = {"n_startup_trials": 2, "n_warmup_steps": 0}
 
 
 @dataclass(frozen=True)
@@ -165,12 +166,8 @@ def _trial_task():
 
     @ray.remote(num_cpus=0, max_retries=0)
     def run_trial(cfg_dict: dict, parent_run_id: str, tags: dict, optuna_trial: dict | None, heartbeat: dict | None, pid_file: str) -> dict:
-        """One trial: the main job as a child run. Sends the trial's heartbeat while it runs."""
-        import warnings as _w
-
-        from pipelines.config import config_from_dict
-        from pipelines.train import run
-
+        """One trial: the main job as a child run. Sends the trial's heartbeat while it runs
+        (first thing, before the heavy imports)."""
         Path(pid_file).write_text(str(os.getpid()))
         stop = threading.Event()
         if heartbeat is not None:
@@ -179,11 +176,18 @@ def _trial_task():
             storage = optuna.storages.RDBStorage(heartbeat["storage"], heartbeat_interval=heartbeat["interval"], grace_period=heartbeat["grace"])
 
             def beat():
-                while not stop.wait(heartbeat["interval"]):
+                while True:
                     with contextlib.suppress(Exception):
                         storage.record_heartbeat(heartbeat["trial_id"])
+                    if stop.wait(heartbeat["interval"]):
+                        return
 
             threading.Thread(target=beat, daemon=True).start()
+        import warnings as _w
+
+        from pipelines.config import config_from_dict
+        from pipelines.train import run
+
         try:
             with _w.catch_warnings():
                 _w.simplefilter("ignore", dpcore.SeededRandomnessWarning)
@@ -279,7 +283,7 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
     fingerprint = json.dumps({"space": raw_space, "base": {k: v for k, v in base.to_dict().items() if k not in ("quiet",)},
                               "private_selection": sweep.private_selection}, sort_keys=True, default=str)
     sampler = optuna.samplers.TPESampler(seed=sweep.sampler_seed) if sweep.sampler == "tpe" else optuna.samplers.RandomSampler(seed=sweep.sampler_seed)
-    pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0) if sweep.pruner == "median" else optuna.pruners.NopPruner()
+    pruner = optuna.pruners.MedianPruner(**MEDIAN_PRUNER) if sweep.pruner == "median" else optuna.pruners.NopPruner()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(study_name=sweep.study, storage=storage, sampler=sampler, pruner=pruner, direction="maximize", load_if_exists=True)
     attrs = study.user_attrs
@@ -344,7 +348,9 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
                         cfg = dataclasses.replace(base, **params, run_name=f"{sweep.study}-trial-{trial.number}", log_model=False,
                                                   quiet=True, registered_model="none")
                         tags = {"optuna.study": sweep.study, "optuna.trial_number": str(trial.number), "optuna.trial_id": str(trial._trial_id)}
-                        opt = {"storage": sweep.storage, "study": sweep.study, "trial_id": trial._trial_id} if sweep.pruner != "none" else None
+                        opt = None
+                        if sweep.pruner == "median":
+                            opt = {"storage": sweep.storage, "study": sweep.study, "trial_id": trial._trial_id, "median_pruner": MEDIAN_PRUNER}
                         hb = {"storage": sweep.storage, "interval": sweep.heartbeat_interval, "grace": sweep.grace_period, "trial_id": trial._trial_id}
                         ref = run_trial.remote(cfg.to_dict(), parent_id, tags, opt, hb, str(run_dir / f"trial-{trial.number}.pid"))
                         inflight[ref] = (trial, params)
@@ -395,6 +401,9 @@ def _finish(study, trial, ref, sel, randomness, client, parent_id) -> str:
         study._storage.set_trial_user_attr(trial._trial_id, "error", f"{type(cause).__name__}: {cause}"[:2000])
         _fail_orphan_children(client, parent_id, trial.number)
         return f"trial {trial.number} FAILED: {type(cause).__name__}: {str(cause).splitlines()[0][:200]}"
+    if study._storage.get_trial(trial._trial_id).state != optuna.trial.TrialState.RUNNING:
+        # Its heartbeat went stale before it finished (declared dead too early): the retry counts.
+        return f"trial {trial.number} finished after it was declared stale; its retry counts instead"
     for k in ("run_id", "val_accuracy", "test_accuracy", "epsilon", "noise_multiplier", "steps", "seconds", "checkpoint"):
         study._storage.set_trial_user_attr(trial._trial_id, k, out[k])
     if out["pruned"]:
