@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -425,8 +425,6 @@ def _finish(study, trial, ref, sel, randomness, client, parent_id) -> str:
 def _finalise(study, sweep: SweepConfig, base, client, parent_id: str, sel, n_trials: int) -> dict:
     """Tag the best trial, register its model, log Optuna's plots to the parent run."""
     import optuna
-
-    from pipelines import tracking
 
     complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     summary = {"study": sweep.study, "parent_run_id": parent_id, "trials": len(study.trials), "complete": len(complete),

@@ -154,7 +154,7 @@ def figure(eps: float, seeds: int, out: Path) -> None:
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
-    print(f"| method | mean bias, first half | mean bias, second half | mean bias, all steps |\n|---|---|---|---|")
+    print("| method | mean bias, first half | mean bias, second half | mean bias, all steps |\n|---|---|---|---|")
     for m, a, b, c in summary:
         print(f"| {m} | {a:.4f} | {b:.4f} | {c:.4f} |")
     shown = out.relative_to(HERE.parent.parent) if out.is_relative_to(HERE.parent.parent) else out
