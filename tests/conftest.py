@@ -29,5 +29,14 @@ def ray_cluster():
     import ray
 
     ray.init(num_cpus=2, num_gpus=0, include_dashboard=True, dashboard_host="127.0.0.1", logging_level=logging.WARNING)
-    yield
+    yield ray.get_runtime_context().gcs_address
     ray.shutdown()
+
+
+@pytest.fixture
+def ray_env(ray_cluster):
+    """The environment of a CLI subprocess that joins the session's Ray cluster (as under
+    ``ray job submit``) instead of starting its own."""
+    import os
+
+    return {**os.environ, "RAY_ADDRESS": ray_cluster, "PYTHONUNBUFFERED": "1"}

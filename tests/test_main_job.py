@@ -1,6 +1,7 @@
 """The main job as a user runs it: the CLI in a fresh working directory, its own local Ray
 cluster, ./mlflow.db, the printed UI command, the UI listing the run; and a driver that dies
-and is resumed with --resume."""
+and is resumed with --resume (that one joins a running cluster, as a job submitted to a
+cluster does)."""
 import json
 import os
 import re
@@ -10,7 +11,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import mlflow
 import pytest
@@ -64,9 +64,10 @@ def test_main_job_prints_the_ui_command_and_the_ui_lists_the_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_driver_is_resumed_into_the_same_mlflow_run(tmp_path):
+def test_a_killed_driver_is_resumed_into_the_same_mlflow_run(tmp_path, ray_env):
     first = subprocess.Popen(
-        CLI + ["train", "--epochs", "30", "--checkpoint-every", "5", "--quiet"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        CLI + ["train", "--epochs", "20", "--checkpoint-every", "5", "--quiet"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, env=ray_env,
     )
     deadline = time.time() + 400
     journal = None
@@ -86,7 +87,8 @@ def test_a_killed_driver_is_resumed_into_the_same_mlflow_run(tmp_path):
     assert run.info.status == "RUNNING"
     released_before = journal.read_text().count('"append"')
 
-    res = subprocess.run(CLI + ["train", "--resume", run.info.run_id, "--quiet"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    res = subprocess.run(CLI + ["train", "--resume", run.info.run_id, "--quiet"], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env=ray_env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"run {run.info.run_id} " in res.stdout
     final = client.get_run(run.info.run_id)
