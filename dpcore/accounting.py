@@ -215,6 +215,43 @@ def epsilon(
     return moments_epsilon(groups, delta)
 
 
+def delta(
+    groups: Sequence[tuple[PrivacyEvent, int]],
+    epsilon: float,
+    accountant: str = "pld",
+    value_discretization_interval: float = PLD_VALUE_DISCRETIZATION,
+) -> float:
+    """δ at a fixed ``epsilon`` after composing ``count`` repetitions of each event: the
+    quantity of Geyer et al.'s stopping rule (stop before δ at fixed ε would pass a bound Q).
+
+    ``pld``: ``get_delta_for_epsilon`` of the composed PLD. ``rdp``: dp_accounting's
+    ``RdpAccountant.get_delta``. ``moments``: Abadi et al.'s tail bound
+    δ = min_λ exp(α(λ) − λε).
+    """
+    check_accountant(accountant)
+    epsilon = check_epsilon(epsilon, "epsilon")
+    groups = [(e, int(c)) for e, c in groups if int(c) > 0]
+    if not groups:
+        return 0.0
+    if accountant == "pld":
+        return float(_pld_of(groups, value_discretization_interval).get_delta_for_epsilon(epsilon))
+    if accountant == "rdp":
+        acc = dp_accounting.rdp.RdpAccountant()
+        with _quiet_absl():
+            acc.compose(compose(groups))
+            return float(acc.get_delta(epsilon))
+    lambdas = np.asarray(MOMENTS_ORDERS)
+    total = np.zeros(len(lambdas))
+    for event, count in groups:
+        if event.kind == POISSON_GAUSSIAN:
+            total += count * _log_moments_poisson_gaussian(event.sample_rate, event.noise_multiplier, MOMENTS_ORDERS)
+        elif event.kind == GAUSSIAN:
+            total += count * lambdas * (lambdas + 1) / (2 * event.noise_multiplier**2)
+        else:
+            raise DPConfigError("the 'moments' accountant handles Gaussian events only; use accountant='pld' for Laplace events.")
+    return float(min(1.0, np.exp(np.min(total - lambdas * epsilon))))
+
+
 def dpsgd_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "pld") -> float:
     """ε of ``steps`` DP-SGD steps (Poisson rate q, noise multiplier σ) at δ."""
     return epsilon([(PrivacyEvent.dpsgd_step(noise_multiplier, sample_rate), steps)], delta, accountant)
@@ -345,6 +382,44 @@ def max_steps(
             return limit
         hi = limit
     while hi - lo > 1:  # fits(lo) and not fits(hi)
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def max_steps_by_delta(
+    event: PrivacyEvent,
+    epsilon: float,
+    delta_bound: float,
+    accountant: str = "pld",
+    prior_groups: Sequence[tuple[PrivacyEvent, int]] = (),
+    limit: int = 10**8,
+) -> int:
+    """Geyer et al.'s stopping rule as a count: the largest T such that T releases of ``event``
+    (plus ``prior_groups``) keep δ at the fixed ``epsilon`` ≤ ``delta_bound`` (their Q). 0 if
+    none fits. Because δ(ε) ≤ Q ⟺ ε(Q) ≤ ε for one privacy-loss distribution, this equals
+    :func:`max_steps` with (ε, Q) up to the accountant's discretisation; the ledger enforces
+    the latter as well, so a run stops at the smaller of the two."""
+    epsilon = check_epsilon(epsilon, "epsilon")
+    delta_bound = check_delta(delta_bound, "delta_bound")
+    prior = list(prior_groups)
+
+    def fits(t: int) -> bool:
+        return delta(prior + [(event, t)], epsilon, accountant) <= delta_bound
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > limit:
+        if fits(limit):
+            return limit
+        hi = limit
+    while hi - lo > 1:
         mid = (lo + hi) // 2
         if fits(mid):
             lo = mid

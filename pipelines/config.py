@@ -193,9 +193,9 @@ class TrainConfig:
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
-def _coerce(name: str, value: Any) -> Any:
+def _coerce(name: str, value: Any, fields: dict | None = None) -> Any:
     """YAML/JSON values → the field's type (ints for int fields, floats for float fields)."""
-    t = str(FIELDS[name].type)
+    t = str((fields or FIELDS)[name].type)
     if value is None:
         if "None" in t:
             return None
@@ -218,19 +218,22 @@ def _coerce(name: str, value: Any) -> Any:
         raise dpcore.DPConfigError(f"{name}={value!r} has the wrong type: expected {t}.") from None
 
 
-def config_from_dict(values: dict[str, Any]) -> TrainConfig:
+def config_from_dict(values: dict[str, Any], cls=TrainConfig):
+    """A ``cls`` (TrainConfig by default; any frozen config dataclass built with ``_f``) from
+    plain values, with types checked and unknown keys refused."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     clean = {}
     for key, value in values.items():
         name = str(key).replace("-", "_")
-        if name not in FIELDS:
-            close = [n for n in FIELDS if n.split("_")[0] == name.split("_")[0]][:3]
+        if name not in fields:
+            close = [n for n in fields if n.split("_")[0] == name.split("_")[0]][:3]
             hint = f" Did you mean {', '.join(close)}?" if close else ""
             raise dpcore.DPConfigError(f"unknown config key {key!r}.{hint} See --help for the list.")
-        clean[name] = _coerce(name, value)
-    return TrainConfig(**clean)
+        clean[name] = _coerce(name, value, fields)
+    return cls(**clean)
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None, cls=TrainConfig):
     """Defaults ← YAML file (if any) ← overrides (CLI flags)."""
     values: dict[str, Any] = {}
     if path is not None:
@@ -247,14 +250,14 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise dpcore.DPConfigError(f"config file {p} must hold a mapping of option: value.")
         values.update(loaded)
     values.update(overrides or {})
-    return config_from_dict(values)
+    return config_from_dict(values, cls)
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:
     """One flag per field, grouped, with the field's help. Defaults are SUPPRESSed so that only
     the flags a user gives override the YAML file."""
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for f in dataclasses.fields(TrainConfig):
+    for f in dataclasses.fields(cls):
         g = f.metadata["group"]
         if g not in groups:
             groups[g] = parser.add_argument_group(g)

@@ -1,0 +1,591 @@
+"""Client-level DP federated averaging (DP-FedAvg) on Ray actors, tracked in MLflow.
+
+    dp-platform federated                                  # digits, K=100 non-IID clients, ε=8, δ=1e-3
+    dp-platform federated fed.yaml --num-clients 1000      # a YAML config plus flag overrides
+    python -m pipelines.federated fed.yaml                 # the same (entrypoint for `ray job submit`)
+
+The unit protected is a client: (ε, δ) holds for adding or removing one client's whole
+dataset. The math (client sampling, update clipping, the one noise draw per round, adaptive
+clipping, the ledger) is :mod:`dpcore.federated`; this module runs it:
+
+* the driver plans everything before any round: data, split, model, σ (calibrated to (ε, δ)
+  and the rounds, or given), the number of rounds that fit the budget;
+* clients are simulated on a pool of Ray actors; one actor serves many clients, each round's
+  sampled clients are dealt out among the actors, and each actor returns only the sum of its
+  clients' clipped updates;
+* the server (this driver) adds the noise once, ledgers the round, applies the average with a
+  server learning rate (and momentum: FedAvgM), and evaluates on the held-out test split;
+* an actor that dies mid-round is replaced and its share of the round is redone with the same
+  clients and the same global weights. Nothing is released before every share is in, so a
+  crash never releases a partial round, and no client is counted twice;
+* the run, its ledger, metrics (ε, δ at the fixed ε, accuracy, S, communication) and model go
+  to MLflow with ``dp.level=client``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+import dpcore
+from dpcore.federated import CLIP_POLICIES, AdaptiveClipping, ClientLevelDP, nonprivate_median_clip_norm
+
+from . import tracking
+from .clients import SPLITS, ClientRunner, load_flat, split_clients
+from .config import _f, add_config_arguments, load_config
+from .data import DATASETS, NEEDS_DATA_DIR, load_dataset
+from .models import MODELS, build_model
+
+STOPPING = ("epsilon", "delta")
+EXECUTORS = ("ray", "local")
+BYTES_PER_FLOAT = 4
+
+
+@dataclass(frozen=True)
+class FederatedConfig:
+    # data and clients
+    dataset: str = _f("digits", f"dataset: {', '.join(DATASETS)} (its training split is divided among the clients)", "data")
+    data_dir: str | None = _f(None, "folder holding the dataset (torchvision layout or an ImageFolder tree)", "data")
+    download: bool = _f(False, "download the torchvision dataset into data_dir (needs a network)", "data")
+    image_size: int | None = _f(None, "size of 'generated' images / resize of ImageFolder images", "data")
+    generated_size: int = _f(10_000, "examples of the 'generated' dataset (a generated client population for scale tests)", "data")
+    val_fraction: float = _f(0.1, "fraction of the data held out for validation (on the server, not on clients)", "data")
+    test_fraction: float = _f(0.2, "fraction held out for testing, for datasets without their own test set", "data")
+    split_seed: int = _f(0, "seed of the public train/val/test split and of the client split", "data")
+    num_clients: int = _f(100, "K: clients; the guarantee protects any one client's whole dataset", "data")
+    split: str = _f("noniid", f"how the training data is divided: {', '.join(SPLITS)} (noniid: sorted by label, shards)", "data")
+    shards_per_client: int = _f(2, "noniid: label-sorted shards per client (Geyer et al.: 2)", "data")
+    # model and training
+    model: str = _f("mlp", f"model: {', '.join(MODELS)}", "model")
+    init_seed: int = _f(0, "seed of the initial weights (public)", "model")
+    local_epochs: int = _f(1, "E: local epochs per round on each sampled client", "model")
+    local_batch_size: int = _f(10, "B: local minibatch size", "model")
+    local_lr: float = _f(0.1, "client SGD learning rate", "model")
+    server_lr: float = _f(1.0, "server learning rate applied to the noised average update", "model")
+    server_momentum: float = _f(0.0, "server momentum (FedAvgM; 0: plain DP-FedAvg)", "model")
+    # privacy
+    clients_per_round: float = _f(30.0, "m: expected clients per round; each client joins with probability m/K (Poisson)", "privacy")
+    clip_norm: float = _f(1.0, "S: every client's update is clipped to L2 norm ≤ S (the initial S with adaptive clipping)", "privacy")
+    clip_policy: str = _f(
+        "fixed", "fixed S; adaptive (DP quantile estimate of Andrew et al. 2021, ledgered); median_nonprivate (Geyer et al.'s S: NOT PRIVATE, diagnostics only)", "privacy"
+    )
+    target_quantile: float = _f(0.5, "adaptive: the quantile γ of update norms that S tracks", "privacy")
+    quantile_lr: float = _f(0.2, "adaptive: η of the geometric update S ← S·exp(−η(b̄ − γ))", "privacy")
+    quantile_noise: float | None = _f(None, "adaptive: σ_b, the noise on the count of updates under S (default m/20)", "privacy")
+    noise_multiplier: float | None = _f(None, "z: noise multiplier of a round. Default: calibrated to (ε, δ) for --rounds", "privacy")
+    rounds: int = _f(50, "rounds to run (σ is calibrated for them); 0: until the budget is spent (needs --noise-multiplier)", "privacy")
+    target_epsilon: float = _f(8.0, "ε of the budget (client-level, add/remove one client)", "privacy")
+    target_delta: float = _f(1e-3, "δ of the budget; with --stopping delta it is Geyer et al.'s bound Q", "privacy")
+    stopping: str = _f("epsilon", "epsilon: stop before ε at δ passes the target; delta: Geyer et al.'s rule, stop before δ at the fixed ε passes Q", "privacy")
+    accountant: str = _f("pld", f"accountant: {', '.join(dpcore.ACCOUNTANTS)}", "privacy")
+    seed: int | None = _f(None, "seed for client sampling and noise: tests and research only (default: secure, OS entropy)", "privacy")
+    # cluster
+    num_actors: int = _f(2, "Ray actors that simulate the clients (each serves many clients)", "cluster")
+    cpus_per_actor: float = _f(1.0, "CPUs reserved per actor", "cluster")
+    executor: str = _f("ray", "ray (client actors), or local (one in-process loop, for comparison)", "cluster")
+    max_actor_restarts: int = _f(3, "actors replaced after dying before the run fails", "cluster")
+    ray_address: str | None = _f(None, "Ray cluster to join; default RAY_ADDRESS, else a local cluster", "cluster")
+    storage_path: str = _f("dp_runs", "where the ledger journal goes", "cluster")
+    # tracking
+    tracking_uri: str = _f("sqlite:///mlflow.db", "MLflow tracking URI", "tracking")
+    experiment: str = _f("dp-federated", "MLflow experiment", "tracking")
+    run_name: str | None = _f(None, "MLflow run name (default: fedavg-dataset-K-time)", "tracking")
+    registered_model: str | None = _f(None, "name in the model registry (default: dp-fedavg-<dataset>-<model>; 'none' to skip)", "tracking")
+    log_model: bool = _f(True, "log and register the final model", "tracking")
+    eval_every: int = _f(0, "rounds between evaluations and ε reports (0: about 20 per run)", "tracking")
+    diagnostics: bool = _f(False, "NON-PRIVATE: also log realised clients and bytes per round and update norms; tags dp.diagnostics=non-private", "tracking")
+    quiet: bool = _f(False, "no progress output", "tracking")
+    # testing only
+    fault_at_round: int | None = _f(None, "fault injection for tests: one actor dies once, in this round", "testing")
+    fault_actor: int = _f(0, "the actor that fault_at_round kills", "testing")
+
+    def validate(self) -> None:
+        err = dpcore.DPConfigError
+        if self.dataset not in DATASETS:
+            raise err(f"dataset={self.dataset!r} is unknown; available: {', '.join(DATASETS)}.")
+        if self.dataset in NEEDS_DATA_DIR and not self.data_dir:
+            raise err(f"dataset={self.dataset!r} needs --data-dir (the folder that holds it); add --download to fetch it there.")
+        if self.model not in MODELS[:-1] and not self.model.startswith("tv:"):
+            raise err(f"model={self.model!r} is unknown; available: {', '.join(MODELS)}.")
+        for name, choices in (("split", SPLITS), ("clip_policy", CLIP_POLICIES), ("stopping", STOPPING), ("executor", EXECUTORS)):
+            if getattr(self, name) not in choices:
+                raise err(f"{name}={getattr(self, name)!r} is unknown; use one of {', '.join(choices)}.")
+        for name in ("num_clients", "shards_per_client", "local_epochs", "local_batch_size", "num_actors", "generated_size"):
+            dpcore.validation.check_positive_int(getattr(self, name), name)
+        m = self.clients_per_round
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or m <= 0:
+            raise err(f"clients_per_round={m!r} is invalid: it must be a number > 0 (the expected clients per round).")
+        if m > self.num_clients:
+            raise err(
+                f"clients_per_round m={m:g} exceeds num_clients K={self.num_clients}: m/K is the probability that a client "
+                f"joins a round, so m ≤ K. Lower clients_per_round or raise num_clients."
+            )
+        dpcore.validation.check_clip_norm(self.clip_norm, "clip_norm")
+        for name in ("local_lr", "server_lr", "cpus_per_actor"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (v == 0 and name != "local_lr"):
+                raise err(f"{name}={v!r} is invalid: it must be a finite number > 0{' (or 0)' if name == 'local_lr' else ''}.")
+        if not (0 <= self.server_momentum < 1):
+            raise err(f"server_momentum={self.server_momentum!r} must lie in [0, 1).")
+        dpcore.validation.check_epsilon(self.target_epsilon)
+        dpcore.validation.check_delta(self.target_delta)
+        dpcore.accounting.check_accountant(self.accountant)
+        if self.noise_multiplier is not None:
+            dpcore.validation.check_noise_multiplier(self.noise_multiplier)
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 0:
+            raise err(f"rounds={self.rounds!r} is invalid: it must be an integer ≥ 1, or 0 to run until the budget is spent.")
+        if self.noise_multiplier is None and self.rounds == 0:
+            raise err("rounds=0 runs until the budget is spent, which needs a given --noise-multiplier; or give --rounds and σ is calibrated to (ε, δ).")
+        if self.clip_policy == "adaptive":
+            AdaptiveClipping(self.clip_norm, self.target_quantile, self.quantile_lr, self.resolved_quantile_noise())
+        elif self.quantile_noise is not None:
+            raise err(f"quantile_noise={self.quantile_noise} has no effect with clip_policy={self.clip_policy!r}; set --clip-policy adaptive.")
+        if self.clip_policy == "median_nonprivate" and not self.diagnostics:
+            raise err(
+                "clip_policy='median_nonprivate' sets S to the median of the sampled clients' update norms without noise "
+                "(Geyer et al.): that releases private data and voids the guarantee. It is a diagnostics option only; add "
+                "--diagnostics to run it (the run is tagged non-private), or use --clip-policy adaptive (private)."
+            )
+        if self.eval_every < 0 or self.max_actor_restarts < 0:
+            raise err("eval_every and max_actor_restarts must be integers ≥ 0.")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise err(f"seed={self.seed!r} is invalid: a seed must be a non-negative integer.")
+        if self.fault_at_round is not None and not (0 <= self.fault_actor < self.num_actors):
+            raise err(f"fault_actor={self.fault_actor} must be an actor index in [0, {self.num_actors}).")
+
+    def resolved_quantile_noise(self) -> float:
+        return float(self.quantile_noise) if self.quantile_noise is not None else self.clients_per_round / 20.0
+
+    def to_dict(self) -> dict[str, Any]:
+        import dataclasses
+
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------------------
+# Executors: the same ClientRunner in this process, or on a pool of Ray actors.
+class LocalPool:
+    """The clients of a round run here, one share after the other (as many shares as actors,
+    so that the sums are formed in the same order as on Ray), with the threads of one actor:
+    the same arithmetic as the actors, so the same model, bit for bit."""
+
+    def __init__(self, runner_args: dict, shares: int, threads: int = 1):
+        self.runner = ClientRunner(**runner_args, threads=None)
+        self.shares, self.threads = shares, max(1, int(threads))
+        self.restarts = 0
+
+    def run_round(self, round_, weights, shares, clip_norm, want_norms) -> list[dict]:
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            return [self.runner.run(round_, weights, s, clip_norm, want_norms) for s in shares]
+        finally:
+            torch.set_num_threads(before)
+
+    def close(self):
+        pass
+
+
+class RayPool:
+    """``n`` Ray actors, each a :class:`ClientRunner` on the whole (object-store) training split.
+
+    A share whose actor dies is redone by a replacement actor, with the same clients and
+    weights; the results come back in actor order, so the round's sum does not depend on
+    which actor died."""
+
+    def __init__(self, runner_args: dict, n: int, cpus_per_actor: float, max_restarts: int, fault: tuple | None = None):
+        import ray
+
+        self.ray = ray
+        data_refs = {k: ray.put(runner_args[k]) for k in ("x", "y", "order", "offsets")}
+        self._args = {**runner_args, **data_refs, "threads": max(1, int(cpus_per_actor))}
+        self._cls = ray.remote(num_cpus=cpus_per_actor, max_restarts=0)(ClientRunner)
+        self.actors = [self._start() for _ in range(n)]
+        ray.get([a.ping.remote() for a in self.actors])
+        self.max_restarts, self.restarts = max_restarts, 0
+        self.fault = fault  # (round, actor) once, for tests
+
+    def _start(self):
+        return self._cls.remote(**self._args)
+
+    def run_round(self, round_, weights, shares, clip_norm, want_norms) -> list[dict]:
+        ray = self.ray
+        w = ray.put(weights)
+        die = [None] * len(shares)
+        if self.fault is not None and self.fault[0] == round_:
+            die[self.fault[1]] = max(0, len(shares[self.fault[1]]) // 2)
+            self.fault = None
+        futures = [a.run.remote(round_, w, s, clip_norm, want_norms, d) for a, s, d in zip(self.actors, shares, die)]
+        out = []
+        for i, share in enumerate(shares):
+            while True:
+                try:
+                    out.append(ray.get(futures[i]))
+                    break
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
+                    if self.restarts >= self.max_restarts:
+                        raise RuntimeError(f"client actor {i} died {self.restarts + 1} times (last: {type(e).__name__}); giving up") from e
+                    self.restarts += 1
+                    print(f"client actor {i} died in round {round_}; replacing it and redoing its {len(share)} clients", file=sys.stderr)
+                    with contextlib.suppress(Exception):
+                        ray.kill(self.actors[i])
+                    self.actors[i] = self._start()
+                    futures[i] = self.actors[i].run.remote(round_, w, share, clip_norm, want_norms, None)
+        return out
+
+    def close(self):
+        for a in self.actors:
+            with contextlib.suppress(Exception):
+                self.ray.kill(a)
+
+
+# ------------------------------------------------------------------------------------------
+def load_data(cfg: FederatedConfig):
+    """Train/val/test splits: an ingested Parquet dataset (data_dir with manifest.json) or a
+    dataset loaded through torchvision / scikit-learn / the generator."""
+    if cfg.data_dir and (Path(cfg.data_dir).expanduser() / "manifest.json").is_file():
+        from .ingest import read_manifest, read_split, verify
+
+        path = Path(cfg.data_dir).expanduser()
+        verify(path)
+        manifest = read_manifest(path)
+        splits = {s: read_split(path, s) for s in ("train", "val", "test")}
+        return SimpleNamespace(name=manifest.get("name", cfg.dataset), num_classes=manifest["num_classes"],
+                               input_shape=tuple(manifest["input_shape"]), **splits)
+    return load_dataset(
+        cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, image_size=cfg.image_size, generated_size=cfg.generated_size,
+        val_fraction=cfg.val_fraction, test_fraction=cfg.test_fraction, split_seed=cfg.split_seed,
+    )
+
+
+def plan_federated(cfg: FederatedConfig) -> dict:
+    """Everything that can fail, checked before any round: config, data, split, model and the
+    privacy plan. Returns the plan (data, split, z, rounds)."""
+    cfg.validate()
+    tracking_uri = tracking.resolve_tracking_uri(cfg.tracking_uri)
+    tracking.check_tracking_uri(tracking_uri)
+    data = load_data(cfg)
+    order, offsets = split_clients(data.train.y, cfg.num_clients, cfg.split, cfg.shards_per_client, cfg.split_seed)
+    model = build_model(cfg.model, tuple(data.input_shape), data.num_classes)
+    dpcore.validate_model(model)
+    q = cfg.clients_per_round / cfg.num_clients
+    dpcore.validation.check_delta(cfg.target_delta, dataset_size=cfg.num_clients)
+    if cfg.noise_multiplier is None:
+        z = dpcore.calibrate_noise_multiplier(cfg.target_epsilon, cfg.target_delta, q, cfg.rounds, accountant=cfg.accountant)
+    else:
+        z = float(cfg.noise_multiplier)
+    event = dpcore.PrivacyEvent.dpsgd_step(z, q)
+    if cfg.stopping == "delta":
+        fit = dpcore.accounting.max_steps_by_delta(event, cfg.target_epsilon, cfg.target_delta, cfg.accountant,
+                                                   limit=cfg.rounds or 10**6)
+    else:
+        fit = dpcore.max_steps(z, q, cfg.target_epsilon, cfg.target_delta, cfg.accountant, limit=cfg.rounds or 10**6)
+    if fit == 0:
+        raise dpcore.DPConfigError(
+            f"not one round fits the budget: one round at z={z:.4g}, q=m/K={q:.4g} already exceeds "
+            f"ε={cfg.target_epsilon:g} at δ={cfg.target_delta:g}. Raise --noise-multiplier or the budget, or lower clients_per_round."
+        )
+    rounds = min(cfg.rounds, fit) if cfg.rounds else fit
+    if cfg.clip_policy == "adaptive":
+        dpcore.federated.split_noise_multiplier(z, cfg.resolved_quantile_noise())
+    name = cfg.run_name or f"fedavg-{cfg.dataset}-K{cfg.num_clients}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(cfg.storage_path).resolve() / f"{name}-{uuid.uuid4().hex[:6]}"
+    sizes = (offsets[1:] - offsets[:-1])
+    return {
+        "data": data, "order": order, "offsets": offsets, "model": model, "sample_rate": q, "noise_multiplier": z,
+        "rounds": rounds, "rounds_that_fit": fit, "tracking_uri": tracking_uri, "run_name": name, "run_dir": run_dir,
+        "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "client_sizes": (int(sizes.min()), float(sizes.float().mean()), int(sizes.max())),
+    }
+
+
+def _tags(cfg: FederatedConfig, plan: dict, update_z: float) -> dict[str, str]:
+    tags = {
+        "dp.level": "client",
+        "dp.neighbouring": "add/remove one client (all of its data)",
+        "dp.sampling": "poisson (clients)",
+        "dp.delta": f"{cfg.target_delta:g}",
+        "dp.target_epsilon": f"{cfg.target_epsilon:g}",
+        "dp.accountant": cfg.accountant,
+        "dp.stopping": "ε at fixed δ" if cfg.stopping == "epsilon" else "δ at fixed ε (Geyer et al.)",
+        "dp.noise_multiplier": f"{plan['noise_multiplier']:.6g}",
+        "dp.update_noise_multiplier": f"{update_z:.6g}",
+        "dp.sample_rate": f"{plan['sample_rate']:.6g}",
+        "dp.clip_policy": cfg.clip_policy,
+        "dp.randomness": "secure" if cfg.seed is None else f"seeded (seed={cfg.seed}; not for production)",
+        "dp.method": "dp-fedavg" + ("m" if cfg.server_momentum else ""),
+        "dp.run_dir": str(plan["run_dir"]),
+        "dp.guarantee": "covers the clients' training data only; the server's validation/test splits and the initial weights are not covered",
+    }
+    if cfg.diagnostics:
+        tags["dp.diagnostics"] = "non-private"
+    if cfg.clip_policy == "median_nonprivate":
+        tags["dp.guarantee"] = "NONE: S is the non-private median of update norms (Geyer et al.); the ledger's ε does not hold"
+    return tags
+
+
+def _evaluate(model, split) -> tuple[float, float]:
+    model.eval()
+    with torch.no_grad():
+        logits = model(split.x)
+        loss = float(torch.nn.functional.cross_entropy(logits, split.y))
+        acc = float((logits.argmax(1) == split.y).float().mean())
+    return acc, loss
+
+
+def run_federated(cfg: FederatedConfig | None = None) -> dict:
+    """Plan, run the rounds, log to MLflow. Returns a summary (run id, ε, δ, accuracy, rounds,
+    communication, restarts, seconds). Realised per-round counts are in the summary (the
+    server sees them) but go to MLflow only in diagnostics mode."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    cfg = cfg or FederatedConfig()
+    t_plan = time.monotonic()
+    plan = plan_federated(cfg)
+    data, model, rounds = plan["data"], plan["model"], plan["rounds"]
+    torch.manual_seed(cfg.init_seed)
+    model = build_model(cfg.model, tuple(data.input_shape), data.num_classes)
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = torch.nn.utils.parameters_to_vector(params).detach().clone()
+    d = weights.numel()
+
+    plan["run_dir"].mkdir(parents=True, exist_ok=True)
+    ledger = dpcore.PrivacyLedger(cfg.target_epsilon, cfg.target_delta, cfg.accountant, epsilon_every=max(1, rounds // 20),
+                                  journal=plan["run_dir"] / "ledger.journal.jsonl")
+    randomness = dpcore.make_randomness(cfg.seed)
+    adaptive = (AdaptiveClipping(cfg.clip_norm, cfg.target_quantile, cfg.quantile_lr, cfg.resolved_quantile_noise())
+                if cfg.clip_policy == "adaptive" else None)
+    dp = ClientLevelDP(cfg.num_clients, cfg.clients_per_round, plan["noise_multiplier"], cfg.clip_norm, ledger, randomness, adaptive)
+    server_opt = torch.optim.SGD(params, lr=cfg.server_lr, momentum=cfg.server_momentum)
+
+    client = MlflowClient(plan["tracking_uri"])
+    mlflow.set_tracking_uri(plan["tracking_uri"])
+    exp = client.get_experiment_by_name(cfg.experiment)
+    exp_id = exp.experiment_id if exp is not None else client.create_experiment(cfg.experiment)
+    run_id = client.create_run(exp_id, run_name=plan["run_name"], tags=_tags(cfg, plan, dp.update_noise_multiplier)).info.run_id
+    params_logged = {k: ("None" if v is None else str(v)) for k, v in cfg.to_dict().items()}
+    params_logged.update({
+        "plan.noise_multiplier": f"{plan['noise_multiplier']:.8g}", "plan.update_noise_multiplier": f"{dp.update_noise_multiplier:.8g}",
+        "plan.sample_rate": f"{plan['sample_rate']:.8g}", "plan.rounds": str(rounds), "plan.rounds_that_fit_budget": str(plan["rounds_that_fit"]),
+        "plan.parameters": str(d), "plan.client_examples_min_mean_max": "%d / %.1f / %d" % plan["client_sizes"],
+    })
+    client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in params_logged.items()])
+    tracking.write_json_artifact(client, run_id, "config.json", cfg.to_dict())
+
+    every = cfg.eval_every or max(1, rounds // 20)
+    expected_down = cfg.clients_per_round * d * BYTES_PER_FLOAT
+    expected_up = cfg.clients_per_round * (d * BYTES_PER_FLOAT + (1 if adaptive else 0))
+    runner_args = dict(x=data.train.x, y=data.train.y, order=plan["order"], offsets=plan["offsets"], model_name=cfg.model,
+                       input_shape=tuple(data.input_shape), num_classes=data.num_classes, local_epochs=cfg.local_epochs,
+                       local_batch_size=cfg.local_batch_size, local_lr=cfg.local_lr, shuffle_seed=cfg.split_seed)
+    status, t0 = "FAILED", time.monotonic()
+    realised = {"clients": 0, "bytes_down": 0, "bytes_up": 0}
+    history, round_seconds = [], []
+    done, pool = 0, None
+    try:
+        with _cluster(cfg):
+            fault = (cfg.fault_at_round, cfg.fault_actor) if cfg.fault_at_round is not None else None
+            pool = (RayPool(runner_args, cfg.num_actors, cfg.cpus_per_actor, cfg.max_actor_restarts, fault)
+                    if cfg.executor == "ray" else LocalPool(runner_args, cfg.num_actors, int(cfg.cpus_per_actor)))
+            t_rounds = time.monotonic()
+            for r in range(1, rounds + 1):
+                try:
+                    sampled = dp.sample_clients()
+                except dpcore.BudgetExceededError:
+                    break
+                t_round = time.monotonic()
+                ids = [int(k) for k in sampled]
+                shares = [ids[i :: cfg.num_actors] for i in range(cfg.num_actors)]
+                s = dp.clip_norm
+                results = pool.run_round(r, weights, shares, s, cfg.clip_policy == "median_nonprivate" or cfg.diagnostics)
+                included = [k for res in results for k in res["clients"]]
+                if sorted(included) != ids:
+                    raise RuntimeError(f"round {r}: the clients' results do not match the sampled clients (lost or duplicated updates)")
+                total = torch.zeros(d, dtype=torch.float64)
+                for res in results:  # actor order: the same sum whichever actor died
+                    total += res["sum"]
+                bits = sum(res["bits"] for res in results) if adaptive else None
+                noised = dp.release(total, count=len(ids), bits_sum=bits, step=r)
+                if cfg.clip_policy == "median_nonprivate":  # NOT PRIVATE (diagnostics only, refused otherwise)
+                    norms = [n for res in results for n in res["norms"]]
+                    if norms:
+                        dp.clip_norm = nonprivate_median_clip_norm(norms)
+                load_flat(params, weights)
+                server_opt.zero_grad(set_to_none=False)
+                for p, g in zip(params, _unflatten(-noised, params)):
+                    p.grad = g
+                server_opt.step()
+                weights = torch.nn.utils.parameters_to_vector(params).detach().clone()
+                round_seconds.append(time.monotonic() - t_round)
+                done = r
+                realised["clients"] += len(ids)
+                realised["bytes_down"] += len(ids) * d * BYTES_PER_FLOAT
+                realised["bytes_up"] += len(ids) * (d * BYTES_PER_FLOAT + (1 if adaptive else 0))
+                metrics = {"clip_norm": s, "comm_expected_bytes_total": r * (expected_down + expected_up)}
+                if cfg.diagnostics:
+                    metrics.update({"diag_clients": len(ids), "diag_bytes_down": len(ids) * d * BYTES_PER_FLOAT,
+                                    "diag_bytes_up": len(ids) * (d * BYTES_PER_FLOAT + (1 if adaptive else 0))})
+                if r % every == 0 or r == rounds:
+                    eps = ledger.epsilon()
+                    dlt = dpcore.accounting.delta(ledger.groups(), cfg.target_epsilon, cfg.accountant)
+                    test_acc, test_loss = _evaluate(model, data.test)
+                    val_acc, _ = _evaluate(model, data.val) if len(data.val) else (float("nan"), None)
+                    elapsed = time.monotonic() - t_rounds
+                    metrics.update({"epsilon": eps, "delta_at_target_epsilon": dlt, "test_accuracy": test_acc, "test_loss": test_loss,
+                                    "val_accuracy": val_acc, "rounds_per_second": r / max(elapsed, 1e-9)})
+                    history.append({"round": r, "epsilon": eps, "delta": dlt, "test_accuracy": test_acc})
+                    if not cfg.quiet:
+                        eta = (rounds - r) * elapsed / r
+                        print(f"[{'#' * int(24 * r / rounds):.<24}] round {r}/{rounds}  ε={eps:.3f}  δ(ε={cfg.target_epsilon:g})={dlt:.3g}  "
+                              f"S={s:.3g}  test acc={test_acc:.4f}  {elapsed:6.1f}s  ETA {eta:6.1f}s", file=sys.stderr, flush=True)
+                client.log_batch(run_id, metrics=[mlflow.entities.Metric(k, float(v), int(time.time() * 1000), r) for k, v in metrics.items()])
+            seconds_rounds = time.monotonic() - t_rounds
+        epsilon = ledger.epsilon()
+        dlt = dpcore.accounting.delta(ledger.groups(), cfg.target_epsilon, cfg.accountant) if len(ledger) else 0.0
+        test_acc, _ = _evaluate(model, data.test)
+        client.set_tag(run_id, "dp.epsilon", f"{epsilon:.6g}")
+        client.set_tag(run_id, "dp.delta_at_target_epsilon", f"{dlt:.6g}")
+        tracking.log_ledger(client, run_id, ledger)
+        client.log_metric(run_id, "final_epsilon", epsilon)
+        client.log_metric(run_id, "final_test_accuracy", test_acc)
+        client.log_metric(run_id, "rounds", done)
+        _plot(client, run_id, ledger, history, cfg)
+        version = None
+        if cfg.log_model:
+            reg = cfg.registered_model or f"dp-fedavg-{cfg.dataset}-{cfg.model.replace(':', '_')}"
+            example = data.test.x[:4].numpy().astype("float32")
+            version = tracking.log_model(run_id, model, example, None if reg.lower() == "none" else reg, epsilon, cfg.target_delta, cfg.accountant)
+        status = "FINISHED"
+        return {
+            "run_id": run_id, "tracking_uri": plan["tracking_uri"], "dataset": data.name, "num_clients": cfg.num_clients,
+            "clients_per_round": cfg.clients_per_round, "rounds": done, "planned_rounds": rounds, "epsilon": epsilon,
+            "delta_at_target_epsilon": dlt, "target_epsilon": cfg.target_epsilon, "target_delta": cfg.target_delta,
+            "noise_multiplier": plan["noise_multiplier"], "update_noise_multiplier": dp.update_noise_multiplier,
+            "sample_rate": plan["sample_rate"], "test_accuracy": test_acc, "final_clip_norm": dp.clip_norm,
+            "comm_expected_bytes": done * (expected_down + expected_up), "comm_realised": realised,
+            "actor_restarts": pool.restarts if pool is not None else 0, "seconds": time.monotonic() - t0,
+            "seconds_rounds": seconds_rounds, "round_seconds": round_seconds, "seconds_plan": t0 - t_plan, "parameters": d,
+            "registered_model": None if version is None else f"{version.name} v{version.version}",
+            "ledger": ledger, "model": model, "history": history,
+        }
+    finally:
+        if pool is not None:
+            with contextlib.suppress(Exception):
+                pool.close()
+        if status != "FINISHED":
+            with contextlib.suppress(Exception):
+                if len(ledger):
+                    client.set_tag(run_id, "dp.epsilon", f"{ledger.epsilon():.6g}")
+                    tracking.log_ledger(client, run_id, ledger)
+        client.set_terminated(run_id, status=status)
+
+
+def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, i = [], 0
+    for p in like:
+        out.append(flat[i : i + p.numel()].view_as(p).to(p.dtype))
+        i += p.numel()
+    return out
+
+
+@contextlib.contextmanager
+def _cluster(cfg: FederatedConfig):
+    if cfg.executor != "ray":
+        yield
+        return
+    from .train import ray_cluster
+
+    with ray_cluster(SimpleNamespace(ray_address=cfg.ray_address, num_workers=cfg.num_actors, use_gpu=False)):
+        yield
+
+
+def _plot(client, run_id: str, ledger, history: list[dict], cfg: FederatedConfig) -> None:
+    import tempfile
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not history:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        rounds = [h["round"] for h in history]
+        axes[0].plot(rounds, [h["epsilon"] for h in history], marker=".", label=f"ε at δ={cfg.target_delta:g}")
+        axes[0].axhline(cfg.target_epsilon, color="red", ls="--", lw=1)
+        ax2 = axes[0].twinx()
+        ax2.semilogy(rounds, [max(h["delta"], 1e-300) for h in history], color="gray", marker="x", lw=1, label=f"δ at ε={cfg.target_epsilon:g}")
+        ax2.axhline(cfg.target_delta, color="gray", ls=":", lw=1)
+        axes[0].set(xlabel="round", ylabel="ε", title="Client-level privacy spent")
+        axes[0].grid(alpha=0.3)
+        axes[1].plot(rounds, [h["test_accuracy"] for h in history], marker=".")
+        axes[1].set(xlabel="round", ylabel="test accuracy", title="Accuracy of the global model")
+        axes[1].grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(Path(tmp) / "federated.png", dpi=110)
+        plt.close(fig)
+        client.log_artifacts(run_id, tmp, artifact_path="plots")
+
+
+# ------------------------------------------------------------------------------------------
+def build_parser(prog: str = "python -m pipelines.federated") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Client-level (ε, δ)-DP federated averaging (DP-FedAvg, Geyer et al. 2017 / McMahan et al. 2018) with "
+        "clients simulated on Ray actors; the ledger, metrics and model go to MLflow.",
+        epilog="Options come from the defaults, then the YAML CONFIG file, then these flags.",
+    )
+    p.add_argument("config", nargs="?", help="YAML file of options (keys as the flags, with _ or -)")
+    add_config_arguments(p, FederatedConfig)
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m pipelines.federated") -> int:
+    args = vars(build_parser(prog).parse_args(argv))
+    config_path = args.pop("config")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("once", dpcore.SeededRandomnessWarning)
+            cfg = load_config(config_path, args, cls=FederatedConfig)
+            out = run_federated(cfg)
+    except dpcore.DPError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc(limit=3)
+        print(f"error: federated training failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"run {out['run_id']}  dataset={out['dataset']}  K={out['num_clients']} clients, m={out['clients_per_round']:g} expected per round  "
+        f"rounds={out['rounds']}/{out['planned_rounds']}  z={out['noise_multiplier']:.4f}"
+        + (f" (update noise {out['update_noise_multiplier']:.4f})" if out["update_noise_multiplier"] != out["noise_multiplier"] else "")
+    )
+    print(f"test accuracy: {out['test_accuracy']:.4f}")
+    print(f"ε spent: {out['epsilon']:.4f} at δ={out['target_delta']:g}; δ at ε={out['target_epsilon']:g}: {out['delta_at_target_epsilon']:.3g} "
+          "(client-level, add/remove one client, Poisson sampling of clients)")
+    print(f"communication (expected): {out['comm_expected_bytes'] / 1e6:.1f} MB  actor restarts: {out['actor_restarts']}  "
+          f"time: {out['seconds']:.1f}s ({out['rounds'] / max(out['seconds_rounds'], 1e-9):.2f} rounds/s)")
+    if out["registered_model"]:
+        print(f"model: {out['registered_model']} in the MLflow registry")
+    from .train import ui_command
+
+    print(f"open the UI: {ui_command(out['tracking_uri'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
