@@ -13,6 +13,7 @@ from .accounting import (
     moments_epsilon,
     steps_for_epochs,
 )
+from . import audit, federated
 from .clipping import clipped_sum, per_sample_norms
 from .engine import PrivateTraining, build_private, make_private, plan
 from .errors import (
@@ -34,6 +35,8 @@ from .sampling import PoissonSampler, shard_indices
 from .validation import convert_batchnorm_to_groupnorm, sample_rate_from_lot_size, validate_model
 
 __all__ = [
+    "audit",
+    "federated",
     "ACCOUNTANTS",
     "BudgetExceededError",
     "DPConfigError",

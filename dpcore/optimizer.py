@@ -222,6 +222,32 @@ class DPOptimizer:
             self._reset_lot()
             raise
 
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.params.values())
+
+    def add_coordinate_examples(self, coords: torch.Tensor, value: float) -> None:
+        """Add k examples whose clipped gradient is ``value``·e_c for each c in ``coords``
+        (coordinates of the flattened trainable parameters, in order) to this lot's sum:
+        white-box audit canaries (Steinke et al. 2023), whose gradient *is* a chosen
+        direction. |value| ≤ clip_norm, so each has the sensitivity of any other example (in
+        L2 and in L1) and the privacy analysis is unchanged; a larger value is refused."""
+        if not (abs(float(value)) <= self.clip_norm):
+            raise DPConfigError(f"a canary gradient of norm {abs(float(value)):.6g} exceeds clip_norm={self.clip_norm}: it is not clipped.")
+        coords = torch.as_tensor(coords, dtype=torch.long).flatten()
+        if len(coords) and (int(coords.min()) < 0 or int(coords.max()) >= self.num_parameters):
+            raise ValueError(f"canary coordinates must lie in [0, {self.num_parameters}).")
+        if not self._lot_open:
+            self._begin_lot()
+        i = 0
+        for name, p in self.params.items():
+            mine = coords[(coords >= i) & (coords < i + p.numel())] - i
+            if len(mine):
+                flat = self._sum[name].view(-1)
+                flat.index_add_(0, mine.to(flat.device), torch.full((len(mine),), float(value), dtype=flat.dtype, device=flat.device))
+            i += p.numel()
+        self._examples_in_lot += len(coords)
+
     def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> None:
         n = x.shape[0]
         for start in range(0, n, self.physical_batch_size):

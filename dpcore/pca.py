@@ -90,6 +90,19 @@ def dp_pca(
     """
     d = x[0].numel() if x.shape[0] else int(torch.tensor(x.shape[1:]).prod())
     check_pca_components(k, d)
+    released, event = release_gram(x, noise_multiplier, randomness, ledger=ledger, sample_rate=sample_rate)
+    eigvals, eigvecs = torch.linalg.eigh(released)  # ascending; post-processing of the release
+    top = torch.argsort(eigvals, descending=True)[:k]
+    return DPPCAResult(eigvecs[:, top].T.contiguous().to(torch.float32), eigvals[top].to(torch.float32), released, event, None)
+
+
+def release_gram(
+    x: torch.Tensor, noise_multiplier: float, randomness: Randomness, *, ledger: PrivacyLedger | None, sample_rate: float = 1.0
+) -> tuple[torch.Tensor, PrivacyEvent]:
+    """DP-PCA's release: AᵀA + E (float64, exactly symmetric) for the normalised rows A of
+    ``x`` (Poisson-sampled at ``sample_rate``). Checked against the ledger's budget first and
+    appended at step 0 after; everything :func:`dp_pca` does next is post-processing."""
+    d = x[0].numel() if x.shape[0] else int(torch.tensor(x.shape[1:]).prod())
     event = pca_event(noise_multiplier, sample_rate)
     if ledger is not None:
         ledger.check(event)
@@ -98,11 +111,9 @@ def dp_pca(
         a = a[randomness.uniform(a.shape[0]) < sample_rate]
     gram = a.T @ a
     released = 0.5 * (gram + gram.T) + symmetric_noise(d, noise_multiplier, randomness)  # exactly symmetric
-    eigvals, eigvecs = torch.linalg.eigh(released)  # ascending
-    top = torch.argsort(eigvals, descending=True)[:k]
     if ledger is not None:
         ledger.append(event, step=0, clip_norm=1.0)
-    return DPPCAResult(eigvecs[:, top].T.contiguous().to(torch.float32), eigvals[top].to(torch.float32), released, event, None)
+    return released, event
 
 
 class PCAProjection(nn.Module):

@@ -3,6 +3,7 @@
     dp-platform train [CONFIG.yaml] [--flags]     train with DP on Ray; ledger and model to MLflow
     dp-platform sweep [CONFIG.yaml] [--flags]     Optuna sweep at a fixed (ε, δ); trials on Ray, runs in MLflow
     dp-platform federated [CONFIG.yaml] [--flags] client-level DP federated averaging on Ray actors
+    dp-platform audit [CONFIG.yaml] [--flags]     privacy audit: one training run with canaries, or --mechanism
     dp-platform ingest DATASET OUT_DIR            write a dataset once as Parquet shards
     dp-platform ledger RUN_ID                     print a run's privacy ledger from MLflow
     dp-platform ui                                the MLflow UI on 127.0.0.1, on the same store
@@ -132,7 +133,7 @@ def _ui(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": None, "sweep": None, "federated": None, "ingest": _ingest, "ledger": _ledger, "ui": _ui, "bench": None}
+    commands = {"train": None, "sweep": None, "federated": None, "audit": None, "ingest": _ingest, "ledger": _ledger, "ui": _ui, "bench": None}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):
@@ -148,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         from tuning.sweep import main as sweep_main
 
         return sweep_main(rest, prog=f"{PROG} sweep")
+    if cmd == "audit":
+        from .audit import main as audit_main
+
+        return audit_main(rest, prog=f"{PROG} audit")
     if cmd == "federated":
         from .federated import main as federated_main
 

@@ -77,6 +77,11 @@ class TrainConfig:
     pca_components: int = _f(0, "DP-PCA: project the inputs on k private principal directions (0: off; mlp only)", "method")
     pca_noise_multiplier: float = _f(8.0, "DP-PCA: σ of the symmetric noise on AᵀA (sensitivity 1)", "method")
     pca_sample_rate: float = _f(1.0, "DP-PCA: Poisson rate of the rows used (1: all)", "method")
+    # audit (Steinke, Nasr and Jagielski 2023: one training run)
+    audit_canaries: int = _f(0, "one-run privacy audit: m canaries (0: off)", "audit")
+    audit_kind: str = _f("gradient", "gradient: white-box, each canary's gradient is C·e_j on a coordinate of its own (m ≤ parameters), scored by the released gradients; input: black-box, out-of-distribution images with random labels, scored by the final model's loss", "audit")
+    audit_canary_rate: float = _f(0.5, "probability that each canary is in the training data (the paper: 1/2)", "audit")
+    audit_guesses: int | None = _f(None, "guesses r: 'in' for the r/2 highest scores, 'out' for the r/2 lowest, abstain on the rest (fixed before the run; default min(200, m))", "audit")
     # cluster
     num_workers: int = _f(2, "Ray Train workers (each samples its own shard)", "cluster")
     use_gpu: bool = _f(False, "one GPU per worker, NCCL (default: CPU, gloo)", "cluster")
@@ -177,6 +182,16 @@ class TrainConfig:
                 f"storage_path={self.storage_path!r}: only filesystem paths are supported (local, or a shared mount "
                 "such as NFS on a cluster): the ledger journal needs POSIX append, fsync and locks."
             )
+        if isinstance(self.audit_canaries, bool) or not isinstance(self.audit_canaries, int) or self.audit_canaries < 0:
+            raise err(f"audit_canaries={self.audit_canaries!r} is invalid: it is the number of canaries m ≥ 1, or 0 for no audit.")
+        if self.audit_canaries:
+            if self.audit_kind not in ("gradient", "input"):
+                raise err(f"audit_kind={self.audit_kind!r} is unknown; use gradient (white-box) or input (black-box).")
+            if not (0.0 < self.audit_canary_rate < 1.0):
+                raise err(f"audit_canary_rate={self.audit_canary_rate!r} must lie strictly between 0 and 1 (the paper uses 0.5).")
+            r = self.resolved_audit_guesses()
+            if isinstance(r, bool) or not isinstance(r, int) or not (2 <= r <= self.audit_canaries):
+                raise err(f"audit_guesses={self.audit_guesses!r} must be an integer in [2, audit_canaries={self.audit_canaries}].")
         if self.fault_at_step is not None and not (0 <= self.fault_rank < self.num_workers):
             raise err(f"fault_rank={self.fault_rank} must be a worker rank in [0, {self.num_workers}).")
 
@@ -185,6 +200,9 @@ class TrainConfig:
         if self.ascent is not None:
             return float(self.ascent)
         return {"bam": 0.02, "dpsat": 0.086}.get(self.method, 0.0)
+
+    def resolved_audit_guesses(self) -> int:
+        return min(200, self.audit_canaries) if self.audit_guesses is None else self.audit_guesses
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

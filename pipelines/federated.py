@@ -89,6 +89,10 @@ class FederatedConfig:
     stopping: str = _f("epsilon", "epsilon: stop before ε at δ passes the target; delta: Geyer et al.'s rule, stop before δ at the fixed ε passes Q", "privacy")
     accountant: str = _f("pld", f"accountant: {', '.join(dpcore.ACCOUNTANTS)}", "privacy")
     seed: int | None = _f(None, "seed for client sampling and noise: tests and research only (default: secure, OS entropy)", "privacy")
+    # audit (Steinke et al. 2023, one run): canary clients whose update is a fixed direction
+    audit_canaries: int = _f(0, "one-run audit: m canary clients, each owning one parameter coordinate (0: off)", "audit")
+    audit_canary_rate: float = _f(0.5, "probability that each canary client is in the population", "audit")
+    audit_guesses: int | None = _f(None, "guesses r: 'in' for the r/2 highest scores, 'out' for the r/2 lowest (default min(200, m))", "audit")
     # cluster
     num_actors: int = _f(2, "Ray actors that simulate the clients (each serves many clients)", "cluster")
     cpus_per_actor: float = _f(1.0, "CPUs reserved per actor", "cluster")
@@ -156,6 +160,14 @@ class FederatedConfig:
                 "(Geyer et al.): that releases private data and voids the guarantee. It is a diagnostics option only; add "
                 "--diagnostics to run it (the run is tagged non-private), or use --clip-policy adaptive (private)."
             )
+        if isinstance(self.audit_canaries, bool) or not isinstance(self.audit_canaries, int) or self.audit_canaries < 0:
+            raise err(f"audit_canaries={self.audit_canaries!r} is invalid: it is the number of canary clients m ≥ 1, or 0 for no audit.")
+        if self.audit_canaries:
+            if not (0.0 < self.audit_canary_rate < 1.0):
+                raise err(f"audit_canary_rate={self.audit_canary_rate!r} must lie strictly between 0 and 1 (the paper uses 0.5).")
+            r = self.resolved_audit_guesses()
+            if isinstance(r, bool) or not isinstance(r, int) or not (2 <= r <= self.audit_canaries):
+                raise err(f"audit_guesses={self.audit_guesses!r} must be an integer in [2, audit_canaries={self.audit_canaries}].")
         if self.eval_every < 0 or self.max_actor_restarts < 0:
             raise err("eval_every and max_actor_restarts must be integers ≥ 0.")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
@@ -165,6 +177,9 @@ class FederatedConfig:
 
     def resolved_quantile_noise(self) -> float:
         return float(self.quantile_noise) if self.quantile_noise is not None else self.clients_per_round / 20.0
+
+    def resolved_audit_guesses(self) -> int:
+        return min(200, self.audit_canaries) if self.audit_guesses is None else self.audit_guesses
 
     def to_dict(self) -> dict[str, Any]:
         import dataclasses
@@ -278,6 +293,12 @@ def plan_federated(cfg: FederatedConfig) -> dict:
     order, offsets = split_clients(data.train.y, cfg.num_clients, cfg.split, cfg.shards_per_client, cfg.split_seed)
     model = build_model(cfg.model, tuple(data.input_shape), data.num_classes)
     dpcore.validate_model(model)
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if cfg.audit_canaries > n_params:
+        raise dpcore.DPConfigError(
+            f"audit_canaries={cfg.audit_canaries} canary clients do not fit: each needs a parameter coordinate of its own and "
+            f"model={cfg.model!r} has {n_params} trainable parameters. Use at most {n_params} canaries."
+        )
     q = cfg.clients_per_round / cfg.num_clients
     dpcore.validation.check_delta(cfg.target_delta, dataset_size=cfg.num_clients)
     if cfg.noise_multiplier is None:
@@ -393,6 +414,12 @@ def run_federated(cfg: FederatedConfig | None = None) -> dict:
     realised = {"clients": 0, "bytes_down": 0, "bytes_up": 0}
     history, round_seconds = [], []
     done, pool = 0, None
+    audit = None
+    if cfg.audit_canaries:  # canary clients, simulated on the server: their clipped update is S(1 − 1e-6)·e_j
+        coords = torch.randperm(d, generator=torch.Generator().manual_seed(cfg.init_seed + 7919))[: cfg.audit_canaries]
+        member = randomness.spawn("audit-membership").uniform(cfg.audit_canaries) < cfg.audit_canary_rate
+        audit = {"coords": coords, "membership": member, "in": coords[member], "scores": torch.zeros(cfg.audit_canaries, dtype=torch.float64),
+                 "sampling": randomness.spawn("audit-sampling")}
     try:
         with _cluster(cfg):
             fault = (cfg.fault_at_round, cfg.fault_actor) if cfg.fault_at_round is not None else None
@@ -416,7 +443,15 @@ def run_federated(cfg: FederatedConfig | None = None) -> dict:
                 for res in results:  # actor order: the same sum whichever actor died
                     total += res["sum"]
                 bits = sum(res["bits"] for res in results) if adaptive else None
-                noised = dp.release(total, count=len(ids), bits_sum=bits, step=r)
+                count = len(ids)
+                if audit is not None:  # present canary clients join at rate q, like every client
+                    joined = audit["in"][audit["sampling"].uniform(len(audit["in"])) < dp.sample_rate]
+                    total.index_add_(0, joined, torch.full((len(joined),), s * (1.0 - dpcore.clipping.CLIP_MARGIN), dtype=torch.float64))
+                    count += len(joined)
+                    bits = None if bits is None else bits + len(joined)  # ‖S(1 − 1e-6)e_j‖ ≤ S
+                noised = dp.release(total, count=count, bits_sum=bits, step=r)
+                if audit is not None:  # white-box score: the released update along each canary's coordinate
+                    audit["scores"] += noised[audit["coords"]].double()
                 if cfg.clip_policy == "median_nonprivate":  # NOT PRIVATE (diagnostics only, refused otherwise)
                     norms = [n for res in results for n in res["norms"]]
                     if norms:
@@ -460,6 +495,15 @@ def run_federated(cfg: FederatedConfig | None = None) -> dict:
         client.log_metric(run_id, "final_epsilon", epsilon)
         client.log_metric(run_id, "final_test_accuracy", test_acc)
         client.log_metric(run_id, "rounds", done)
+        audit_out = None
+        if audit is not None:
+            r = cfg.resolved_audit_guesses()
+            res = dpcore.audit.one_run_audit(audit["scores"].numpy(), audit["membership"].numpy(), r - r // 2, r // 2,
+                                             delta=cfg.target_delta)
+            audit_out = {"canaries": res.canaries, "guesses": res.guesses, "correct": res.correct, "epsilon_lower_bound": res.epsilon_lower_bound,
+                         "confidence": res.confidence, "included": int(audit["membership"].sum()), "scores": audit["scores"],
+                         "coords": audit["coords"], "membership": audit["membership"]}
+            tracking.log_audit(client, run_id, audit_out, epsilon)
         _plot(client, run_id, ledger, history, cfg)
         version = None
         if cfg.log_model:
@@ -477,7 +521,7 @@ def run_federated(cfg: FederatedConfig | None = None) -> dict:
             "actor_restarts": pool.restarts if pool is not None else 0, "seconds": time.monotonic() - t0,
             "seconds_rounds": seconds_rounds, "round_seconds": round_seconds, "seconds_plan": t0 - t_plan, "parameters": d,
             "registered_model": None if version is None else f"{version.name} v{version.version}",
-            "ledger": ledger, "model": model, "history": history,
+            "ledger": ledger, "model": model, "history": history, "audit": audit_out,
         }
     finally:
         if pool is not None:
@@ -579,6 +623,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.federat
           "(client-level, add/remove one client, Poisson sampling of clients)")
     print(f"communication (expected): {out['comm_expected_bytes'] / 1e6:.1f} MB  actor restarts: {out['actor_restarts']}  "
           f"time: {out['seconds']:.1f}s ({out['rounds'] / max(out['seconds_rounds'], 1e-9):.2f} rounds/s)")
+    if out["audit"]:
+        a = out["audit"]
+        print(f"audit (one run, {a['canaries']} canary clients, {a['guesses']} guesses): {a['correct']} correct -> "
+              f"ε_lb = {a['epsilon_lower_bound']:.3f} ({'≤' if a['epsilon_lower_bound'] <= out['epsilon'] else 'ABOVE'} ε = {out['epsilon']:.3f})")
     if out["registered_model"]:
         print(f"model: {out['registered_model']} in the MLflow registry")
     from .train import ui_command

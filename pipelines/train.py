@@ -103,6 +103,17 @@ def plan_run(cfg: TrainConfig) -> dict:
         )
     model = build_run_model(cfg, input_shape, manifest["num_classes"])
     dpcore.validate_model(model)
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if cfg.audit_canaries and cfg.audit_kind == "input" and cfg.audit_canaries > n:
+        raise dpcore.DPConfigError(
+            f"audit_canaries={cfg.audit_canaries} input canaries would outnumber the {n} training examples; the model would "
+            f"learn mostly canaries. Use at most {n} (the paper uses m well below N)."
+        )
+    if cfg.audit_canaries and cfg.audit_kind == "gradient" and cfg.audit_canaries > n_params:
+        raise dpcore.DPConfigError(
+            f"audit_canaries={cfg.audit_canaries} gradient canaries do not fit: each needs a parameter coordinate of its own "
+            f"and model={cfg.model!r} has {n_params} trainable parameters. Use at most {n_params} canaries."
+        )
     sigma, q, steps = dpcore.plan(
         dataset_size=n,
         lot_size=cfg.lot_size,
@@ -136,6 +147,7 @@ def plan_run(cfg: TrainConfig) -> dict:
         "sample_rate": q,
         "event_kind": dpcore.accounting.POISSON_LAPLACE if cfg.noise == "laplace" else dpcore.accounting.POISSON_GAUSSIAN,
         "pca_path": str(run_dir / "pca.pt") if cfg.pca_components else None,
+        "audit_path": str(run_dir / "audit.pt") if cfg.audit_canaries else None,
         "steps": steps,
         "checkpoint_every": every,
         "epsilon_every": max(1, steps // 20),
@@ -316,6 +328,52 @@ def ensure_pca(spec: dict, cfg: TrainConfig, client, run_id: str) -> None:
     client.log_artifact(run_id, spec["pca_path"], "dp_pca")
 
 
+def ensure_audit(spec: dict, cfg: TrainConfig) -> None:
+    """The one-run audit's canaries, drawn on the driver before any worker starts: m distinct
+    parameter coordinates (public: a permutation seeded by init_seed) and which canaries are in
+    the training data (each with probability audit_canary_rate, from the run's randomness:
+    secure by default). Kept in the run directory for the workers and the final scoring; a
+    resumed run re-uses them."""
+    if not cfg.audit_canaries or Path(spec["audit_path"]).is_file():
+        return
+    import torch
+
+    included = dpcore.make_randomness(cfg.seed).spawn("audit-membership").uniform(cfg.audit_canaries) < cfg.audit_canary_rate
+    g = torch.Generator().manual_seed(cfg.init_seed + 7919)  # public: the canaries themselves are not secret, their membership is
+    if cfg.audit_kind == "gradient":
+        state = {"kind": "gradient", "coords": torch.randperm(spec["parameters"], generator=g)[: cfg.audit_canaries], "included": included}
+    else:  # out-of-distribution images (Gaussian noise, scaled like the data) with random labels
+        x = 3.0 * torch.randn((cfg.audit_canaries, *spec["input_shape"]), generator=g)
+        y = torch.randint(0, spec["num_classes"], (cfg.audit_canaries,), generator=g)
+        state = {"kind": "input", "x": x, "y": y, "included": included}
+    tmp = Path(spec["audit_path"] + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, spec["audit_path"])
+
+
+def audit_result(spec: dict, cfg: TrainConfig, checkpoint: str) -> dict:
+    """Score the canaries, guess, and bound ε (Steinke et al.): the audit's summary. Gradient
+    canaries: Σ_t ⟨released gradient_t, e_j⟩, accumulated by rank 0 and kept in the
+    checkpoint. Input canaries: minus the final model's loss on each (a black-box score)."""
+    import torch
+    import torch.nn.functional as F
+
+    canaries = torch.load(spec["audit_path"])
+    if canaries["kind"] == "gradient":
+        scores = torch.load(Path(checkpoint) / "audit_scores.pt")
+    else:
+        model = load_final_model(spec, checkpoint)
+        with torch.no_grad():
+            scores = -F.cross_entropy(model(canaries["x"]), canaries["y"], reduction="none").double()
+    r = cfg.resolved_audit_guesses()
+    res = dpcore.audit.one_run_audit(scores.numpy(), canaries["included"].numpy(), r - r // 2, r // 2, delta=cfg.target_delta)
+    return {
+        "canaries": res.canaries, "guesses": res.guesses, "correct": res.correct, "epsilon_lower_bound": res.epsilon_lower_bound,
+        "confidence": res.confidence, "included": int(canaries["included"].sum()), "scores": scores, "kind": canaries["kind"],
+        "coords": canaries.get("coords", torch.arange(len(scores))), "membership": canaries["included"],
+    }
+
+
 def open_run_ledger(spec: dict) -> dpcore.PrivacyLedger:
     """The run's ledger, from its journal (every release, committed or rolled back)."""
     cfg = spec["config"]
@@ -371,6 +429,7 @@ def run(
             tracking.write_json_artifact(client, run_id, "split.json", spec["split_info"])
             tracking.write_json_artifact(client, run_id, "spec.json", spec)
         ensure_pca(spec, cfg, client, run_id)
+        ensure_audit(spec, cfg)
         with ray_cluster(cfg), JournalProgress(spec, enabled=not cfg.quiet):
             result = _fit(spec, cfg)
         if result.error is not None:
@@ -387,6 +446,9 @@ def run(
         client.set_tag(run_id, "dp.epsilon", f"{epsilon:.6g}")
         tracking.log_ledger(client, run_id, ledger)
         client.log_metric(run_id, "final_epsilon", epsilon)
+        audit = audit_result(spec, cfg, checkpoint) if cfg.audit_canaries else None
+        if audit is not None:
+            tracking.log_audit(client, run_id, audit, epsilon)
         tracking.plot_run(client, run_id, ledger)
         import numpy as np
 
@@ -420,6 +482,7 @@ def run(
             "checkpoint": checkpoint,
             "registered_model": None if version is None else f"{version.name} v{version.version}",
             "pruned": bool(meta.get("pruned", False)),
+            "audit": audit,
             "spec": spec,
             "ledger": ledger,
             "model": model,
@@ -541,6 +604,13 @@ def print_summary(out: dict) -> None:
         f"ε spent: {out['epsilon']:.4f} at δ={out['delta']:g} ({out['accountant']} accountant; example-level, add/remove, "
         "Poisson sampling)"
     )
+    if out.get("audit"):
+        a = out["audit"]
+        print(
+            f"audit (one run, {a['canaries']} gradient canaries, {a['guesses']} guesses): {a['correct']} correct -> "
+            f"ε_lb = {a['epsilon_lower_bound']:.3f} at {a['confidence']:.0%} confidence "
+            f"({'≤' if a['epsilon_lower_bound'] <= out['epsilon'] else 'ABOVE'} ε = {out['epsilon']:.3f})"
+        )
     if out["registered_model"]:
         print(f"model: {out['registered_model']} in the MLflow registry")
     print(f"time: {out['seconds']:.1f}s")

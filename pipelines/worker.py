@@ -44,6 +44,7 @@ MODEL_FILE = "model.pt"
 EMA_MODEL_FILE = "ema_model.pt"
 STATE_FILE = "state.pt"
 LEDGER_FILE = "ledger.json"
+AUDIT_FILE = "audit_scores.pt"
 PCA_FILE = "pca.pt"
 
 
@@ -307,6 +308,12 @@ def train_loop_per_worker(spec: dict) -> None:
 
     train = read_split(spec["data_dir"], "train", rank, world)
     x_train, y_train = train.x.to(device), train.y.to(device)
+    if rank == 0 and spec.get("audit_path"):
+        canaries = torch.load(spec["audit_path"])
+        if canaries["kind"] == "input":  # black-box canaries in the data: rank 0's shard holds them, sampled like any example
+            keep = canaries["included"]
+            x_train = torch.cat([x_train, canaries["x"][keep].to(device, x_train.dtype)])
+            y_train = torch.cat([y_train, canaries["y"][keep].to(device)])
     if rank == 0:
         val, test = read_split(spec["data_dir"], "val"), read_split(spec["data_dir"], "test")
         held_out = {k: (s.x.to(device), s.y.to(device)) for k, s in (("val", val), ("test", test))}
@@ -364,17 +371,32 @@ def train_loop_per_worker(spec: dict) -> None:
     if private.sampler.step != start_step or private.optimizer.steps_taken != start_step:
         raise RuntimeError(f"inconsistent checkpoint: sampler at {private.sampler.step}, optimizer at {private.optimizer.steps_taken}, meta at {start_step}")
 
+    audit = None
+    if rank == 0 and spec.get("audit_path") and canaries["kind"] == "gradient":  # white-box canaries live in rank 0's shard
+        audit = {"coords": canaries["coords"], "in": canaries["coords"][canaries["included"]], "scores": torch.zeros(len(canaries["coords"]), dtype=torch.float64)}
+        if checkpoint is not None:
+            with checkpoint.as_directory() as d:
+                audit["scores"] = torch.load(Path(d) / AUDIT_FILE)
+        audit_root = dpcore.make_randomness(cfg.seed)
+        canary_value = cfg.clip_norm * (1.0 - dpcore.clipping.CLIP_MARGIN)
+
     tracker = _Tracker(spec) if rank == 0 else None
     every = spec["checkpoint_every"]
     last_step = start_step + allowance  # the plan, or fewer if rolled-back releases used up budget
     t_last, step_last = time.monotonic(), start_step
     step = start_step
     reported_releases = meta["releases"] if meta is not None else -1
-    report = lambda rate: _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, tracker, held_out if rank == 0 else None, x_train, y_train)  # noqa: E731
+    report = lambda rate: _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, tracker, held_out if rank == 0 else None, x_train, y_train, audit)  # noqa: E731
     while step < last_step:
         lot = private.sampler.sample()
         private.optimizer.accumulate(x_train[lot], y_train[lot])
+        if audit is not None:  # canaries in the data join the lot at rate q, like every example
+            sampled = audit["in"][audit_root.spawn("audit-sampling", step).uniform(len(audit["in"])) < spec["sample_rate"]]
+            private.optimizer.add_coordinate_examples(sampled, canary_value)
         private.optimizer.step()
+        if audit is not None:  # white-box score: the released (noised) gradient along each canary
+            released = torch.cat([p.grad.reshape(-1) for p in private.optimizer.params.values()])
+            audit["scores"] += released[audit["coords"].to(released.device)].double().cpu()
         if ema is not None:
             ema.update()
         step += 1
@@ -403,7 +425,7 @@ def train_loop_per_worker(spec: dict) -> None:
         report(float("nan"))
 
 
-def _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, tracker, held_out, x_train, y_train) -> int:
+def _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, tracker, held_out, x_train, y_train, audit=None) -> int:
     """Metrics (rank 0) and a checkpoint (every rank's part) in one ``ray.train.report``.
     Returns the number of ledger releases the checkpoint holds (rank 0; -1 elsewhere)."""
     import ray.train
@@ -463,6 +485,9 @@ def _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, 
             torch.save(shared, d / STATE_FILE)
             (d / LEDGER_FILE).write_text(json.dumps(private.ledger.state_dict()))
             names = (MODEL_FILE, STATE_FILE, LEDGER_FILE) + ((EMA_MODEL_FILE,) if ema is not None else ())
+            if audit is not None:
+                torch.save(audit["scores"], d / AUDIT_FILE)
+                names += (AUDIT_FILE,)
             files = {n: sha256_file(d / n) for n in names}
             meta = {
                 "step": step, "releases": len(private.ledger), "world_size": world, "final": final or pruned,

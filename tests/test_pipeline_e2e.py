@@ -47,6 +47,8 @@ def e2e(ray_cluster, tmp_path_factory):
         tracking_uri=f"sqlite:///{root}/mlflow.db",
         registered_model="dp-e2e-test",
         quiet=True,
+        audit_canaries=100,  # black-box input canaries (issue G): the run is audited as it trains
+        audit_kind="input",
     )
     return run(cfg)
 
@@ -127,3 +129,17 @@ def test_ledger_command_prints_the_runs_ledger(e2e):
     assert f"{e2e['steps']} releases: {e2e['steps']} committed, 0 rolled back" in res.stdout
     assert "poisson_gaussian" in res.stdout
     assert f"{e2e['epsilon']:.4f}" in res.stdout
+
+
+def test_black_box_input_canary_audit_is_scored_and_logged(e2e):
+    """The e2e run carries 100 out-of-distribution input canaries with random labels, each in
+    the data with probability ½: scored by the final model's loss, bounded, and logged."""
+    a = e2e["audit"]
+    assert a["kind"] == "input" and a["canaries"] == 100 and a["guesses"] == 100 and 20 < a["included"] < 80
+    assert 0.0 <= a["epsilon_lower_bound"] <= e2e["epsilon"]
+    assert (a["scores"] <= 0).all()  # minus a cross-entropy
+    client = mlflow.MlflowClient(e2e["tracking_uri"])
+    run = client.get_run(e2e["run_id"])
+    assert run.data.metrics["audit.canaries"] == 100 and "black-box input canaries" in run.data.tags["audit.method"]
+    assert run.data.tags["audit.check"] == "ε_lb ≤ ε"
+    assert len(e2e["ledger"]) == e2e["planned_steps"]  # the canaries cost no extra releases
