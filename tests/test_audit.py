@@ -146,37 +146,9 @@ def test_bad_audit_input():
 
 
 # ------------------------------------------------------------------------------------------
-# The one-run audit of a training run on Ray (white-box gradient canaries).
-@pytest.mark.slow
-def test_one_run_audit_of_a_ray_training_run(ray_cluster, tmp_path):
-    import json
-
-    import mlflow
-
-    from pipelines.config import TrainConfig
-    from pipelines.train import run
-
-    out = run(TrainConfig(epochs=12, target_epsilon=8.0, seed=2, audit_canaries=600, audit_guesses=100, registered_model="none",
-                          log_model=False, quiet=True, storage_path=str(tmp_path / "runs"), tracking_uri=f"sqlite:///{tmp_path}/mlflow.db"))
-    a = out["audit"]
-    assert a["canaries"] == 600 and a["guesses"] == 100 and 250 < a["included"] < 350
-    # Valid, and with power: the canaries were injected and scored (in > out), so the bound is far from 0.
-    assert 1.0 < a["epsilon_lower_bound"] <= out["epsilon"] <= 8.0
-    scores, inside = a["scores"], a["membership"]
-    assert scores[inside].mean() > scores[~inside].mean()
-    # The canaries change nothing in the accounting: the same σ, q and steps as the plan.
-    assert {(e.noise_multiplier, e.sample_rate) for e in out["ledger"].entries} == {(out["noise_multiplier"], out["sample_rate"])}
-    assert len(out["ledger"]) == out["planned_steps"]
-    client = mlflow.MlflowClient(out["tracking_uri"])
-    r = client.get_run(out["run_id"])
-    assert r.data.metrics["audit.epsilon_lower_bound"] == pytest.approx(a["epsilon_lower_bound"])
-    assert r.data.metrics["audit.correct"] == a["correct"] and r.data.metrics["audit.guesses"] == 100
-    assert r.data.tags["audit.check"] == "ε_lb ≤ ε" and float(r.data.tags["dp.epsilon"]) == pytest.approx(out["epsilon"], rel=1e-5)
-    path = mlflow.artifacts.download_artifacts(run_id=out["run_id"], artifact_path="audit/canaries.json", tracking_uri=out["tracking_uri"])
-    logged = json.loads(open(path).read())
-    assert logged["correct"] == a["correct"] and len(logged["scores"]) == 600
-
-
+# The one-run audit of a training run on Ray is tested on the killed-worker run of
+# tests/test_pipeline_methods.py (gradient canaries, restored from the checkpoint) and on the
+# e2e run of tests/test_pipeline_e2e.py (black-box input canaries).
 def test_one_run_audit_bad_input(tmp_path):
     from pipelines.config import TrainConfig
     from pipelines.train import plan_run

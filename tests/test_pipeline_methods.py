@@ -7,6 +7,7 @@ Three runs:
 * the Laplace form.
 """
 import json
+import math
 from pathlib import Path
 
 import mlflow
@@ -110,9 +111,11 @@ def test_a_killed_worker_restarts_a_dpsat_ema_pca_augmented_run(ray_cluster, tmp
     """Issue B's fault injection with issue C's state: DP-SAT's previous released gradient,
     the EMA, the augmentation streams and the DP-PCA projection all come back from the
     checkpoint; the PCA release stays committed at step 0 while the steps after the checkpoint
-    are rolled back, and every release is in ε."""
+    are rolled back, and every release is in ε. The run also carries issue G's one-run audit
+    (600 white-box gradient canaries), whose scores come back from the checkpoint too."""
     out = run(_cfg(tmp_path, method="dpsat", ascent=0.1, ema_decay=0.9, pca_components=12, augmentation_multiplicity=2,
-                   augment_padding=1, epochs=5, checkpoint_every=3, fault_at_step=5, fault_rank=1, max_failures=1))
+                   augment_padding=1, epochs=5, checkpoint_every=3, fault_at_step=5, fault_rank=1, max_failures=1,
+                   audit_canaries=600, audit_guesses=100))
     spec = out["spec"]
     assert (Path(spec["run_dir"]) / "fault-injected").exists()
     entries = out["ledger"].entries
@@ -130,3 +133,21 @@ def test_a_killed_worker_restarts_a_dpsat_ema_pca_augmented_run(ray_cluster, tmp
     assert state["ema"]["updates"] == out["steps"]  # the EMA continued from the checkpoint, not from scratch
     rank1 = torch.load(Path(out["checkpoint"]) / "rank-1.pt", weights_only=False)
     assert "augment" in rank1
+    # The audit (issue G): valid, logged beside ε, and with signal (canaries in the data score higher).
+    a = out["audit"]
+    assert a["kind"] == "gradient" and a["canaries"] == 600 and a["guesses"] == 100 and 240 < a["included"] < 360
+    assert 0.0 <= a["epsilon_lower_bound"] <= out["epsilon"]
+    scores, inside = a["scores"], a["membership"]
+    gap = float(scores[inside].mean() - scores[~inside].mean())
+    assert gap > 4 * float(scores.std()) / math.sqrt(len(scores) / 4)  # in > out by over 4 standard errors
+    meta = json.loads((Path(out["checkpoint"]) / "meta.json").read_text())
+    assert "audit_scores.pt" in meta["files"]  # checkpointed with its SHA-256, restored on restart
+    assert {(e.noise_multiplier, e.sample_rate) for e in entries[1:]} == {(out["noise_multiplier"], out["sample_rate"])}
+    client = mlflow.MlflowClient(out["tracking_uri"])
+    r = client.get_run(out["run_id"])
+    assert r.data.metrics["audit.epsilon_lower_bound"] == pytest.approx(a["epsilon_lower_bound"])
+    assert r.data.metrics["audit.correct"] == a["correct"] and r.data.metrics["audit.guesses"] == 100
+    assert r.data.tags["audit.check"] == "ε_lb ≤ ε" and "white-box gradient canaries" in r.data.tags["audit.method"]
+    path = mlflow.artifacts.download_artifacts(run_id=out["run_id"], artifact_path="audit/canaries.json", tracking_uri=out["tracking_uri"])
+    logged = json.loads(Path(path).read_text())
+    assert logged["correct"] == a["correct"] and len(logged["scores"]) == 600
