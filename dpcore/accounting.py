@@ -369,9 +369,11 @@ def max_steps(
     ev = event or PrivacyEvent.dpsgd_step(noise_multiplier, sample_rate)
     prior = list(prior_groups)
 
-    def fits(t: int) -> bool:
-        return epsilon(prior + [(ev, t)], target_delta, accountant) <= target_epsilon
+    return _largest_count(lambda t: epsilon(prior + [(ev, t)], target_delta, accountant) <= target_epsilon, limit)
 
+
+def _largest_count(fits, limit: int) -> int:
+    """The largest T ≤ ``limit`` with ``fits(T)``, for a monotone ``fits``; 0 if not even 1."""
     if not fits(1):
         return 0
     lo, hi = 1, 2
@@ -407,25 +409,7 @@ def max_steps_by_delta(
     delta_bound = check_delta(delta_bound, "delta_bound")
     prior = list(prior_groups)
 
-    def fits(t: int) -> bool:
-        return delta(prior + [(event, t)], epsilon, accountant) <= delta_bound
-
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    if hi > limit:
-        if fits(limit):
-            return limit
-        hi = limit
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return _largest_count(lambda t: delta(prior + [(event, t)], epsilon, accountant) <= delta_bound, limit)
 
 
 def steps_for_epochs(epochs: float, sample_rate: float) -> int:

@@ -111,12 +111,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Check every field that needs no data. Raises DPConfigError naming the value and the fix."""
         err = dpcore.DPConfigError
-        if self.dataset not in DATASETS:
-            raise err(f"dataset={self.dataset!r} is unknown; available: {', '.join(DATASETS)}.")
-        if self.dataset in NEEDS_DATA_DIR and not self.data_dir:
-            raise err(f"dataset={self.dataset!r} needs --data-dir (the folder that holds it); add --download to fetch it there.")
-        if not (self.model in MODELS[:-1] or (self.model.startswith("tv:") and len(self.model) > 3)):
-            raise err(f"model={self.model!r} is unknown; available: {', '.join(MODELS)}.")
+        check_dataset_and_model(self)
         if self.clipping not in dpcore.optimizer.CLIPPING_MODES:
             raise err(f"clipping={self.clipping!r} is unknown; available: {', '.join(dpcore.optimizer.CLIPPING_MODES)}.")
         if self.ascent is not None and (isinstance(self.ascent, bool) or not isinstance(self.ascent, (int, float))):
@@ -182,16 +177,9 @@ class TrainConfig:
                 f"storage_path={self.storage_path!r}: only filesystem paths are supported (local, or a shared mount "
                 "such as NFS on a cluster): the ledger journal needs POSIX append, fsync and locks."
             )
-        if isinstance(self.audit_canaries, bool) or not isinstance(self.audit_canaries, int) or self.audit_canaries < 0:
-            raise err(f"audit_canaries={self.audit_canaries!r} is invalid: it is the number of canaries m ≥ 1, or 0 for no audit.")
-        if self.audit_canaries:
-            if self.audit_kind not in ("gradient", "input"):
-                raise err(f"audit_kind={self.audit_kind!r} is unknown; use gradient (white-box) or input (black-box).")
-            if not (0.0 < self.audit_canary_rate < 1.0):
-                raise err(f"audit_canary_rate={self.audit_canary_rate!r} must lie strictly between 0 and 1 (the paper uses 0.5).")
-            r = self.resolved_audit_guesses()
-            if isinstance(r, bool) or not isinstance(r, int) or not (2 <= r <= self.audit_canaries):
-                raise err(f"audit_guesses={self.audit_guesses!r} must be an integer in [2, audit_canaries={self.audit_canaries}].")
+        check_audit_options(self)
+        if self.audit_canaries and self.audit_kind not in ("gradient", "input"):
+            raise err(f"audit_kind={self.audit_kind!r} is unknown; use gradient (white-box) or input (black-box).")
         if self.fault_at_step is not None and not (0 <= self.fault_rank < self.num_workers):
             raise err(f"fault_rank={self.fault_rank} must be a worker rank in [0, {self.num_workers}).")
 
@@ -209,6 +197,32 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def check_dataset_and_model(cfg) -> None:
+    """``cfg.dataset`` (with its data_dir) and ``cfg.model`` name things that exist."""
+    err = dpcore.DPConfigError
+    if cfg.dataset not in DATASETS:
+        raise err(f"dataset={cfg.dataset!r} is unknown; available: {', '.join(DATASETS)}.")
+    if cfg.dataset in NEEDS_DATA_DIR and not cfg.data_dir:
+        raise err(f"dataset={cfg.dataset!r} needs --data-dir (the folder that holds it); add --download to fetch it there.")
+    if not (cfg.model in MODELS[:-1] or (cfg.model.startswith("tv:") and len(cfg.model) > 3)):
+        raise err(f"model={cfg.model!r} is unknown; available: {', '.join(MODELS)}.")
+
+
+def check_audit_options(cfg) -> None:
+    """The one-run audit's options, shared by the training and the federated configs."""
+    err = dpcore.DPConfigError
+    m = cfg.audit_canaries
+    if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+        raise err(f"audit_canaries={m!r} is invalid: it is the number of canaries m ≥ 1, or 0 for no audit.")
+    if not m:
+        return
+    if not (0.0 < cfg.audit_canary_rate < 1.0):
+        raise err(f"audit_canary_rate={cfg.audit_canary_rate!r} must lie strictly between 0 and 1 (the paper uses 0.5).")
+    r = cfg.resolved_audit_guesses()
+    if isinstance(r, bool) or not isinstance(r, int) or not (2 <= r <= m):
+        raise err(f"audit_guesses={cfg.audit_guesses!r} must be an integer in [2, audit_canaries={m}].")
 
 
 def _coerce(name: str, value: Any, fields: dict | None = None) -> Any:

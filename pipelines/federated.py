@@ -42,8 +42,8 @@ from dpcore.federated import CLIP_POLICIES, AdaptiveClipping, ClientLevelDP, non
 
 from . import tracking
 from .clients import SPLITS, ClientRunner, load_flat, split_clients
-from .config import _f, add_config_arguments, load_config
-from .data import DATASETS, NEEDS_DATA_DIR, load_dataset
+from .config import _f, add_config_arguments, check_audit_options, check_dataset_and_model, load_config
+from .data import DATASETS, load_dataset
 from .models import MODELS, build_model
 
 STOPPING = ("epsilon", "delta")
@@ -115,12 +115,7 @@ class FederatedConfig:
 
     def validate(self) -> None:
         err = dpcore.DPConfigError
-        if self.dataset not in DATASETS:
-            raise err(f"dataset={self.dataset!r} is unknown; available: {', '.join(DATASETS)}.")
-        if self.dataset in NEEDS_DATA_DIR and not self.data_dir:
-            raise err(f"dataset={self.dataset!r} needs --data-dir (the folder that holds it); add --download to fetch it there.")
-        if self.model not in MODELS[:-1] and not self.model.startswith("tv:"):
-            raise err(f"model={self.model!r} is unknown; available: {', '.join(MODELS)}.")
+        check_dataset_and_model(self)
         for name, choices in (("split", SPLITS), ("clip_policy", CLIP_POLICIES), ("stopping", STOPPING), ("executor", EXECUTORS)):
             if getattr(self, name) not in choices:
                 raise err(f"{name}={getattr(self, name)!r} is unknown; use one of {', '.join(choices)}.")
@@ -160,14 +155,7 @@ class FederatedConfig:
                 "(Geyer et al.): that releases private data and voids the guarantee. It is a diagnostics option only; add "
                 "--diagnostics to run it (the run is tagged non-private), or use --clip-policy adaptive (private)."
             )
-        if isinstance(self.audit_canaries, bool) or not isinstance(self.audit_canaries, int) or self.audit_canaries < 0:
-            raise err(f"audit_canaries={self.audit_canaries!r} is invalid: it is the number of canary clients m ≥ 1, or 0 for no audit.")
-        if self.audit_canaries:
-            if not (0.0 < self.audit_canary_rate < 1.0):
-                raise err(f"audit_canary_rate={self.audit_canary_rate!r} must lie strictly between 0 and 1 (the paper uses 0.5).")
-            r = self.resolved_audit_guesses()
-            if isinstance(r, bool) or not isinstance(r, int) or not (2 <= r <= self.audit_canaries):
-                raise err(f"audit_guesses={self.audit_guesses!r} must be an integer in [2, audit_canaries={self.audit_canaries}].")
+        check_audit_options(self)
         if self.eval_every < 0 or self.max_actor_restarts < 0:
             raise err("eval_every and max_actor_restarts must be integers ≥ 0.")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
