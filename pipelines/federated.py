@@ -182,9 +182,9 @@ class LocalPool:
     so that the sums are formed in the same order as on Ray), with the threads of one actor:
     the same arithmetic as the actors, so the same model, bit for bit."""
 
-    def __init__(self, runner_args: dict, shares: int, threads: int = 1):
+    def __init__(self, runner_args: dict, threads: int = 1):
         self.runner = ClientRunner(**runner_args, threads=None)
-        self.shares, self.threads = shares, max(1, int(threads))
+        self.threads = max(1, int(threads))
         self.restarts = 0
 
     def run_round(self, round_, weights, shares, clip_norm, want_norms) -> list[dict]:
@@ -311,7 +311,7 @@ def plan_federated(cfg: FederatedConfig) -> dict:
     run_dir = Path(cfg.storage_path).resolve() / f"{name}-{uuid.uuid4().hex[:6]}"
     sizes = (offsets[1:] - offsets[:-1])
     return {
-        "data": data, "order": order, "offsets": offsets, "model": model, "sample_rate": q, "noise_multiplier": z,
+        "data": data, "order": order, "offsets": offsets, "sample_rate": q, "noise_multiplier": z,
         "rounds": rounds, "rounds_that_fit": fit, "tracking_uri": tracking_uri, "run_name": name, "run_dir": run_dir,
         "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "client_sizes": (int(sizes.min()), float(sizes.float().mean()), int(sizes.max())),
@@ -362,7 +362,7 @@ def run_federated(cfg: FederatedConfig | None = None) -> dict:
     cfg = cfg or FederatedConfig()
     t_plan = time.monotonic()
     plan = plan_federated(cfg)
-    data, model, rounds = plan["data"], plan["model"], plan["rounds"]
+    data, rounds = plan["data"], plan["rounds"]
     torch.manual_seed(cfg.init_seed)
     model = build_model(cfg.model, tuple(data.input_shape), data.num_classes)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -412,7 +412,7 @@ def run_federated(cfg: FederatedConfig | None = None) -> dict:
         with _cluster(cfg):
             fault = (cfg.fault_at_round, cfg.fault_actor) if cfg.fault_at_round is not None else None
             pool = (RayPool(runner_args, cfg.num_actors, cfg.cpus_per_actor, cfg.max_actor_restarts, fault)
-                    if cfg.executor == "ray" else LocalPool(runner_args, cfg.num_actors, int(cfg.cpus_per_actor)))
+                    if cfg.executor == "ray" else LocalPool(runner_args, int(cfg.cpus_per_actor)))
             t_rounds = time.monotonic()
             for r in range(1, rounds + 1):
                 try:
