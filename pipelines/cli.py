@@ -8,6 +8,11 @@
     dp-platform ledger RUN_ID                     print a run's privacy ledger from MLflow
     dp-platform ui                                the MLflow UI on 127.0.0.1, on the same store
     dp-platform bench                             private step time and memory, beside Opacus
+    dp-platform stack up|add-node|status|down     PostgreSQL, MLflow (basic auth), a Ray head (token auth), on loopback
+    dp-platform submit [--sweep] CONFIG [-- ARGS] a training run or a sweep as a Ray job; follows its logs
+    dp-platform status [JOB_ID]                   a job's status (with the reason when it failed), or all jobs
+    dp-platform logs JOB_ID [--follow]            a job's logs
+    dp-platform stop JOB_ID                       stop a job
 """
 from __future__ import annotations
 
@@ -70,7 +75,7 @@ def _ledger(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog=f"{PROG} ledger", description="Print a run's privacy ledger (every noisy release, with the cumulative ε) from MLflow.")
     p.add_argument("run_id", help="MLflow run id (printed by train)")
-    p.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="MLflow tracking URI (default: ./mlflow.db)")
+    p.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
     p.add_argument("--all", action="store_true", help="print every entry (default: the first and last 10)")
     p.add_argument("--csv", action="store_true", help="print CSV instead of a table")
     a = p.parse_args(argv)
@@ -119,7 +124,7 @@ def _ui(argv: list[str]) -> int:
     from .tracking import resolve_tracking_uri
 
     p = argparse.ArgumentParser(prog=f"{PROG} ui", description="Start the MLflow UI on 127.0.0.1 against the same tracking store as train.")
-    p.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="MLflow tracking URI (default: ./mlflow.db)")
+    p.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
     p.add_argument("--port", type=int, default=5000, help="port (default 5000)")
     p.add_argument("--host", default="127.0.0.1", help="interface (default 127.0.0.1: this machine only)")
     a = p.parse_args(argv)
@@ -133,7 +138,8 @@ def _ui(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": None, "sweep": None, "federated": None, "audit": None, "ingest": _ingest, "ledger": _ledger, "ui": _ui, "bench": None}
+    commands = {"train": None, "sweep": None, "federated": None, "audit": None, "ingest": _ingest, "ledger": _ledger, "ui": _ui, "bench": None,
+                "stack": None, "submit": None, "status": None, "logs": None, "stop": None}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):
@@ -157,6 +163,14 @@ def main(argv: list[str] | None = None) -> int:
         from .federated import main as federated_main
 
         return federated_main(rest, prog=f"{PROG} federated")
+    if cmd == "stack":
+        from .stack import main as stack_main
+
+        return stack_main(rest)
+    if cmd in ("submit", "status", "logs", "stop"):
+        from . import jobs
+
+        return getattr(jobs, f"main_{cmd}")(rest, prog=f"{PROG} {cmd}")
     if cmd == "bench":
         from .bench import main as bench_main
 

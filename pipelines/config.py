@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,9 +93,9 @@ class TrainConfig:
     ray_address: str | None = _f(
         None, "Ray cluster to join ('auto', ray://...). Default: RAY_ADDRESS, else a local cluster started and stopped here", "cluster"
     )
-    storage_path: str = _f("dp_runs", "where checkpoints, the ledger journal and ingested data go (shared storage on a cluster)", "cluster")
+    storage_path: str = _f("dp_runs", "where checkpoints, the ledger journal and ingested data go (shared storage on a cluster; default: $DP_STORAGE_PATH, else ./dp_runs)", "cluster")
     # tracking
-    tracking_uri: str = _f("sqlite:///mlflow.db", "MLflow tracking URI (default: ./mlflow.db)", "tracking")
+    tracking_uri: str = _f("sqlite:///mlflow.db", "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)", "tracking")
     experiment: str = _f("dp-training", "MLflow experiment", "tracking")
     run_name: str | None = _f(None, "MLflow run name (default: dataset-model-time)", "tracking")
     registered_model: str | None = _f(None, "name in the MLflow model registry (default: dp-<dataset>-<model>; 'none' to skip)", "tracking")
@@ -250,10 +251,18 @@ def _coerce(name: str, value: Any, fields: dict | None = None) -> Any:
         raise dpcore.DPConfigError(f"{name}={value!r} has the wrong type: expected {t}.") from None
 
 
+# Options whose default comes from the environment when it is set (a cluster's nodes carry them,
+# e.g. from `dp-platform stack` or a Kubernetes Secret); a YAML file or a flag still wins.
+ENV_DEFAULTS = {"tracking_uri": "MLFLOW_TRACKING_URI", "storage_path": "DP_STORAGE_PATH"}
+
+
 def config_from_dict(values: dict[str, Any], cls=TrainConfig):
     """A ``cls`` (TrainConfig by default; any frozen config dataclass built with ``_f``) from
-    plain values, with types checked and unknown keys refused."""
+    plain values, with types checked and unknown keys refused. Options in :data:`ENV_DEFAULTS`
+    that are not given default to their environment variable when it is set."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    given = {str(k).replace("-", "_") for k in values}
+    values = {**{n: os.environ[v] for n, v in ENV_DEFAULTS.items() if n in fields and n not in given and os.environ.get(v)}, **values}
     clean = {}
     for key, value in values.items():
         name = str(key).replace("-", "_")

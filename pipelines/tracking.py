@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import tempfile
 import time
@@ -31,6 +32,25 @@ import dpcore
 
 class TrackingError(dpcore.DPConfigError):
     """The MLflow tracking store cannot be used."""
+
+
+_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/:@\s]*):(?P<pw>[^@/\s]*)@")
+
+
+def redact(text: str) -> str:
+    """``scheme://user:password@host`` → ``scheme://user:***@host``: what is logged or written to
+    MLflow never carries a password (pass them through the environment or a password file)."""
+    return _URL_PASSWORD.sub(lambda m: f"{m['head']}:***@", text)
+
+
+def _redact_obj(obj):
+    if isinstance(obj, str):
+        return redact(obj)
+    if isinstance(obj, dict):
+        return {k: _redact_obj(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_redact_obj(v) for v in obj]
+    return obj
 
 
 def resolve_tracking_uri(uri: str) -> str:
@@ -57,6 +77,24 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
                 f"the MLflow tracking server {uri} is unreachable ({reason}). Start it (dp-platform ui, or "
                 "mlflow server), fix --tracking-uri, or use the default sqlite:///mlflow.db."
             ) from None
+        # a server with basic auth: the credentials come from MLFLOW_TRACKING_USERNAME/PASSWORD
+        req = urllib.request.Request(uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1")
+        user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+        if user and password:
+            import base64
+
+            req.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode())
+        try:
+            urllib.request.urlopen(req, timeout=timeout).close()
+        except urllib.error.HTTPError as e:
+            if e.code in (401, 403):
+                who = f"as {user!r}" if user else "without credentials"
+                raise TrackingError(
+                    f"the MLflow tracking server {uri} refused the request {who} (HTTP {e.code}). Set MLFLOW_TRACKING_USERNAME "
+                    "and MLFLOW_TRACKING_PASSWORD (never in the URI); for the local stack they are in its credentials.env."
+                ) from None
+        except (urllib.error.URLError, OSError, socket.timeout):
+            pass  # reachable a moment ago; MLflow's own client reports anything else
     elif parsed.scheme == "sqlite":
         path = Path(uri[len("sqlite:///") :])
         parent = path.parent
@@ -102,7 +140,7 @@ def dp_tags(cfg, spec: dict) -> dict[str, str]:
 
 
 def params_of(cfg, spec: dict) -> dict[str, str]:
-    params = {k: ("None" if v is None else str(v)) for k, v in cfg.to_dict().items()}
+    params = {k: ("None" if v is None else redact(str(v))) for k, v in cfg.to_dict().items()}
     params.update(
         {
             "plan.noise_multiplier": f"{spec['noise_multiplier']:.8g}",
@@ -225,7 +263,7 @@ def log_model(run_id: str, model, example: np.ndarray, registered_name: str | No
 def write_json_artifact(client, run_id: str, name: str, obj, artifact_path: str | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / name
-        path.write_text(json.dumps(obj, indent=2, default=str))
+        path.write_text(json.dumps(_redact_obj(obj), indent=2, default=str))
         client.log_artifact(run_id, str(path), artifact_path=artifact_path)
 
 

@@ -234,8 +234,8 @@ class JournalProgress:
 # ------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def ray_cluster(cfg: TrainConfig):
-    """Join ``ray_address`` (or RAY_ADDRESS, e.g. under ``ray job submit``), else start a local
-    cluster, on 127.0.0.1 with the dashboard on, and stop it afterwards."""
+    """Join ``ray_address`` (or RAY_ADDRESS, e.g. under ``ray job submit``) and stay connected, or
+    else start a local cluster, on 127.0.0.1 with the dashboard on, and stop it afterwards."""
     import logging
 
     import ray
@@ -245,7 +245,12 @@ def ray_cluster(cfg: TrainConfig):
         return
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
+        # Joined, not started here: stay connected until the process ends, so that the job's
+        # runtime env (under `ray job submit`, the package the driver runs from) stays referenced
+        # while the driver still logs to MLflow from it.
         ray.init(address=address, logging_level=logging.WARNING)
+        yield
+        return
     else:
         ray.init(
             num_cpus=max(os.cpu_count() or 1, cfg.num_workers),
@@ -444,6 +449,12 @@ def run(
             raise RuntimeError(f"the last checkpoint ({checkpoint}: step {meta['step']}) is not the end of the ledger ({len(committed)} committed steps)")
         model = load_final_model(spec, checkpoint)
         client.set_tag(run_id, "dp.epsilon", f"{epsilon:.6g}")
+        from .worker import read_placement
+
+        placement = read_placement(spec)
+        if placement:
+            tracking.write_json_artifact(client, run_id, "placement.json", placement, artifact_path="ray")
+            client.set_tag(run_id, "ray.nodes", str(len({p["node_id"] for p in placement})))
         tracking.log_ledger(client, run_id, ledger)
         client.log_metric(run_id, "final_epsilon", epsilon)
         audit = audit_result(spec, cfg, checkpoint) if cfg.audit_canaries else None
@@ -466,6 +477,7 @@ def run(
             "dataset": cfg.dataset,
             "train_examples": spec["dataset_size"],
             "num_workers": cfg.num_workers,
+            "nodes": len({p["node_id"] for p in placement}),
             "steps": len(committed),
             "planned_steps": spec["steps"],
             "releases": len(ledger),
@@ -584,7 +596,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.train")
     except Exception as e:  # Ray/MLflow failures: say what failed, keep the traceback short
         import traceback
 
-        traceback.print_exc(limit=3)
+        traceback.print_exc(limit=-4)
         print(f"error: training failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print_summary(out)
@@ -593,7 +605,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.train")
 
 def print_summary(out: dict) -> None:
     print(
-        f"run {out['run_id']}  dataset={out['dataset']} (N_train={out['train_examples']})  workers={out['num_workers']}  "
+        f"run {out['run_id']}  dataset={out['dataset']} (N_train={out['train_examples']})  workers={out['num_workers']} on {out.get('nodes', '?')} node(s)  "
         f"steps={out['steps']}/{out['planned_steps']}  q={out['sample_rate']:.4f}  σ={out['noise_multiplier']:.4f}  "
         f"randomness={out['randomness']}"
     )
@@ -619,6 +631,8 @@ def print_summary(out: dict) -> None:
 
 def ui_command(tracking_uri: str) -> str:
     default = tracking.resolve_tracking_uri("sqlite:///mlflow.db")
+    if tracking_uri.startswith(("http://", "https://")):
+        return tracking_uri  # a tracking server serves its own UI
     if tracking_uri == default:
         return "dp-platform ui"
     return f"dp-platform ui --tracking-uri {tracking_uri}"

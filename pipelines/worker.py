@@ -286,6 +286,27 @@ def find_checkpoint(spec: dict, reported, rank: int, world: int):
     return ray.train.Checkpoint.from_directory(choice)
 
 
+def record_placement(spec: dict, rank: int) -> None:
+    """Where this rank runs (Ray node, host, process), in the run folder; the driver logs it
+    (``ray/placement.json``). A restarted group overwrites it with its new placement."""
+    import socket
+
+    import ray
+
+    d = Path(spec["run_dir"]) / "placement"
+    d.mkdir(parents=True, exist_ok=True)
+    ctx = ray.get_runtime_context()
+    info = {"rank": rank, "node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(), "hostname": socket.gethostname(), "pid": os.getpid()}
+    tmp = d / f".rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, d / f"rank{rank}.json")
+
+
+def read_placement(spec: dict) -> list[dict]:
+    d = Path(spec["run_dir"]) / "placement"
+    return [json.loads(f.read_text()) for f in sorted(d.glob("rank*.json"))] if d.is_dir() else []
+
+
 def train_loop_per_worker(spec: dict) -> None:
     """Ray Train entry point. ``spec`` is built by the driver (:func:`pipelines.train.plan_run`)."""
     import ray.train
@@ -294,6 +315,7 @@ def train_loop_per_worker(spec: dict) -> None:
     _quiet_ray_train_logs()
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    record_placement(spec, rank)
     if cfg.use_gpu:
         from ray.train.torch import get_device
 

@@ -220,6 +220,9 @@ class Progress:
 def _find_or_create_parent(client, experiment: str, study: str, storage: str, tags: dict) -> str:
     exp = client.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
+    from pipelines.tracking import redact
+
+    storage = redact(storage)
     found = client.search_runs([exp_id], filter_string=f"tags.`sweep.study` = '{study}' and tags.`sweep.storage` = '{storage}'")
     if found:
         client.update_run(found[0].info.run_id, status="RUNNING")
@@ -551,7 +554,7 @@ def build_parser(prog: str = "dp-platform sweep") -> argparse.ArgumentParser:
     g = p.add_argument_group("sweep")
     defaults = SweepConfig()
     g.add_argument("--study", default=argparse.SUPPRESS, help=f"study name; the same name continues it (default: {defaults.study})")
-    g.add_argument("--storage", default=argparse.SUPPRESS, help=f"Optuna RDB storage URL (default: {defaults.storage}; postgresql://... on a cluster)")
+    g.add_argument("--storage", default=argparse.SUPPRESS, help=f"Optuna RDB storage URL (default: $DP_OPTUNA_STORAGE, else {defaults.storage}; postgresql://... on a cluster)")
     g.add_argument("--n-trials", type=int, default=argparse.SUPPRESS, help=f"finished trials to reach (default: {defaults.n_trials})")
     g.add_argument("--max-concurrent", type=int, default=argparse.SUPPRESS, help=f"trials running at once (default: {defaults.max_concurrent})")
     g.add_argument("--sampler", choices=SAMPLERS, default=argparse.SUPPRESS, help="tpe (default) or random")
@@ -587,6 +590,8 @@ def load_sweep_config(path: str | None, args: dict) -> tuple[SweepConfig, Any]:
         values.update(loaded)
     values.update(args)
     sweep_vals = {k.replace("-", "_"): values.pop(k) for k in list(values) if k.replace("-", "_") in SWEEP_FIELDS}
+    if "storage" not in sweep_vals and os.environ.get("DP_OPTUNA_STORAGE"):
+        sweep_vals["storage"] = os.environ["DP_OPTUNA_STORAGE"]  # the cluster's shared study database
     if "num_workers" not in values:
         values["num_workers"] = 1  # a sweep's trials default to one worker each; --num-workers shards them
     return SweepConfig(**sweep_vals), config_from_dict(values)

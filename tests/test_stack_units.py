@@ -1,0 +1,108 @@
+"""Fast checks of the stack and job commands' own logic (the services themselves are started in
+tests/test_platform.py): redaction, defaults from the environment, addresses, local checks."""
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+import dpcore
+from pipelines import jobs, stack
+from pipelines.config import load_config
+from pipelines.tracking import redact
+
+
+@pytest.mark.parametrize(
+    "url, expected",
+    [
+        ("postgresql+psycopg2://optuna:s3cr%40t@127.0.0.1:5433/optuna", "postgresql+psycopg2://optuna:***@127.0.0.1:5433/optuna"),
+        ("http://user:pw@host:5000", "http://user:***@host:5000"),
+        ("postgresql://optuna@127.0.0.1:5433/optuna", "postgresql://optuna@127.0.0.1:5433/optuna"),
+        ("sqlite:///mlflow.db", "sqlite:///mlflow.db"),
+        ("see https://a:b@c/d and http://e:f@g", "see https://a:***@c/d and http://e:***@g"),
+    ],
+)
+def test_redact_removes_passwords_from_urls(url, expected):
+    assert redact(url) == expected
+
+
+def test_params_and_json_artifacts_are_redacted(tmp_path):
+    from pipelines import tracking
+
+    cfg = load_config(overrides={"tracking_uri": "http://u:hunter2hunter2@127.0.0.1:1"})
+    spec = {"noise_multiplier": 1.0, "sample_rate": 0.1, "steps": 3, "dataset_size": 10, "checkpoint_every": 1}
+    assert "hunter2" not in str(tracking.params_of(cfg, spec))
+
+    class Client:
+        def log_artifact(self, run_id, path, artifact_path=None):
+            self.text = open(path).read()
+
+    c = Client()
+    tracking.write_json_artifact(c, "r", "spec.json", {"optuna": {"storage": "postgresql://o:hunter2hunter2@h/db"}, "n": [1, "x://a:b@c"]})
+    assert "hunter2" not in c.text and "***" in c.text and "x://a:***@c" in c.text
+
+
+def test_tracking_and_storage_default_from_the_environment(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("DP_STORAGE_PATH", raising=False)
+    assert load_config().tracking_uri == "sqlite:///mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
+    monkeypatch.setenv("DP_STORAGE_PATH", "/shared/runs")
+    cfg = load_config()
+    assert (cfg.tracking_uri, cfg.storage_path) == ("http://127.0.0.1:5999", "/shared/runs")
+    # a flag (or YAML key) still wins, in either spelling
+    assert load_config(overrides={"tracking-uri": "sqlite:///x.db"}).tracking_uri == "sqlite:///x.db"
+
+
+def test_sweep_storage_defaults_from_the_environment(monkeypatch):
+    from tuning.sweep import load_sweep_config
+
+    monkeypatch.delenv("DP_OPTUNA_STORAGE", raising=False)
+    assert load_sweep_config(None, {})[0].storage == "sqlite:///optuna.db"
+    monkeypatch.setenv("DP_OPTUNA_STORAGE", "postgresql+psycopg2://optuna@127.0.0.1:5433/optuna")
+    assert load_sweep_config(None, {})[0].storage.startswith("postgresql+psycopg2://optuna@")
+    assert load_sweep_config(None, {"storage": "sqlite:///b.db"})[0].storage == "sqlite:///b.db"
+
+
+def test_write_secret_is_0600_from_the_start(tmp_path):
+    f = tmp_path / "d" / "secret"
+    old = os.umask(0)
+    try:
+        stack._write_secret(f, "x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(f.stat().st_mode) == 0o600 and f.read_text() == "x"
+
+
+def test_env_file_round_trip(tmp_path):
+    f = tmp_path / "c.env"
+    f.write_text(stack._env_text({"A": "1", "B": "x=y"}, "header"))
+    assert stack.read_env_file(f) == {"A": "1", "B": "x=y"}
+
+
+def test_resolve_cluster_errors(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(jobs.JobError, match="no cluster to submit to"):
+        jobs.resolve_cluster(None, tmp_path)
+    with pytest.raises(jobs.JobError, match="Ray Client address"):
+        jobs.resolve_cluster("ray://127.0.0.1:10001", tmp_path)
+    assert jobs.resolve_cluster("127.0.0.1:8265", tmp_path) == "http://127.0.0.1:8265"
+
+
+def test_submit_checks_the_config_before_anything_is_uploaded(tmp_path):
+    with pytest.raises(dpcore.DPConfigError, match="epsilon"):
+        jobs.submit("configs/digits.yaml", ["--target-epsilon", "-1"], address="http://127.0.0.1:1", stack_dir=tmp_path)
+    with pytest.raises(jobs.JobError, match="does not exist"):
+        jobs.submit("configs/nope.yaml", [], address="http://127.0.0.1:1", stack_dir=tmp_path)
+    with pytest.raises(jobs.JobError, match="arguments are invalid"):
+        jobs.check_locally("configs/digits.yaml", True, ["--n-trials", "many"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("dataset: digits\nepohcs: 3\n")
+    for sweep in (False, True):
+        with pytest.raises(dpcore.DPConfigError, match="unknown config key 'epohcs'"):
+            jobs.check_locally(str(bad), sweep, [])
+    # a valid config passes, and the job runs the documented command
+    jobs.check_locally("configs/digits.yaml", False, ["--epochs", "2"])
+    assert jobs.entrypoint("configs/digits.yaml", False, ["--epochs", "2"]) == ["python", "-m", "pipelines.train", "configs/digits.yaml", "--epochs", "2"]
+    assert jobs.entrypoint("c.yaml", True, []) == ["python", "-m", "pipelines.cli", "sweep", "c.yaml"]
