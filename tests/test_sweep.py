@@ -30,8 +30,9 @@ pytestmark = pytest.mark.slow
 
 
 def _base(root: Path, **over) -> TrainConfig:
+    # one checkpoint per trial (at its end): each Ray Train report costs ~2 s, and these tests are about the sweep
     values = dict(epochs=2, target_epsilon=2.0, num_workers=1, seed=5, storage_path=str(root / "runs"),
-                  tracking_uri=f"sqlite:///{root}/mlflow.db", quiet=True, registered_model="dp-sweep-test")
+                  tracking_uri=f"sqlite:///{root}/mlflow.db", quiet=True, registered_model="dp-sweep-test", checkpoint_every=1000)
     values.update(over)
     return TrainConfig(**values)
 
@@ -152,7 +153,7 @@ def test_killed_sweep_driver_continues_with_the_same_command(tmp_path, ray_env):
     cmd = [sys.executable, "-m", "pipelines.cli", "sweep", "--study", "resume", "--storage", f"sqlite:///{tmp_path}/optuna.db",
            "--n-trials", "3", "--max-concurrent", "2", "--heartbeat-interval", "2", "--grace-period", "10", "--epochs", "1",
            "--lot-size", "256", "--seed", "3", "--sampler-seed", "0", "--storage-path", str(tmp_path / "runs"),
-           "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--registered-model", "none", "--quiet"]
+           "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--registered-model", "none", "--quiet", "--checkpoint-every", "1000"]
     env = ray_env  # the drivers join the session's cluster, as jobs submitted to a cluster do
     sessions_before = set(Path("/tmp/ray").glob("session_2*"))
     first = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
