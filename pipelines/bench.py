@@ -232,7 +232,7 @@ def accounting_rows(eps: float = 2.0, delta: float = 1e-5, q: float = 4096 / 500
         {"what": f"calibrate σ for ε={eps:g}, δ={delta:g}, q={q:.5g}, T={steps} (ours, PLD)", "value": ours, "seconds": t_ours},
         {"what": "plain bisection over dp_accounting PLDAccountant (σ to 0.1%)", "value": ref, "seconds": t_ref},
         {"what": "ours ÷ plain bisection σ", "value": ours / ref, "seconds": float("nan")},
-        {"what": f"ε after 10⁵ steps at that σ (PLD, cold cache)", "value": e_long, "seconds": t_long},
+        {"what": "ε after 10⁵ steps at that σ (PLD, cold cache)", "value": e_long, "seconds": t_long},
     ]
 
 

@@ -95,7 +95,7 @@ class TrainConfig:
     )
     storage_path: str = _f("dp_runs", "where checkpoints, the ledger journal and ingested data go (shared storage on a cluster; default: $DP_STORAGE_PATH, else ./dp_runs)", "cluster")
     # tracking
-    tracking_uri: str = _f("sqlite:///mlflow.db", "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)", "tracking")
+    tracking_uri: str = _f("sqlite:///mlflow.db", "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, which mlflow.set_tracking_uri also sets, else ./mlflow.db)", "tracking")
     experiment: str = _f("dp-training", "MLflow experiment", "tracking")
     run_name: str | None = _f(None, "MLflow run name (default: dataset-model-time)", "tracking")
     registered_model: str | None = _f(None, "name in the MLflow model registry (default: dp-<dataset>-<model>; 'none' to skip)", "tracking")

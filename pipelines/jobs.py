@@ -46,7 +46,7 @@ def resolve_cluster(address: str | None = None, stack_dir: Path | None = None) -
     if (root / "stack.json").exists():
         load_state(root)
         stack = read_env_file(root / "credentials.env")
-    address = address or os.environ.get("RAY_ADDRESS") or stack.get("RAY_ADDRESS")
+    address = address or os.environ.get("RAY_ADDRESS") or stack.get("DP_RAY_JOBS_ADDRESS")
     if not address:
         raise JobError(
             "no cluster to submit to: give --address http://HEAD:8265, set RAY_ADDRESS, or start the local stack (dp-platform stack up)."
@@ -56,7 +56,8 @@ def resolve_cluster(address: str | None = None, stack_dir: Path | None = None) -
     if address.startswith("ray://"):
         raise JobError(f"--address {address} is a Ray Client address; jobs go to the Jobs API, http://HEAD:8265.")
     if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")) and stack.get("RAY_AUTH_TOKEN_PATH"):
-        if stack.get("RAY_ADDRESS", "").rstrip("/") == address.rstrip("/"):
+        same = lambda a: a.rstrip("/").replace("://localhost:", "://127.0.0.1:")  # noqa: E731
+        if same(stack.get("DP_RAY_JOBS_ADDRESS", "")) == same(address):
             os.environ["RAY_AUTH_TOKEN_PATH"] = stack["RAY_AUTH_TOKEN_PATH"]
     if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or Path("~/.ray/auth_token").expanduser().exists():
         os.environ.setdefault("RAY_AUTH_MODE", "token")
@@ -115,7 +116,8 @@ def submit(config: str | None, args: list[str], sweep: bool = False, address: st
     if config is not None and not Path(working_dir, config).is_file() and not Path(config).is_file():
         raise JobError(f"config file {config!r} does not exist.")
     if check:
-        check_locally(config, sweep, args)
+        local = str(Path(working_dir, config)) if config is not None and Path(working_dir, config).is_file() else config
+        check_locally(local, sweep, args)
     if config is not None and Path(config).is_absolute():
         raise JobError(f"give the config as a path inside --working-dir ({working_dir}), not {config}: the job runs in its own copy of that folder.")
     address = resolve_cluster(address, stack_dir)
@@ -154,9 +156,11 @@ def describe(info) -> str:
     took = ""
     if info.start_time and info.end_time:
         took = f"  ({(info.end_time - info.start_time) / 1000:.1f}s)"
-    line = f"{info.submission_id}  {info.status}{took}  {info.entrypoint}"
+    from .tracking import redact
+
+    line = f"{info.submission_id}  {info.status}{took}  {redact(info.entrypoint)}"
     if info.message and str(info.status) in ("FAILED", "STOPPED"):
-        line += "\n  " + info.message.strip().replace("\n", "\n  ")
+        line += "\n  " + redact(info.message.strip()).replace("\n", "\n  ")
     return line
 
 
@@ -189,7 +193,7 @@ def main_submit(argv: list[str], prog: str = "dp-platform submit") -> int:
     args = argv[cut + 1 :]  # the job's own options: everything after --
     try:
         c, jid = submit(a.config, args, a.sweep, a.address, a.working_dir, a.stack_dir, check=not a.no_check, job_id=a.job_id)
-    except (JobError, StackError, dpcore.DPError) as e:
+    except (JobError, StackError, dpcore.DPError, RuntimeError) as e:  # RuntimeError: the Jobs API refused (e.g. a duplicate --job-id)
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"submitted job {jid}\n  status: dp-platform status {jid}\n  logs:   dp-platform logs {jid} --follow\n  stop:   dp-platform stop {jid}", flush=True)

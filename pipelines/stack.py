@@ -1,4 +1,7 @@
-"""``dp-platform stack``: the platform's services on this machine, bound to loopback.
+"""``dp-platform stack``: the platform's services on this machine. PostgreSQL, MLflow and the
+Ray Jobs API listen on 127.0.0.1; Ray itself listens on some internal ports on every interface
+whatever it is told (`stack status --ports` lists them; see deploy/README.md), and those need
+the token.
 
     dp-platform stack up        PostgreSQL (installed from Debian's packages if missing), an
                                 MLflow server on it with basic auth, a Ray head with token auth
@@ -12,8 +15,9 @@ to the services through their environment (never on a command line, which ``ps``
 * ``credentials.env``: what a user or a job needs (the MLflow address and the ``dp-jobs``
   user, the Ray Jobs address and token file, the Optuna storage URL without its password,
   the PostgreSQL password file). ``set -a; . credentials.env; set +a`` loads it in a shell.
-* ``admin.env``: the PostgreSQL superuser's and the MLflow admin's passwords, and the MLflow
-  server's Flask key. Only ``stack`` itself reads it.
+* ``admin.env``: the PostgreSQL roles' passwords, the MLflow admin's, and the MLflow server's
+  Flask key. Only ``stack`` reads it, but jobs run as the user who started the stack, so
+  whoever can submit a job can read this folder: on this machine the Ray token is admin access.
 
 Ray nodes are started with the job credentials in their environment, so a job submitted
 through the Jobs API inherits them from the node: no credential travels in a job's
@@ -28,7 +32,9 @@ import os
 import secrets
 import shutil
 import signal
+import shlex
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -54,12 +60,27 @@ def default_dir() -> Path:
 
 # ------------------------------------------------------------------------------- small helpers
 def _write_secret(path: Path, text: str) -> None:
-    """Create ``path`` with mode 0600 from the start (no window in which it is readable)."""
+    """Write ``path`` with mode 0600 from the start: a new file (never following a link) that
+    then replaces the old one, so no reader ever sees the secret under looser permissions."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
-    os.chmod(path, 0o600)
+    os.replace(tmp, path)
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` (mode 0700) or accept it only if it is a real folder owned by this user."""
+    path = Path(path)
+    try:
+        path.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise StackError(f"{path} exists but is not a folder owned by this user (uid {os.geteuid()}); refusing to keep secrets or Ray's files there.") from None
+    os.chmod(path, 0o700)
 
 
 def read_env_file(path: Path) -> dict[str, str]:
@@ -68,12 +89,12 @@ def read_env_file(path: Path) -> dict[str, str]:
         line = line.strip()
         if line and not line.startswith("#") and "=" in line:
             k, v = line.split("=", 1)
-            out[k.strip()] = v.strip().strip("'\"")
+            out[k.strip()] = " ".join(shlex.split(v.strip()))
     return out
 
 
 def _env_text(values: dict[str, str], header: str) -> str:
-    return "\n".join([f"# {header}", *(f"{k}={v}" for k, v in values.items())]) + "\n"
+    return "\n".join([f"# {header}", *(f"{k}={shlex.quote(v)}" for k, v in values.items())]) + "\n"
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -141,13 +162,13 @@ def ensure_postgres(install: bool = True) -> Path:
         raise StackError(f"PostgreSQL is not installed, and this command installs it only as root on Debian or Ubuntu. Run: sudo sh -c '{how}'")
     print("PostgreSQL is not installed: installing Debian's postgresql package (apt-get update; apt-get install -y postgresql) ...", flush=True)
     # No default cluster: the stack makes its own, on loopback; Debian's would listen on 5432.
-    conf = Path("/etc/postgresql-common/createcluster.conf")
-    if not conf.exists():
-        conf.parent.mkdir(parents=True, exist_ok=True)
-        conf.write_text("create_main_cluster = false\n")
+    drop_in = Path("/etc/postgresql-common/createcluster.d/dp-platform.conf")
+    drop_in.parent.mkdir(parents=True, exist_ok=True)
+    drop_in.write_text("create_main_cluster = false\n")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "postgresql"]):
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    install = ["apt-get", "install", "-y", "--no-install-recommends", "-o", "Dpkg::Options::=--force-confold", "postgresql"]
+    for cmd in (["apt-get", "update"], install):
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if r.returncode != 0:
             raise StackError(f"installing PostgreSQL failed: {' '.join(cmd)} exited {r.returncode}:\n{r.stderr[-2000:]}")
     bindir = find_postgres_bindir()
@@ -234,18 +255,22 @@ def _provision_databases(state: dict, admin: dict, creds: dict) -> None:
     """Roles mlflow and optuna with their own passwords; databases mlflow and mlflow_auth (owned
     by mlflow) and optuna (owned by optuna); no role may connect to another's database."""
     from psycopg2 import sql
+    from psycopg2.extensions import encrypt_password
 
     conn = _pg_connect(state, admin)
     conn.autocommit = True
     with conn.cursor() as cur:
-        for role, password in (("mlflow", admin["PG_MLFLOW_PASSWORD"]), ("optuna", creds["_pg_optuna_password"])):
+        for role, password in (("mlflow", admin["PG_MLFLOW_PASSWORD"]), ("optuna", admin["PG_OPTUNA_PASSWORD"])):
             cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,))
             verb = "ALTER" if cur.fetchone() else "CREATE"
-            cur.execute(sql.SQL(verb + " ROLE {} LOGIN PASSWORD %s").format(sql.Identifier(role)), (password,))
+            # the SCRAM verifier, not the password, goes into the statement (statements can reach the log)
+            verifier = encrypt_password(password, role, conn, "scram-sha-256")
+            cur.execute(sql.SQL(verb + " ROLE {} LOGIN PASSWORD %s").format(sql.Identifier(role)), (verifier,))
         for db, owner in (("mlflow", "mlflow"), ("mlflow_auth", "mlflow"), ("optuna", "optuna")):
             cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (db,))
             if not cur.fetchone():
                 cur.execute(sql.SQL("CREATE DATABASE {} OWNER {}").format(sql.Identifier(db), sql.Identifier(owner)))
+        for db in ("mlflow", "mlflow_auth", "optuna", "postgres"):
             cur.execute(sql.SQL("REVOKE ALL ON DATABASE {} FROM PUBLIC").format(sql.Identifier(db)))
     conn.close()
 
@@ -285,17 +310,20 @@ def _start_mlflow(state: dict, admin: dict, root: Path) -> int:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     url = f"http://{host}:{port}"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise StackError(f"the MLflow server exited ({proc.returncode}) while starting. Its log, {log}:\n{_tail(log)}")
-        try:
-            if _http(url + "/health", timeout=2)[0] == 200:
-                return proc.pid
-        except OSError:
-            pass
-        time.sleep(0.5)
-    _kill_group(proc.pid)
-    raise StackError(f"the MLflow server did not answer on {url} within 120 s. Its log, {log}:\n{_tail(log)}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise StackError(f"the MLflow server exited ({proc.returncode}) while starting. Its log, {log}:\n{_tail(log)}")
+            try:
+                if _http(url + "/health", timeout=2)[0] == 200:
+                    return proc.pid
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise StackError(f"the MLflow server did not answer on {url} within 120 s. Its log, {log}:\n{_tail(log)}")
+    except BaseException:
+        _kill_group(proc.pid)  # its whole process group, also when only the main process died
+        raise
 
 
 def _ensure_jobs_user(state: dict, admin: dict, creds: dict) -> None:
@@ -328,7 +356,8 @@ def _ray_start(args: list[str], env: dict, what: str) -> None:
 
 
 def _ray_common_args(state: dict, num_cpus: int | None, resources: dict | None, temp_dir: str | None = None) -> list[str]:
-    args = ["--node-ip-address", state["host"], "--temp-dir", temp_dir or state["ray_temp"], "--disable-usage-stats"]
+    # Ray makes its temp folder world-writable (0777); it sits inside the stack's private one (0700)
+    args = ["--node-ip-address", state["host"], "--temp-dir", temp_dir or f"{state['ray_temp']}/head", "--disable-usage-stats"]
     args += ["--dashboard-agent-listen-port", str(free_port(state["host"])), "--metrics-export-port", str(free_port(state["host"]))]
     if num_cpus is not None:
         args += ["--num-cpus", str(num_cpus)]
@@ -351,10 +380,10 @@ def add_node(root: Path | None = None, num_cpus: int | None = None, resources: d
     root = Path(root or default_dir())
     state = load_state(root)
     gcs = f"{state['host']}:{state['ports']['gcs']}"
-    # Each node its own temp folder (whose name starts with the head's, so that `down` finds
-    # it): nodes sharing one would unpack a job's package into the same place, and one node's
-    # re-extraction pulls the working directory from under a job driver on another.
-    temp = f"{state['ray_temp']}-{secrets.token_hex(3)}"
+    # Each node its own temp folder (inside the stack's, so that `down` finds it): nodes sharing
+    # one would unpack a job's package into the same place, and one node's re-extraction pulls
+    # the working directory from under a job driver on another.
+    temp = f"{state['ray_temp']}/node-{secrets.token_hex(3)}"
     _ray_start(["--address", gcs] + _ray_common_args(state, num_cpus, resources, temp), node_env(root, state), f"the Ray node joining {gcs}")
     return gcs
 
@@ -368,7 +397,8 @@ def _ray_processes(temp_dir: str, client_port: int):
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
             cmd = proc.info["cmdline"] or []
-            if any(temp_dir in part for part in cmd) or ("ray.util.client.server" in cmd and f"--port={client_port}" in cmd):
+            ours = any(temp_dir in part for part in cmd) and _is_ray_process(proc, cmd)
+            if ours or ("ray.util.client.server" in cmd and f"--port={client_port}" in cmd):
                 found[proc.pid] = proc
                 for child in proc.children(recursive=True):
                     found[child.pid] = child
@@ -377,19 +407,25 @@ def _ray_processes(temp_dir: str, client_port: int):
     return list(found.values())
 
 
+def _is_ray_process(proc, cmd: list[str]) -> bool:
+    """Ray's daemons and workers (not, say, a `tail -f` of one of its logs)."""
+    name = proc.name()
+    return name in ("raylet", "gcs_server") or name.startswith(("ray::", "python")) or "python" in Path(cmd[0]).name
+
+
 def _stop_processes(procs, timeout: float = 5.0) -> int:
     import psutil
 
     for p in procs:
         try:
             p.terminate()
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     _, alive = psutil.wait_procs(procs, timeout=timeout)
     for p in alive:
         try:
             p.kill()
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     psutil.wait_procs(alive, timeout=5)
     return len(procs)
@@ -428,6 +464,7 @@ def _secrets(root: Path, state: dict) -> tuple[dict, dict]:
     admin = read_env_file(admin_f) if admin_f.exists() else {
         "PG_ADMIN_PASSWORD": secrets.token_urlsafe(24),
         "PG_MLFLOW_PASSWORD": secrets.token_urlsafe(24),
+        "PG_OPTUNA_PASSWORD": secrets.token_urlsafe(24),
         "MLFLOW_ADMIN_PASSWORD": secrets.token_urlsafe(24),
         "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32),
     }
@@ -435,25 +472,21 @@ def _secrets(root: Path, state: dict) -> tuple[dict, dict]:
     old = read_env_file(creds_f) if creds_f.exists() else {}
     host, p = state["host"], state["ports"]
     token = root / "ray_auth_token"
-    if not token.exists():
-        _write_secret(token, secrets.token_hex(32))
-    os.chmod(token, 0o600)
-    optuna_pw = old.get("_pg_optuna_password") or secrets.token_urlsafe(24)
+    _write_secret(token, token.read_text().strip() if token.exists() else secrets.token_hex(32))
     creds = {
         "MLFLOW_TRACKING_URI": f"http://{host}:{p['mlflow']}",
         "MLFLOW_TRACKING_USERNAME": JOBS_USER,
         "MLFLOW_TRACKING_PASSWORD": old.get("MLFLOW_TRACKING_PASSWORD") or secrets.token_urlsafe(24),
-        "RAY_ADDRESS": f"http://{host}:{p['dashboard']}",
+        "DP_RAY_JOBS_ADDRESS": f"http://{host}:{p['dashboard']}",
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN_PATH": str(token),
         "PGPASSFILE": str(root / "pgpass"),
         "DP_OPTUNA_STORAGE": f"postgresql+psycopg2://optuna@{host}:{p['postgres']}/optuna",
         "DP_STORAGE_PATH": str(root / "runs"),
-        "_pg_optuna_password": optuna_pw,
     }
     _write_secret(creds_f, _env_text(creds, "dp-platform stack: job credentials. Load with: set -a; . THIS_FILE; set +a"))
     # libpq reads passwords from these (mode 0600), so no URL carries one
-    _write_secret(root / "pgpass", f"{host}:{p['postgres']}:optuna:optuna:{optuna_pw}\n")
+    _write_secret(root / "pgpass", f"{host}:{p['postgres']}:optuna:optuna:{admin['PG_OPTUNA_PASSWORD']}\n")
     _write_secret(root / "pgpass.server", f"{host}:{p['postgres']}:*:mlflow:{admin['PG_MLFLOW_PASSWORD']}\n")
     return admin, creds
 
@@ -482,12 +515,14 @@ def up(
             + ("" if root == default_dir() else f" --dir {root}") + "` first, then up again."
         )  # fmt: skip
     ports = {**DEFAULT_PORTS, **(ports or {})}
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        log(f"warning: --host {host}: the services will be reachable from the network, and basic auth and the Ray token travel "
+            "in clear text over HTTP. Put TLS in front of them, or keep 127.0.0.1 and tunnel.")  # fmt: skip
     for name, port in ports.items():
         if port_in_use(host, port):
             raise StackError(f"port {port} on {host} (for {name}) is already in use; pick another with --{name}-port.")
     bindir = ensure_postgres(install)
-    root.mkdir(parents=True, exist_ok=True)
-    os.chmod(root, 0o700)
+    _private_dir(root)
     (root / "artifacts").mkdir(exist_ok=True)
     (root / "runs").mkdir(exist_ok=True)
     state = {
@@ -499,21 +534,25 @@ def up(
         "ray_temp": f"/tmp/dp-stack-{hashlib.sha256(str(root).encode()).hexdigest()[:10]}",
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+    _private_dir(Path(state["ray_temp"]))
     admin, creds = _secrets(root, state)
-    started = []
+    started = []  # each service is listed before it starts, so a half-started one is stopped too
     try:
         log(f"PostgreSQL   starting on {host}:{ports['postgres']} ...")
-        _start_postgres(state, admin, bindir)
         started.append("postgres")
-        _provision_databases(state, admin, creds)
+        _start_postgres(state, admin, bindir)
+        try:
+            _provision_databases(state, admin, creds)
+        except Exception as e:  # psycopg2's errors: a damaged or foreign database cluster
+            raise StackError(f"PostgreSQL on {host}:{ports['postgres']} refused the stack's set-up: {str(e).strip()}") from None
         log(f"MLflow       starting on http://{host}:{ports['mlflow']} (PostgreSQL backend, basic auth) ...")
         state["mlflow_pid"] = _start_mlflow(state, admin, root)
         started.append("mlflow")
         _ensure_jobs_user(state, admin, creds)
         log(f"Ray head     starting on {host}:{ports['gcs']} (token auth; Jobs API http://{host}:{ports['dashboard']}) ...")
         (root / "stack.json").write_text(json.dumps(state, indent=2))
-        _start_ray_head(root, state, num_cpus, resources)
         started.append("ray")
+        _start_ray_head(root, state, num_cpus, resources)
     except BaseException:
         (root / "stack.json").unlink(missing_ok=True)
         _stop(state, started)
@@ -534,8 +573,7 @@ def _stop(state: dict, which=("ray", "mlflow", "postgres")) -> list[str]:
         said.append("MLflow: stopped" if groups["mlflow"] else "MLflow: was not running")
     _stop_processes(procs)
     if "ray" in which:
-        for d in Path(state["ray_temp"]).parent.glob(Path(state["ray_temp"]).name + "*"):
-            shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(state["ray_temp"], ignore_errors=True)
     if "postgres" in which:
         data = Path(state["pg_base"]) / "data"
         r = subprocess.run(_as_postgres_user([str(Path(state["pg_bindir"]) / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"]), capture_output=True, text=True)
@@ -559,6 +597,9 @@ def check(root: Path | None = None) -> dict[str, dict]:
     """Each service: {"ok": bool, "where": address, "detail": why not}."""
     root = Path(root or default_dir()).expanduser().resolve()
     state = load_state(root)
+    missing = [f for f in ("admin.env", "ray_auth_token") if not (root / f).is_file()]
+    if missing:
+        raise StackError(f"the stack in {root} is missing {', '.join(missing)}; stop it (`{PROG} down`) and start it again.")
     admin = read_env_file(root / "admin.env")
     host, p = state["host"], state["ports"]
     out = {}
@@ -590,11 +631,12 @@ def stack_processes(state: dict) -> dict[str, list]:
     except (OSError, ValueError, IndexError, psutil.NoSuchProcess):
         pass
     if state.get("mlflow_pid"):
-        for proc in psutil.process_iter(["pid"]):
+        for proc in psutil.process_iter(["pid", "cmdline"]):
             try:
-                if os.getpgid(proc.pid) == state["mlflow_pid"]:
+                # the server's process group, and only processes that are MLflow's (a reused pid is not)
+                if os.getpgid(proc.pid) == state["mlflow_pid"] and any("mlflow" in part or "uvicorn" in part or "gunicorn" in part for part in proc.info["cmdline"] or []):
                     out["mlflow"].append(proc)
-            except (ProcessLookupError, psutil.NoSuchProcess):
+            except (ProcessLookupError, psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
     return out
 
@@ -625,7 +667,7 @@ def _ports_from(a) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=PROG, description="The platform's services on this machine, on loopback: PostgreSQL, MLflow (basic auth) and a Ray head (token auth).")
+    p = argparse.ArgumentParser(prog=PROG, description="The platform's services on this machine: PostgreSQL, MLflow (basic auth) and a Ray head (token auth), on 127.0.0.1 (Ray's internal ports excepted: see status --ports).")
     sub = p.add_subparsers(dest="cmd", required=True)
     dir_help = f"the stack's folder: state, secrets (mode 0600), artifacts, logs (default: $DP_STACK_DIR or {default_dir()})"
     u = sub.add_parser("up", help="start PostgreSQL, MLflow and the Ray head")

@@ -74,13 +74,16 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
         except (urllib.error.URLError, OSError, socket.timeout) as e:
             reason = getattr(e, "reason", e)
             raise TrackingError(
-                f"the MLflow tracking server {uri} is unreachable ({reason}). Start it (dp-platform ui, or "
+                f"the MLflow tracking server {redact(uri)} is unreachable ({reason}). Start it (dp-platform ui, or "
                 "mlflow server), fix --tracking-uri, or use the default sqlite:///mlflow.db."
             ) from None
         # a server with basic auth: the credentials come from MLFLOW_TRACKING_USERNAME/PASSWORD
         req = urllib.request.Request(uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1")
         user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
-        if user and password:
+        if os.environ.get("MLFLOW_TRACKING_TOKEN"):
+            user = "token"
+            req.add_header("Authorization", f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}")
+        elif user and password:
             import base64
 
             req.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode())
@@ -90,7 +93,7 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
             if e.code in (401, 403):
                 who = f"as {user!r}" if user else "without credentials"
                 raise TrackingError(
-                    f"the MLflow tracking server {uri} refused the request {who} (HTTP {e.code}). Set MLFLOW_TRACKING_USERNAME "
+                    f"the MLflow tracking server {redact(uri)} refused the request {who} (HTTP {e.code}). Set MLFLOW_TRACKING_USERNAME "
                     "and MLFLOW_TRACKING_PASSWORD (never in the URI); for the local stack they are in its credentials.env."
                 ) from None
         except (urllib.error.URLError, OSError, socket.timeout):

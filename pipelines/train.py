@@ -244,6 +244,11 @@ def ray_cluster(cfg: TrainConfig):
         yield
         return
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    if address and address.startswith(("http://", "https://")):
+        raise dpcore.DPConfigError(
+            f"RAY_ADDRESS={address} is a Ray Jobs API address, which a driver cannot join. Submit the run there "
+            "(dp-platform submit CONFIG), or give the cluster's GCS address (HOST:6379) or 'auto' on a cluster node."
+        )
     if address:
         # Joined, not started here: stay connected until the process ends, so that the job's
         # runtime env (under `ray job submit`, the package the driver runs from) stays referenced

@@ -15,6 +15,20 @@ def _quiet_seeded_warning():
 
 
 @pytest.fixture(autouse=True)
+def _isolate_mlflow_environment():
+    """mlflow.set_tracking_uri() writes MLFLOW_TRACKING_URI into os.environ, and the platform
+    takes its default tracking URI from there (as a cluster node's environment provides it):
+    without this, one test's store would become the default of every later CLI subprocess."""
+    import os
+
+    saved = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
+    yield
+    for k in [k for k in os.environ if k.startswith("MLFLOW_")]:
+        del os.environ[k]
+    os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def _deterministic_threads():
     torch.set_num_threads(1)
     yield

@@ -65,7 +65,7 @@ class Stack:
         self.results: dict = {}
 
     def secrets(self) -> list[str]:
-        vals = [self.token, *self.admin.values(), self.creds["MLFLOW_TRACKING_PASSWORD"], self.creds["_pg_optuna_password"]]
+        vals = [self.token, *self.admin.values(), self.creds["MLFLOW_TRACKING_PASSWORD"]]
         return [v for v in vals if len(v) >= 16]
 
     def mlflow_client(self):
@@ -94,7 +94,7 @@ def stack(tmp_path_factory):
     env = _clean_env(DP_STACK_DIR=str(root))
     up = cli("stack", "up", *[f"--{k}-port={v}" for k, v in ports.items()], "--num-cpus", "1", "--resources", '{"head_node": 1}', env=env)
     assert up.returncode == 0, up.stdout + up.stderr
-    up_state = (root / "stack.json").read_text()
+    up_state = (root / "stack.json").read_text()  # the full state (MLflow's pid included), for the teardown
     try:
         assert "the stack is up" in up.stdout and "credentials:" in up.stdout, up.stdout
         node = cli("stack", "add-node", "--num-cpus", "1", "--resources", '{"worker_node": 1}', env=env)
@@ -110,7 +110,7 @@ def stack(tmp_path_factory):
         if (root / "stack.json").exists():
             cli("stack", "down", "--purge", env=env)
         else:  # a test stopped it (or failed midway): stop whatever is left, then remove the data
-            stk._stop({**json.loads(up_state), "mlflow_pid": None}) if up_state else None
+            stk._stop(json.loads(up_state))
         shutil.rmtree(stk._pg_base(root.resolve()), ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
 
@@ -118,6 +118,7 @@ def stack(tmp_path_factory):
 # ------------------------------------------------------------------------------ secure defaults
 def test_secrets_are_0600_and_services_bind_loopback(stack):
     assert stat.S_IMODE(stack.root.stat().st_mode) == 0o700
+    assert stat.S_IMODE(Path(stack.state["ray_temp"]).stat().st_mode) == 0o700  # Ray's sessions, job packages and sockets
     for name in ("ray_auth_token", "credentials.env", "admin.env", "pgpass", "pgpass.server"):
         assert stat.S_IMODE((stack.root / name).stat().st_mode) == 0o600, name
     rows = stk.listening_sockets(stack.root)
@@ -208,6 +209,14 @@ def test_training_job_runs_on_both_nodes_and_tracks_to_postgres(stack):
     for name in ("spec.json", "config.json"):
         text += Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=name, tracking_uri=stack.mlflow)).read_text()
     assert run.data.params["tracking_uri"] == stack.mlflow
+    code, info = http(f"{stack.jobs}/api/jobs/{job}", bearer=stack.token)  # what the Jobs API keeps of the job
+    assert code == 200 and job in info
+    text += info
+    # and none in any log of the services (MLflow's, PostgreSQL's, every Ray log on both nodes)
+    logs = [stack.root / "mlflow.log", Path(stack.state["pg_base"]) / "postgres.log"]
+    logs += [f for f in Path(stack.state["ray_temp"]).rglob("*") if f.is_file() and f.suffix in (".log", ".out", ".err")]
+    assert len(logs) > 10
+    text += "".join(f.read_text(errors="replace") for f in logs)
     assert not [s for s in stack.secrets() if s in text]
 
 
@@ -265,11 +274,12 @@ def test_invalid_job_config_fails_fast_with_the_reason(stack):
             break
         time.sleep(1)
     assert st.returncode == 1 and "FAILED" in st.stdout, st.stdout
-    assert "target_epsilon" in st.stdout or "epsilon" in st.stdout
+    reason = "\n".join(st.stdout.splitlines()[1:])  # the job's message, below the status line (which shows the entrypoint)
+    assert "error: target_epsilon=-1.0 is invalid: ε must be a finite number > 0" in reason, st.stdout
     took = float(st.stdout.split("(")[1].split("s)")[0])
     assert took < 30, st.stdout  # fails before Ray Train, MLflow or the journal start
     logs = cli("logs", job, env=stack.env)
-    assert "error:" in logs.stdout and "epsilon" in logs.stdout
+    assert "error: target_epsilon=-1.0 is invalid" in logs.stdout and "Traceback" not in logs.stdout, logs.stdout
 
 
 def test_wrong_address_missing_token_missing_credentials(stack, tmp_path):

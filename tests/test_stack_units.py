@@ -73,16 +73,44 @@ def test_write_secret_is_0600_from_the_start(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE(f.stat().st_mode) == 0o600 and f.read_text() == "x"
+    # an existing, world-readable file is replaced by a new 0600 file, never rewritten in place
+    f.chmod(0o644)
+    inode = f.stat().st_ino
+    stack._write_secret(f, "y")
+    assert stat.S_IMODE(f.stat().st_mode) == 0o600 and f.read_text() == "y" and f.stat().st_ino != inode
+    # a link planted where a secret goes is replaced, not followed
+    target = tmp_path / "elsewhere"
+    target.write_text("keep")
+    (tmp_path / "d" / "link").symlink_to(target)
+    stack._write_secret(tmp_path / "d" / "link", "z")
+    assert target.read_text() == "keep" and not (tmp_path / "d" / "link").is_symlink()
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["link", "secret"]  # no temporary files left
 
 
-def test_env_file_round_trip(tmp_path):
+def test_private_dir_refuses_a_foreign_or_linked_folder(tmp_path):
+    d = tmp_path / "mine"
+    stack._private_dir(d)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    (tmp_path / "link").symlink_to(d)
+    with pytest.raises(stack.StackError, match="not a folder owned by this user"):
+        stack._private_dir(tmp_path / "link")
+
+
+def test_env_file_round_trip_and_shell_safety(tmp_path):
+    import subprocess
+
+    values = {"A": "1", "B": "x=y", "C": "/a path/with spaces; touch pwned"}
     f = tmp_path / "c.env"
-    f.write_text(stack._env_text({"A": "1", "B": "x=y"}, "header"))
-    assert stack.read_env_file(f) == {"A": "1", "B": "x=y"}
+    f.write_text(stack._env_text(values, "header"))
+    assert stack.read_env_file(f) == values
+    # sourced by a shell, as the docs say, it sets the values and runs nothing
+    out = subprocess.run(["bash", "-c", f"set -a; . {f}; set +a; printf %s \"$C\""], cwd=tmp_path, capture_output=True, text=True)
+    assert out.stdout == values["C"] and not (tmp_path / "pwned").exists()
 
 
 def test_resolve_cluster_errors(tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # restored afterwards: resolve_cluster sets it for Ray
     with pytest.raises(jobs.JobError, match="no cluster to submit to"):
         jobs.resolve_cluster(None, tmp_path)
     with pytest.raises(jobs.JobError, match="Ray Client address"):
@@ -106,3 +134,18 @@ def test_submit_checks_the_config_before_anything_is_uploaded(tmp_path):
     jobs.check_locally("configs/digits.yaml", False, ["--epochs", "2"])
     assert jobs.entrypoint("configs/digits.yaml", False, ["--epochs", "2"]) == ["python", "-m", "pipelines.train", "configs/digits.yaml", "--epochs", "2"]
     assert jobs.entrypoint("c.yaml", True, []) == ["python", "-m", "pipelines.cli", "sweep", "c.yaml"]
+
+
+def test_a_jobs_api_address_is_not_joined_as_a_cluster(monkeypatch):
+    """credentials.env names the Jobs API DP_RAY_JOBS_ADDRESS; an http:// RAY_ADDRESS given to a
+    driver is refused with the fix instead of failing inside ray.init."""
+    import ray
+
+    from pipelines.config import TrainConfig
+    from pipelines.train import ray_cluster
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")
+    with pytest.raises(dpcore.DPConfigError, match="Jobs API address"):
+        with ray_cluster(TrainConfig()):
+            pass

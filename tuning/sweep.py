@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import dpcore
+from pipelines.tracking import redact
 
 from . import selection
 from .space import SearchSpace, default_space, parse_space
@@ -108,11 +109,11 @@ def make_storage(url: str, sweep: SweepConfig):
     import optuna
 
     if "://" not in url:
-        raise dpcore.DPConfigError(f"storage={url!r} is not a database URL; use sqlite:///path.db or postgresql://user@host/db.")
+        raise dpcore.DPConfigError(f"storage={redact(url)!r} is not a database URL; use sqlite:///path.db or postgresql://user@host/db.")
     if url.startswith("sqlite:///"):
         parent = Path(url[len("sqlite:///"):]).expanduser().resolve().parent
         if not parent.is_dir():
-            raise dpcore.DPConfigError(f"storage={url!r}: the folder {parent} does not exist.")
+            raise dpcore.DPConfigError(f"storage={redact(url)!r}: the folder {parent} does not exist.")
     try:
         import sqlalchemy
 
@@ -121,7 +122,7 @@ def make_storage(url: str, sweep: SweepConfig):
             pass
         engine.dispose()
     except Exception as e:  # noqa: BLE001 - any driver error means: unreachable
-        raise dpcore.DPConfigError(f"the Optuna storage {url} is unreachable ({type(e).__name__}: {str(e).splitlines()[0]}); fix --storage.") from None
+        raise dpcore.DPConfigError(f"the Optuna storage {redact(url)} is unreachable ({type(e).__name__}: {str(e).splitlines()[0]}); fix --storage.") from None
     return optuna.storages.RDBStorage(
         url,
         heartbeat_interval=sweep.heartbeat_interval,
@@ -220,8 +221,6 @@ class Progress:
 def _find_or_create_parent(client, experiment: str, study: str, storage: str, tags: dict) -> str:
     exp = client.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
-    from pipelines.tracking import redact
-
     storage = redact(storage)
     found = client.search_runs([exp_id], filter_string=f"tags.`sweep.study` = '{study}' and tags.`sweep.storage` = '{storage}'")
     if found:
@@ -292,7 +291,7 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
     attrs = study.user_attrs
     if "fingerprint" in attrs and attrs["fingerprint"] != fingerprint:
         raise dpcore.DPConfigError(
-            f"study {sweep.study!r} in {sweep.storage} was started with a different space or base config; "
+            f"study {sweep.study!r} in {redact(sweep.storage)} was started with a different space or base config; "
             "use a new --study name, or the same options to continue it."
         )
     if "fingerprint" not in attrs:

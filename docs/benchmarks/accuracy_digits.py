@@ -96,7 +96,7 @@ def main() -> int:
                 r = results[(eps, name)]
                 print(f"ε={eps:g} {name:7s} acc {fmt(r)}  σ={r[0]['sigma']:.3f} steps={r[0]['steps']} ε_reported={r[0]['eps']:.4f}", file=sys.stderr)
     ray.shutdown()
-    print(f"| ε (δ=1e-5) | this platform (2 Ray workers, PLD) | Opacus 1.6 (PRV) | σ ours / Opacus | steps ours / Opacus |")
+    print("| ε (δ=1e-5) | this platform (2 Ray workers, PLD) | Opacus 1.6 (PRV) | σ ours / Opacus | steps ours / Opacus |")
     print("|---|---|---|---|---|")
     for eps in EPSILONS:
         o, q = results[(eps, "ours")], results[(eps, "opacus")]
