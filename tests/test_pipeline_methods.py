@@ -23,7 +23,8 @@ pytestmark = pytest.mark.slow
 
 
 def _cfg(root, **over):
-    base = dict(epochs=2, lot_size=256, target_epsilon=3.0, seed=3)
+    # one checkpoint, at the end (each Ray Train report costs ~2 s); the restart test sets its own
+    base = dict(epochs=2, lot_size=256, target_epsilon=3.0, seed=3, checkpoint_every=1000)
     return TrainConfig(
         storage_path=str(root / "runs"), tracking_uri=f"sqlite:///{root}/mlflow.db", registered_model="none", quiet=True,
         **{**base, **over},
