@@ -218,10 +218,7 @@ def main_status(argv: list[str], prog: str = "dp-platform status") -> int:
             return {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 1}.get(str(info.status), 0)
         for info in sorted(c.list_jobs(), key=lambda i: i.start_time or 0):
             print(describe(info).splitlines()[0])
-    except (JobError, StackError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:  # the SDK's "Request failed with status code 404: Job ... does not exist."
+    except (JobError, StackError, RuntimeError) as e:  # RuntimeError: the SDK's "Request failed with status code 404: Job ... does not exist."
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
