@@ -251,7 +251,7 @@ def _pg_is_up(state: dict, admin: dict) -> str | None:
         return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
-def _provision_databases(state: dict, admin: dict, creds: dict) -> None:
+def _provision_databases(state: dict, admin: dict) -> None:
     """Roles mlflow and optuna with their own passwords; databases mlflow and mlflow_auth (owned
     by mlflow) and optuna (owned by optuna); no role may connect to another's database."""
     from psycopg2 import sql
@@ -339,12 +339,12 @@ def _ensure_jobs_user(state: dict, admin: dict, creds: dict) -> None:
 
 
 # ------------------------------------------------------------------------------- Ray
-def node_env(root: Path, state: dict) -> dict[str, str]:
+def node_env(root: Path) -> dict[str, str]:
     """The environment of a Ray node: token auth, and the job credentials that jobs inherit."""
     env = {**os.environ, **read_env_file(root / "credentials.env")}
     # a job's `python` is this environment's, as in an activated virtualenv
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env.pop("RAY_ADDRESS", None)  # `ray start` must not read the Jobs URL as a GCS address
+    env.pop("RAY_ADDRESS", None)  # a caller's Jobs URL must not reach `ray start` as a GCS address
     env.pop("RAY_AUTH_TOKEN", None)
     return env
 
@@ -371,7 +371,7 @@ def _start_ray_head(root: Path, state: dict, num_cpus: int | None, resources: di
     p = state["ports"]
     args = ["--head", "--port", str(p["gcs"]), "--dashboard-host", state["host"], "--dashboard-port", str(p["dashboard"])]
     args += ["--ray-client-server-port", str(p["client"]), "--include-dashboard", "true"]
-    _ray_start(args + _ray_common_args(state, num_cpus, resources), node_env(root, state), "the Ray head")
+    _ray_start(args + _ray_common_args(state, num_cpus, resources), node_env(root), "the Ray head")
 
 
 def add_node(root: Path | None = None, num_cpus: int | None = None, resources: dict | None = None) -> str:
@@ -384,7 +384,7 @@ def add_node(root: Path | None = None, num_cpus: int | None = None, resources: d
     # one would unpack a job's package into the same place, and one node's re-extraction pulls
     # the working directory from under a job driver on another.
     temp = f"{state['ray_temp']}/node-{secrets.token_hex(3)}"
-    _ray_start(["--address", gcs] + _ray_common_args(state, num_cpus, resources, temp), node_env(root, state), f"the Ray node joining {gcs}")
+    _ray_start(["--address", gcs] + _ray_common_args(state, num_cpus, resources, temp), node_env(root), f"the Ray node joining {gcs}")
     return gcs
 
 
@@ -542,7 +542,7 @@ def up(
         started.append("postgres")
         _start_postgres(state, admin, bindir)
         try:
-            _provision_databases(state, admin, creds)
+            _provision_databases(state, admin)
         except Exception as e:  # psycopg2's errors: a damaged or foreign database cluster
             raise StackError(f"PostgreSQL on {host}:{ports['postgres']} refused the stack's set-up: {str(e).strip()}") from None
         log(f"MLflow       starting on http://{host}:{ports['mlflow']} (PostgreSQL backend, basic auth) ...")
