@@ -93,6 +93,77 @@ def supports(model: nn.Module) -> bool:
     return not unsupported_parameters(model)
 
 
+def _conv_per_example(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Per-example weight gradients ``[B, out, in·kh·kw]`` of a plain Conv2d (groups=1) from its
+    input ``a`` [B, in, H, W] and output gradient ``g`` [B, out, H', W']."""
+    batch = a.shape[0]
+    if m.in_channels == 1:
+        # W_i[o, p, q] = Σ_{y,x} a_pad[i, s_h·y + d_h·p, s_w·x + d_w·q] · g[i, o, y, x]: a forward
+        # convolution of the padded input with g as the kernel (stride and dilation swap
+        # roles), one group per example. With one input channel this is about twice as fast
+        # as the grouped weight gradient below (measured: docs/benchmarks/README.md).
+        (ph, pw), (kh, kw), (sh, sw), (dh, dw) = m.padding, m.kernel_size, m.stride, m.dilation
+        out_h, out_w = g.shape[2], g.shape[3]
+        ap = F.pad(a, (pw, pw, ph, ph)) if (ph or pw) else a
+        ap = ap[:, :, : (out_h - 1) * sh + (kh - 1) * dh + 1, : (out_w - 1) * sw + (kw - 1) * dw + 1]
+        W = F.conv2d(
+            ap.reshape(1, batch, ap.shape[2], ap.shape[3]),
+            g.reshape(batch * m.out_channels, 1, out_h, out_w),
+            stride=(dh, dw), dilation=(sh, sw), groups=batch,
+        )
+        return W.reshape(batch, m.out_channels, kh * kw)
+    # One convolution-weight gradient with the batch as groups (faster than patches + bmm).
+    return torch.nn.grad.conv2d_weight(
+        a.reshape(1, -1, *a.shape[2:]),
+        (batch * m.out_channels, m.in_channels, *m.kernel_size),
+        g.reshape(1, -1, *g.shape[2:]),
+        stride=m.stride, padding=m.padding, dilation=m.dilation, groups=batch,
+    ).reshape(batch, m.out_channels, -1)
+
+
+# Squared norms of float32 rows are summed in float32 over chunks of this many elements, and
+# the chunks in float64. For a sum of k non-negative terms the rounding error is at most
+# (k−1)·u in any order (u = 2⁻²⁴), so with the squaring and the square root of
+# ``vector_norm`` the squared norm is within (k+2)·u ≈ 1.1e-6 of exact, and the norm within
+# 5.4e-7: inside the clipping margin of 1e-6 (dpcore.clipping.CLIP_MARGIN), so the clipped share
+# still has norm ≤ C. It avoids a float64 copy of every per-example gradient.
+_F32_CHUNK = 16
+# Below this clipping bound, float32 underflow of squares (|w| < 1e-19) could matter
+# relative to C²: then the rows are summed in float64.
+_F32_MIN_CLIP = 1e-4
+
+
+def _row_sq_norms(W: torch.Tensor, clip_norm: float) -> torch.Tensor:
+    """‖W_i‖² in float64 for each row of a 2-D tensor, with an error well inside the clipping
+    margin (see ``_F32_CHUNK``). Non-finite chunks (overflow of float32 squares above ~1e19)
+    are recomputed in float64, so a finite but huge gradient is clipped, not skipped."""
+    rows, n = W.shape
+    if W.dtype != torch.float32 or clip_norm < _F32_MIN_CLIP or n < 2 * _F32_CHUNK:
+        return torch.linalg.vector_norm(W, dim=1, dtype=torch.float64).square()
+    head = n - n % _F32_CHUNK
+    sq = torch.linalg.vector_norm(W[:, :head].reshape(rows, -1, _F32_CHUNK), dim=2).double().square().sum(1)
+    if head < n:
+        sq += torch.linalg.vector_norm(W[:, head:], dim=1, dtype=torch.float64).square()
+    if not bool(torch.isfinite(sq).all()):
+        return torch.linalg.vector_norm(W, dim=1, dtype=torch.float64).square()
+    return sq
+
+
+def _is_plain_cross_entropy(loss_fn) -> bool:
+    """``F.cross_entropy`` or an ``nn.CrossEntropyLoss`` with every option at its default."""
+    if loss_fn is F.cross_entropy:
+        return True
+    return (
+        type(loss_fn) is nn.CrossEntropyLoss
+        and loss_fn.weight is None
+        and loss_fn.ignore_index == -100
+        and loss_fn.label_smoothing == 0.0
+        and loss_fn.reduction == "mean"
+        and not loss_fn._forward_hooks
+        and not loss_fn._forward_pre_hooks
+    )
+
+
 class Unsupported(Exception):
     """Raised during a call when the fast path cannot be used for this model/batch."""
 
@@ -169,7 +240,7 @@ class BookKeepingClipper:
         with torch.enable_grad():
             logits, rec = self._capture(x)
             try:
-                losses = self._per_sample_loss(logits, y)
+                losses = self._per_example_losses(logits, y)
             except Exception as e:
                 raise Unsupported(f"the loss does not vmap over examples: {type(e).__name__}: {e}") from None
             if losses.shape != (batch,):
@@ -185,15 +256,8 @@ class BookKeepingClipper:
             if isinstance(m, nn.Conv2d):
                 G = g.reshape(batch, g.shape[1], -1)  # [B, c, T]
                 if batch * m.weight.numel() <= self.MAX_PER_EXAMPLE_ELEMENTS:
-                    # Per-example weight gradients directly, as one convolution-weight gradient
-                    # with the batch as groups (faster than patches + batched matmul).
-                    W = torch.nn.grad.conv2d_weight(
-                        a.reshape(1, -1, *a.shape[2:]),
-                        (batch * m.out_channels, m.in_channels, *m.kernel_size),
-                        g.reshape(1, -1, *g.shape[2:]),
-                        stride=m.stride, padding=m.padding, dilation=m.dilation, groups=batch,
-                    ).reshape(batch, m.out_channels, -1)
-                    sq += torch.linalg.vector_norm(W, dim=(1, 2), dtype=torch.float64).square()
+                    W = _conv_per_example(m, a, g)  # [B, out, in·kh·kw]
+                    sq += _row_sq_norms(W.reshape(batch, -1), clip_norm)
                     bias_g = self._bias(m, G.sum(2), sq)
                     parts.append((name, m, None, None, True, W, bias_g))
                     continue
@@ -204,7 +268,7 @@ class BookKeepingClipper:
                 A = a.reshape(batch, -1, a.shape[-1])  # [B, T, d_in]
                 G = g.reshape(batch, -1, g.shape[-1])  # [B, T, d_out]
                 channels_first = False
-            s, per_example = self._weight_sq_norms(A, G, channels_first)
+            s, per_example = self._weight_sq_norms(A, G, channels_first, clip_norm)
             sq += s
             bias_g = self._bias(m, G.sum(2) if channels_first else G.sum(1), sq)
             parts.append((name, m, A, G, channels_first, per_example, bias_g))
@@ -235,8 +299,9 @@ class BookKeepingClipper:
                 acc = dtype if A.shape[2 if channels_first else 1] == 1 else torch.float64
                 if channels_first:
                     w = torch.einsum("b,bct,bdt->cd", f.to(acc), G.to(acc), A.to(acc))
-                else:
-                    w = torch.einsum("b,bto,bti->oi", f.to(acc), G.to(acc), A.to(acc))
+                else:  # (f·G) over all (example, position) rows, transposed, times A: one matmul
+                    Gf = G.to(acc) * f.to(acc).view(-1, 1, 1)
+                    w = Gf.reshape(-1, Gf.shape[2]).t() @ A.to(acc).reshape(-1, A.shape[2])
                 w = w.to(dtype)
             prefix = f"{name}." if name else ""
             contributions.append((prefix + "weight", w.reshape(m.weight.shape).to(m.weight.dtype)))
@@ -245,6 +310,15 @@ class BookKeepingClipper:
         for key, value in contributions:  # all computed first: nothing is added if anything above fails
             self._add(out, key, value)
         return n_bad
+
+    def _per_example_losses(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """loss_fn(logits[i:i+1], y[i:i+1]) for every i. For plain cross-entropy that is
+        ``reduction="none"`` (one kernel instead of a vmap); anything else is vmapped."""
+        if _is_plain_cross_entropy(self.loss_fn) and logits.dim() == 2 and y.dim() == 1 and not y.is_floating_point():
+            # ignore_index (-100) would give NaN per example under the mean reduction, 0 here.
+            if bool((y >= 0).all()):
+                return F.cross_entropy(logits, y, reduction="none")
+        return self._per_sample_loss(logits, y)
 
     @staticmethod
     def _bias(m: nn.Module, per_example_bias: torch.Tensor, sq: torch.Tensor):
@@ -257,7 +331,7 @@ class BookKeepingClipper:
     # Materialise per-example weight gradients (B × out × in floats) up to this many elements.
     MAX_PER_EXAMPLE_ELEMENTS = 64 * 2**20
 
-    def _weight_sq_norms(self, A: torch.Tensor, G: torch.Tensor, channels_first: bool):
+    def _weight_sq_norms(self, A: torch.Tensor, G: torch.Tensor, channels_first: bool, clip_norm: float):
         """(‖W_i‖_F² per example in float64, the per-example gradients W_i or None), by the
         cheaper exact form: W_i = G_iᵀA_i materialised, or the ghost Σ_{t,s}(a_t·a_s)(g_t·g_s)."""
         if channels_first:  # A [B, d, T], G [B, c, T]
@@ -273,7 +347,7 @@ class BookKeepingClipper:
         # (Convolutions reach here only when materialising is over budget: the ghost form.)
         if not channels_first and B * c * d <= self.MAX_PER_EXAMPLE_ELEMENTS and T * d * c <= 4 * T * T * (d + c):
             W = G.transpose(1, 2) @ A  # [B, c, d]
-            return torch.linalg.vector_norm(W.reshape(B, -1), dim=1, dtype=torch.float64).square(), W
+            return _row_sq_norms(W.reshape(B, -1), clip_norm), W
         if channels_first:
             aa = A.transpose(1, 2).double() @ A.double()  # [B, T, T]
             gg = G.transpose(1, 2).double() @ G.double()

@@ -2,10 +2,15 @@
 
 Two modes:
 
-* :class:`SecureRandomness` (the default outside tests). Every random bit comes from the
-  operating system's CSPRNG (``os.urandom``, i.e. ``getrandom(2)`` on Linux). It accepts no
-  seed and has no state to save or log: a restart simply draws fresh bits. Uniforms carry 53
-  random bits; Gaussians come from the Box–Muller transform of such uniforms in float64.
+* :class:`SecureRandomness` (the default outside tests). Every draw is keyed by fresh
+  operating-system entropy (``os.urandom``, i.e. ``getrandom(2)`` on Linux): 256 bits of it
+  key AES-256 in counter mode (OpenSSL, through ``cryptography``), whose keystream gives the
+  random bits: the CTR_DRBG construction of NIST SP 800-90A, with a new key for every draw
+  and for every 64 MiB of output, never stored. That is 12–14× faster than reading all the
+  bits from the kernel here (docs/benchmarks/README.md) and as unpredictable to anyone
+  without the key. Without ``cryptography`` every bit comes from ``os.urandom``. It accepts
+  no seed and has no state to save or log: a restart simply draws fresh bits. Uniforms carry
+  53 random bits; Gaussians come from the Box–Muller transform of such uniforms in float64.
   What it does *not* cover: floating-point side channels of sampling in finite precision
   (Mironov 2012; Jin et al. 2022). It makes the noise unpredictable, not bit-exact.
 * :class:`SeededRandomness`: for tests and reproducible research only. The seed must be
@@ -92,15 +97,40 @@ def _urandom(nbytes: int) -> bytearray:
     return buf
 
 
+_REKEY_BYTES = 64 * 2**20  # a new AES key from the OS for every 64 MiB of keystream
+
+try:
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+except ImportError:  # pragma: no cover - cryptography is a dependency (mlflow's too)
+    Cipher = None
+
+
+def _secure_bytes(nbytes: int) -> bytearray:
+    """``nbytes`` of AES-256-CTR keystream under keys drawn from the OS CSPRNG (one key per
+    call and per 64 MiB), or of ``os.urandom`` itself if ``cryptography`` is missing."""
+    if Cipher is None:
+        return _urandom(nbytes)
+    out = bytearray(nbytes + 15)  # update_into wants block_size − 1 spare bytes
+    view = memoryview(out)
+    for start in range(0, nbytes, _REKEY_BYTES):
+        n = min(_REKEY_BYTES, nbytes - start)
+        keystream = Cipher(algorithms.AES(os.urandom(32)), modes.CTR(os.urandom(16))).encryptor()
+        keystream.update_into(bytes(n), view[start : start + n + 15])
+    del view
+    del out[nbytes:]
+    return out
+
+
 class SecureRandomness(Randomness):
-    """OS entropy for every draw. Accepts no seed; its state is empty by construction."""
+    """Fresh OS entropy for every draw (see the module docstring). Accepts no seed; its state is
+    empty by construction."""
 
     secure = True
 
     def __init__(self, *args, **kwargs):
         if args or kwargs:
             raise DPConfigError(
-                "SecureRandomness accepts no seed or state: its bits come from the OS CSPRNG. "
+                "SecureRandomness accepts no seed or state: it is keyed from the OS CSPRNG at every draw. "
                 "For reproducible tests use SeededRandomness(seed=...) explicitly."
             )
 
@@ -108,7 +138,7 @@ class SecureRandomness(Randomness):
     def _uniform53(n: int) -> torch.Tensor:
         if n == 0:
             return torch.empty(0, dtype=torch.float64)
-        raw = torch.frombuffer(_urandom(8 * n), dtype=torch.int64)
+        raw = torch.frombuffer(_secure_bytes(8 * n), dtype=torch.int64)
         # Keep the top 53 bits (logical shift of the unsigned value) -> [0, 2^53).
         bits = torch.bitwise_right_shift(raw, 11) & ((1 << 53) - 1)
         return bits.to(torch.float64) * _TWO_POW_M53
@@ -142,7 +172,7 @@ class SecureRandomness(Randomness):
             )
 
     def describe(self) -> str:
-        return "secure (OS CSPRNG)"
+        return "secure (AES-256-CTR keyed from the OS CSPRNG per draw)" if Cipher is not None else "secure (OS CSPRNG)"
 
 
 def _key_to_ints(key: tuple) -> list[int]:

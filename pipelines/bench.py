@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 import dpcore
 
+from . import allocator
 from .models import build_model, mlp
 
 MODELS = {
@@ -238,7 +239,7 @@ def accounting_rows(eps: float = 2.0, delta: float = 1e-5, q: float = 4096 / 500
 
 def print_tables(step_rows: list[dict], mem_rows: list[dict], threads: int, rounds: int, acc_rows: list[dict] | None = None) -> None:
     print(f"\nPrivate step time: {rounds} interleaved rounds, median; torch {torch.__version__}, {threads} thread(s), "
-          f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')}")
+          f"{platform.processor() or platform.machine()}, {allocator.describe()}, {time.strftime('%Y-%m-%d')}")
     print("| model (batch) | mode | ms/step | samples/s | × non-private | throughput ÷ Opacus best | note |")
     print("|---|---|---|---|---|---|---|")
     for r in step_rows:
@@ -273,8 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accounting", action="store_true", help="also time σ calibration against a plain PLD bisection")
     p.add_argument("--no-opacus", action="store_true", help="skip Opacus even if installed")
     p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument(
+        "--malloc-defaults", action="store_true",
+        help="keep glibc's malloc defaults (by default freed memory is kept for reuse, for every mode alike)",
+    )
     p.add_argument("--memory-child", nargs=3, metavar=("MODEL", "LOT", "PHYSICAL"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if not a.malloc_defaults:
+        allocator.keep_freed_memory()
     torch.set_num_threads(a.threads)
     if a.memory_child:
         print(memory_child(a.memory_child[0], int(a.memory_child[1]), int(a.memory_child[2])))

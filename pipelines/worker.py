@@ -311,6 +311,9 @@ def train_loop_per_worker(spec: dict) -> None:
     """Ray Train entry point. ``spec`` is built by the driver (:func:`pipelines.train.plan_run`)."""
     import ray.train
 
+    from .allocator import keep_freed_memory
+
+    keep_freed_memory()  # this process is ours: reuse freed memory across steps (DP_MALLOC_TUNE=0: off)
     cfg = config_from_dict(spec["config"])
     _quiet_ray_train_logs()
     ctx = ray.train.get_context()

@@ -280,3 +280,111 @@ def test_tied_parameters_are_not_handled():
             return self.head(torch.tanh(self.body(x)))
 
     assert any("tied" in p or "shared" in p for p in unsupported_parameters(Tied()))
+
+
+def one_channel_zoo():
+    """Single-input-channel convolutions (the forward-convolution form of the per-example
+    gradient) with padding, unequal strides and dilation, then an ordinary one."""
+    return nn.Sequential(
+        nn.Conv2d(1, 4, (5, 3), stride=(2, 3), padding=(2, 1), dilation=(1, 2)),
+        nn.Tanh(),
+        nn.Conv2d(4, 1, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(1, 3, 2, stride=1, bias=False),
+        nn.Flatten(),
+        nn.LazyLinear(4),
+    )
+
+
+@pytest.mark.parametrize("clip", [0.05, 1e3])
+def test_single_channel_convolutions_equal_the_vmap_clipped_sum(clip):
+    torch.manual_seed(11)
+    model = one_channel_zoo()
+    x = torch.randn(20, 1, 13, 17)
+    model(x[:1])
+    y = torch.randint(0, 4, (20,))
+    ref, _ = _reference(model, x, y, clip)
+    out = {}
+    BookKeepingClipper(model, ce).clipped_sum(x, y, clip, out)
+    for k in ref:
+        assert torch.allclose(out[k], ref[k], atol=1e-5, rtol=1e-5), (k, (out[k] - ref[k]).abs().max())
+
+
+def test_per_example_conv_gradients_equal_autograd_per_example():
+    """Both per-example forms (forward convolution for one input channel, grouped weight
+    gradient otherwise) against autograd run on each example alone."""
+    from dpcore.fastclip import _conv_per_example
+
+    torch.manual_seed(12)
+    for conv, shape in [
+        (nn.Conv2d(1, 5, (4, 3), stride=(3, 2), padding=(1, 2), dilation=(2, 1)), (1, 15, 14)),
+        (nn.Conv2d(3, 4, 3, stride=2, padding=1, dilation=2), (3, 11, 9)),
+    ]:
+        x = torch.randn(6, *shape)
+        z = conv(x)
+        g = torch.randn_like(z)
+        got = _conv_per_example(conv, x, g)
+        for i in range(6):
+            (w,) = torch.autograd.grad(conv(x[i : i + 1]), conv.weight, g[i : i + 1])
+            assert torch.allclose(got[i], w.reshape(conv.out_channels, -1), atol=1e-5), i
+
+
+def test_float32_chunked_norms_are_within_the_clipping_margin():
+    """Squared norms summed in float32 over chunks of 16 (then float64) stay within the error
+    bound the clipping margin allows, on adversarial rows (many equal values, a wide range of
+    magnitudes); huge rows that overflow float32 squares fall back to float64 instead of
+    turning into inf (which would skip the example instead of clipping it)."""
+    from dpcore.clipping import CLIP_MARGIN
+    from dpcore.fastclip import _row_sq_norms
+
+    torch.manual_seed(13)
+    rows = torch.cat([
+        torch.full((1, 8192), 0.1),
+        torch.randn(4, 8192) * torch.logspace(-6, 6, 8192),
+        torch.randn(3, 8200)[:, :8192],
+        torch.rand(2, 8192) * 1e-3 + 1.0,
+    ])
+    exact = rows.double().square().sum(1)
+    got = _row_sq_norms(rows, 1.0)
+    rel = ((got - exact).abs() / exact).max().item()
+    assert rel < CLIP_MARGIN, rel  # squared norm: the norm's error is half of this
+    huge = torch.full((2, 4096), 3e20)
+    huge[1, 7] = float("nan")
+    got = _row_sq_norms(huge, 1.0)
+    assert math.isfinite(got[0].item()) and abs(got[0].item() / huge[0].double().square().sum().item() - 1) < 1e-12
+    assert math.isnan(got[1].item())
+    # Short rows, float64 rows and tiny clipping bounds take the float64 sum itself.
+    for w, c in [(torch.randn(3, 20), 1.0), (torch.randn(3, 100, dtype=torch.float64), 1.0), (torch.randn(3, 100) * 1e-21, 1e-20)]:
+        assert torch.equal(_row_sq_norms(w, c), torch.linalg.vector_norm(w, dim=1, dtype=torch.float64).square())
+
+
+def test_cross_entropy_shortcut_equals_the_vmapped_loss():
+    """Plain cross-entropy's per-example losses are one reduction='none' call; any option
+    (class weights, label smoothing, ignored labels) goes through the vmapped loss, and both
+    give the reference clipped sum."""
+    torch.manual_seed(14)
+    model = build_model("small_cnn", (1, 8, 8), 10)
+    x, y = torch.randn(12, 1, 8, 8), torch.randint(0, 10, (12,))
+    bk = BookKeepingClipper(model, ce)
+    logits = model(x)
+    vm = torch.func.vmap(lambda o, t: ce(o.unsqueeze(0), t.unsqueeze(0)))(logits, y)
+    assert torch.allclose(bk._per_example_losses(logits, y), vm, atol=1e-6)
+    weighted = nn.CrossEntropyLoss(weight=torch.rand(10) + 0.5)
+    smooth = nn.CrossEntropyLoss(label_smoothing=0.1)
+    from dpcore.fastclip import _is_plain_cross_entropy
+
+    assert _is_plain_cross_entropy(ce) and _is_plain_cross_entropy(nn.CrossEntropyLoss())
+    assert not _is_plain_cross_entropy(weighted) and not _is_plain_cross_entropy(smooth)
+    for loss in (nn.CrossEntropyLoss(), weighted, smooth):
+        ref = clipped_sum(PerSampleGradients(model, loss)(x, y), 0.3)[0]
+        out = {}
+        BookKeepingClipper(model, loss).clipped_sum(x, y, 0.3, out)
+        for k in ref:
+            assert torch.allclose(out[k], ref[k], atol=1e-5), (loss, k)
+    y_ignored = y.clone()
+    y_ignored[2] = -100  # an ignored label: the vmapped loss, whatever the reference makes of it
+    ref, ref_bad = clipped_sum(PerSampleGradients(model, ce)(x, y_ignored), 0.3)
+    out = {}
+    assert bk.clipped_sum(x, y_ignored, 0.3, out) == ref_bad
+    for k in ref:
+        assert torch.allclose(out[k], ref[k], atol=1e-5)

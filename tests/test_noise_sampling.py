@@ -172,12 +172,13 @@ def test_seeded_mode_is_never_silent():
     assert not r.secure and "seeded" in r.describe()
 
 
-def test_large_secure_draws_filled_by_several_threads_are_still_iid_normal():
-    """Above 4 MiB the OS entropy is fetched by several threads into one buffer: every part
-    must be filled (no zeros, no repeated chunk) and the whole must be N(0, 1)."""
+def test_large_secure_draws_across_rekeys_are_still_iid_normal(monkeypatch):
+    """A draw longer than the rekey interval is several AES-CTR keystreams under different OS
+    keys: every part must be filled (no zeros, no repeated chunk) and the whole N(0, 1)."""
     from dpcore import randomness as rnd
 
-    n = rnd._PARALLEL_BYTES // 8 * 3 + 12345  # 3+ MiB-chunks' worth of uniforms, not a multiple of anything
+    monkeypatch.setattr(rnd, "_REKEY_BYTES", 2**20)
+    n = 2**20 // 8 * 3 + 12345  # 3+ keys' worth of uniforms, not a multiple of anything
     u = dpcore.SecureRandomness().uniform(n)
     assert u.shape == (n,) and (u > 0).float().mean() > 0.999  # no unfilled (zero) region
     quarters = u.reshape(-1)[: n - n % 4].reshape(4, -1)
@@ -185,3 +186,59 @@ def test_large_secure_draws_filled_by_several_threads_are_still_iid_normal():
     assert stats.kstest(u[::37].numpy(), "uniform").pvalue > 1e-3
     z = dpcore.SecureRandomness().normal((n,), 2.0)
     assert stats.kstest(z[::37].numpy() / 2.0, "norm").pvalue > 1e-3
+
+
+def test_secure_bits_are_aes_256_ctr_keystream_under_fresh_os_keys(monkeypatch):
+    """The wiring, checked against the openssl command line: each 64 MiB (here 100 bytes) of
+    output is the AES-256-CTR keystream under the next 32 bytes of OS entropy as the key and
+    the 16 after as the initial counter; nothing is reused across draws."""
+    import shutil
+    import subprocess
+
+    from dpcore import randomness as rnd
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl command line not installed")
+    entropy = bytes(range(256)) * 4
+    taken = []
+
+    def fake_urandom(k):
+        start = sum(taken)
+        taken.append(k)
+        return entropy[start : start + k]
+
+    monkeypatch.setattr(rnd, "_REKEY_BYTES", 100)
+    monkeypatch.setattr(rnd.os, "urandom", fake_urandom)
+    got = bytes(rnd._secure_bytes(250))
+    assert taken == [32, 16] * 3  # a fresh key and counter for each of the 3 chunks
+
+    def openssl_keystream(key, iv, n):
+        out = subprocess.run(
+            ["openssl", "enc", "-aes-256-ctr", "-K", key.hex(), "-iv", iv.hex(), "-nosalt"],
+            input=bytes(n), capture_output=True, check=True,
+        ).stdout
+        return out
+
+    expected = b"".join(
+        openssl_keystream(entropy[48 * i : 48 * i + 32], entropy[48 * i + 32 : 48 * i + 48], min(100, 250 - 100 * i))
+        for i in range(3)
+    )
+    assert got == expected
+    monkeypatch.undo()
+    a, b = rnd._secure_bytes(64), rnd._secure_bytes(64)
+    assert a != b and len(a) == len(b) == 64
+
+
+def test_the_threaded_os_entropy_fallback_fills_every_part():
+    """Without ``cryptography`` the bits come from os.urandom, fetched by several threads above
+    4 MiB: every part must be filled and no chunk repeated."""
+    from dpcore import randomness as rnd
+
+    n = rnd._PARALLEL_BYTES * 3 + 12345
+    raw = torch.frombuffer(rnd._urandom(n), dtype=torch.uint8)
+    assert raw.shape == (n,)
+    parts = raw[: n - n % 4].reshape(4, -1)
+    assert len({tuple(p[:64].tolist()) for p in parts}) == 4
+    counts = torch.bincount(raw[:2**22].long(), minlength=256).double()
+    expected = 2**22 / 256
+    assert stats.chi2.sf(float(((counts - expected) ** 2 / expected).sum()), 255) > 1e-4
