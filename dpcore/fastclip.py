@@ -29,11 +29,12 @@ from torch import nn
 
 from .clipping import clip_factors
 from .grad_sample import LossFn
+from .layers import WS_EPS, WSConv2d
 
 
 def _conv_ok(m: nn.Conv2d) -> bool:
     return (
-        type(m) is nn.Conv2d
+        type(m) in (nn.Conv2d, WSConv2d)
         and m.groups == 1
         and m.padding_mode == "zeros"
         and not isinstance(m.padding, str)
@@ -55,15 +56,23 @@ def _global_hooks() -> bool:
 def unsupported_parameters(model: nn.Module) -> list[str]:
     """Names of trainable parameters that the fast path cannot handle (empty: all handled).
 
-    Handled: the weight (and bias) of ``nn.Linear`` and plain ``nn.Conv2d`` layers (groups=1,
-    zero padding given as numbers), each parameter owned by one layer, and a layer's weight
-    trainable whenever its bias is.
+    Handled: the weight (and bias) of ``nn.Linear``, plain ``nn.Conv2d`` and
+    :class:`dpcore.layers.WSConv2d` layers (groups=1, zero padding given as numbers), with
+    the weight trainable whenever the bias is; the affine parameters of ``nn.GroupNorm``;
+    each parameter owned by one layer.
     """
     handled: dict[str, int] = {}
     problems: list[str] = []
     for mod_name, m in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        if type(m) is nn.GroupNorm:
+            if _altered(m):
+                problems.append(prefix + "weight (the layer has hooks or a replaced forward)")
+                continue
+            for pname, p in m.named_parameters(recurse=False):
+                handled[prefix + pname] = id(p)
+            continue
         if (type(m) is nn.Linear) or (isinstance(m, nn.Conv2d) and _conv_ok(m)):
-            prefix = f"{mod_name}." if mod_name else ""
             if _altered(m):
                 problems.append(prefix + "weight (the layer has hooks or a replaced forward)")
                 continue
@@ -164,6 +173,69 @@ def _is_plain_cross_entropy(loss_fn) -> bool:
     )
 
 
+def _groupnorm_per_example(m: nn.GroupNorm, a: torch.Tensor, g: torch.Tensor, sq: torch.Tensor):
+    """Per-example gradients of a GroupNorm's γ and β ([B, C] each, None if frozen), their
+    squared norms added into ``sq``. GroupNorm normalises each example on its own, so
+    γ's gradient is Σ_positions g·x̂ with x̂ the example's normalised input, β's is Σ g."""
+    batch, channels = a.shape[0], m.num_channels
+    gg = g.reshape(batch, channels, -1)
+    gamma = beta = None
+    if m.weight is not None and m.weight.requires_grad:
+        with torch.no_grad():
+            xhat = F.group_norm(a, m.num_groups, None, None, m.eps).reshape(batch, channels, -1)
+        gamma = (gg * xhat).sum(2)
+        sq += torch.linalg.vector_norm(gamma, dim=1, dtype=torch.float64).square()
+    if m.bias is not None and m.bias.requires_grad:
+        beta = gg.sum(2)
+        sq += torch.linalg.vector_norm(beta, dim=1, dtype=torch.float64).square()
+    return gamma, beta
+
+
+class _WSJacobian:
+    """The weight standardisation ŵ = (w − μ)/s of a :class:`WSConv2d`, s = sqrt(σ² + ε), per
+    output filter of n weights. Its vector-Jacobian product, for a gradient v with respect to
+    ŵ (one filter), is (v − mean(v) − ŵ·mean(v ⊙ ŵ)) / s; with κ = ‖ŵ‖²/n = σ²/(σ² + ε),
+    ‖that‖² = (‖v‖² − (1ᵀv)²/n − (2 − κ)(ŵᵀv)²/n) / s². Everything in float64."""
+
+    def __init__(self, m: nn.Conv2d):
+        w = m.weight.detach().double().reshape(m.out_channels, -1)
+        self.n = w.shape[1]
+        mean = w.mean(1, keepdim=True)
+        var = w.var(1, keepdim=True, unbiased=False)
+        self.s = torch.sqrt(var + WS_EPS)  # [out, 1]
+        self.w_hat = (w - mean) / self.s  # [out, n]
+        self.kappa = self.w_hat.square().mean(1)  # [out]
+
+    def vjp(self, v: torch.Tensor) -> torch.Tensor:
+        """Gradients with respect to w from gradients ``v`` [..., out, n] with respect to ŵ."""
+        dtype = v.dtype
+        v = v.double()
+        out = (v - v.mean(-1, keepdim=True) - self.w_hat * (v * self.w_hat).mean(-1, keepdim=True)) / self.s
+        return out.to(dtype)
+
+    def vjp_(self, v: torch.Tensor) -> torch.Tensor:
+        """:meth:`vjp` in place, in ``v``'s own precision, for per-example gradients
+        [B, out, n] that are then measured as they are (their norms are taken from the result,
+        so its rounding is what gets clipped)."""
+        w_hat = self.w_hat.to(v.dtype)
+        mean = v.mean(-1, keepdim=True)
+        along = torch.einsum("bon,on->bo", v, w_hat).unsqueeze(-1).div_(self.n)
+        v.sub_(mean).addcmul_(along, w_hat, value=-1.0)
+        return v.div_(self.s.to(v.dtype))
+
+    def ghost_sq_norms(self, A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+        """Per-example ‖vjp(Σ_t G_t A_tᵀ)‖² from patches A [B, n, T] and output gradients
+        G [B, out, T], without forming the per-example gradients: per filter, ‖v‖² from the
+        Gram matrices, 1ᵀv from the patch sums, ŵᵀv from ŵ applied to the patches."""
+        A, G = A.double(), G.double()
+        aa = A.transpose(1, 2) @ A  # [B, T, T]
+        vv = ((aa @ G.transpose(1, 2)) * G.transpose(1, 2)).sum(1)  # [B, out]: ‖v_o‖²
+        one_v = (G * A.sum(1, keepdim=True)).sum(2)  # [B, out]: 1ᵀv_o
+        w_v = ((self.w_hat @ A) * G).sum(2)  # [B, out]: ŵ_oᵀv_o
+        per_filter = (vv - one_v.square() / self.n - (2.0 - self.kappa) * w_v.square() / self.n).clamp_min(0.0)
+        return (per_filter / self.s.view(1, -1).square()).sum(1)
+
+
 class Unsupported(Exception):
     """Raised during a call when the fast path cannot be used for this model/batch."""
 
@@ -185,7 +257,8 @@ class BookKeepingClipper:
         self.layers = [
             (name, m)
             for name, m in model.named_modules()
-            if ((type(m) is nn.Linear) or isinstance(m, nn.Conv2d)) and m.weight.requires_grad
+            if (((type(m) is nn.Linear) or isinstance(m, nn.Conv2d)) and m.weight.requires_grad)
+            or (type(m) is nn.GroupNorm and any(p.requires_grad for p in m.parameters(recurse=False)))
         ]
         self._per_sample_loss = torch.func.vmap(lambda out, target: loss_fn(out.unsqueeze(0), target.unsqueeze(0)))
 
@@ -247,19 +320,28 @@ class BookKeepingClipper:
                 raise Unsupported(f"the loss gives shape {tuple(losses.shape)} per batch, not one value per example")
             outputs = [rec[name][1] for name, _ in self.layers]
             grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
-        parts = []  # per layer: (name, module, A [B, T, d_in] or [B, d, T], G, per-example grads or None)
+        # Per layer: (name, module, kind, data). Kinds: "materialised" (per-example weight
+        # gradients W [B, out, in]), "ghost" (patches A and output gradients G, norms from
+        # their Gram matrices), "groupnorm" (per-example γ and β gradients).
+        parts: list[tuple] = []
         sq = torch.zeros(batch, dtype=torch.float64, device=x.device)
         for (name, m), g in zip(self.layers, grads):
             a = rec[name][0]
             if g is None:
                 g = torch.zeros_like(rec[name][1])
+            if isinstance(m, nn.GroupNorm):
+                parts.append((name, m, "groupnorm", _groupnorm_per_example(m, a, g, sq)))
+                continue
+            ws = type(m) is WSConv2d
             if isinstance(m, nn.Conv2d):
                 G = g.reshape(batch, g.shape[1], -1)  # [B, c, T]
                 if batch * m.weight.numel() <= self.MAX_PER_EXAMPLE_ELEMENTS:
-                    W = _conv_per_example(m, a, g)  # [B, out, in·kh·kw]
+                    W = _conv_per_example(m, a, g)  # [B, out, in·kh·kw]: gradients for the weight used
+                    if ws:  # ... which is ŵ(w): back through the standardisation, per example
+                        W = _WSJacobian(m).vjp_(W)
                     sq += _row_sq_norms(W.reshape(batch, -1), clip_norm)
                     bias_g = self._bias(m, G.sum(2), sq)
-                    parts.append((name, m, None, None, True, W, bias_g))
+                    parts.append((name, m, "materialised", (W, bias_g)))
                     continue
                 # Patches [B, d, T] and output gradients [B, c, T]: both in their natural layout.
                 A = F.unfold(a, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
@@ -268,45 +350,66 @@ class BookKeepingClipper:
                 A = a.reshape(batch, -1, a.shape[-1])  # [B, T, d_in]
                 G = g.reshape(batch, -1, g.shape[-1])  # [B, T, d_out]
                 channels_first = False
-            s, per_example = self._weight_sq_norms(A, G, channels_first, clip_norm)
-            sq += s
+            post = None
+            if ws:
+                jac = _WSJacobian(m)
+                sq += jac.ghost_sq_norms(A, G)
+                post = jac.vjp
+                per_example = None
+            else:
+                s, per_example = self._weight_sq_norms(A, G, channels_first, clip_norm)
+                sq += s
             bias_g = self._bias(m, G.sum(2) if channels_first else G.sum(1), sq)
-            parts.append((name, m, A, G, channels_first, per_example, bias_g))
+            if per_example is not None:
+                parts.append((name, m, "materialised", (per_example, bias_g)))
+            else:
+                parts.append((name, m, "ghost", (A, G, channels_first, bias_g, post)))
         factors, finite = clip_factors(sq.sqrt(), clip_norm)
         n_bad = int((~finite).sum())
         # A factor below the dtype's smallest normal number loses precision when cast (a gradient
         # of norm ≳1e32·C in float32): then this batch is summed in float64, as the reference does.
-        tiny = max(torch.finfo(m.weight.dtype).tiny for _, m in self.layers) * 2.0**24
+        tiny = max(torch.finfo(next(m.parameters()).dtype).tiny for _, m in self.layers) * 2.0**24
         wide = bool(((factors < tiny) & finite).any())
+        keep2 = finite.view(-1, 1)
         contributions: list[tuple[str, torch.Tensor]] = []
-        for name, m, A, G, channels_first, per_example, bias_g in parts:
-            dtype = torch.float64 if wide else m.weight.dtype
+
+        def drop_bad(t):  # skip-and-count: those rows contribute exactly zero (never NaN·0)
+            if t is None or not n_bad:
+                return t
+            return torch.where(keep2.view(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype))
+
+        for name, m, kind, data in parts:
+            prefix = f"{name}." if name else ""
+            pdtype = m.weight.dtype if m.weight is not None else m.bias.dtype
+            dtype = torch.float64 if wide else pdtype
             f = factors.to(dtype)
-            if n_bad:  # skip-and-count: those rows contribute exactly zero (never NaN·0)
-                keep = finite.view(-1, 1, 1)
-                zero = torch.zeros((), dtype=m.weight.dtype)
-                A = None if A is None else torch.where(keep, A, zero)
-                G = None if G is None else torch.where(keep, G, zero)
-                per_example = None if per_example is None else torch.where(keep, per_example, zero)
-                bias_g = None if bias_g is None else torch.where(finite.view(-1, 1), bias_g, zero)
-            if per_example is not None:  # Σ_i f_i W_i from the per-example gradients
-                w = torch.einsum("b,bod->od", f, per_example.to(dtype))
+            if kind == "groupnorm":
+                for pname, per_example in zip(("weight", "bias"), data):
+                    if per_example is not None:
+                        contributions.append((prefix + pname, (f @ drop_bad(per_example).to(dtype)).to(pdtype)))
+                continue
+            if kind == "materialised":  # Σ_i f_i W_i from the per-example gradients
+                per_example, bias_g = data
+                w = torch.einsum("b,bod->od", f, drop_bad(per_example).to(dtype))
             else:
                 # Ghost-norm layers: Σ_i f_i G_iᵀA_i over (example, position). With several
                 # positions the sum runs in float64, so that each example's share keeps the norm
                 # the factor was computed for (float32 accumulation over many positions could
                 # exceed the 1e-6 clipping margin).
-                acc = dtype if A.shape[2 if channels_first else 1] == 1 else torch.float64
+                A, G, channels_first, bias_g, post = data
+                A, G = drop_bad(A), drop_bad(G)
+                acc = dtype if (A.shape[2 if channels_first else 1] == 1 and post is None) else torch.float64
                 if channels_first:
                     w = torch.einsum("b,bct,bdt->cd", f.to(acc), G.to(acc), A.to(acc))
                 else:  # (f·G) over all (example, position) rows, transposed, times A: one matmul
                     Gf = G.to(acc) * f.to(acc).view(-1, 1, 1)
                     w = Gf.reshape(-1, Gf.shape[2]).t() @ A.to(acc).reshape(-1, A.shape[2])
+                if post is not None:  # the standardisation's VJP is linear: applied to the sum
+                    w = post(w)
                 w = w.to(dtype)
-            prefix = f"{name}." if name else ""
-            contributions.append((prefix + "weight", w.reshape(m.weight.shape).to(m.weight.dtype)))
+            contributions.append((prefix + "weight", w.reshape(m.weight.shape).to(pdtype)))
             if bias_g is not None:
-                contributions.append((prefix + "bias", (f @ bias_g.to(dtype)).to(m.bias.dtype)))
+                contributions.append((prefix + "bias", (f @ drop_bad(bias_g).to(dtype)).to(m.bias.dtype)))
         for key, value in contributions:  # all computed first: nothing is added if anything above fails
             self._add(out, key, value)
         return n_bad

@@ -139,9 +139,10 @@ class SecureRandomness(Randomness):
         if n == 0:
             return torch.empty(0, dtype=torch.float64)
         raw = torch.frombuffer(_secure_bytes(8 * n), dtype=torch.int64)
-        # Keep the top 53 bits (logical shift of the unsigned value) -> [0, 2^53).
-        bits = torch.bitwise_right_shift(raw, 11) & ((1 << 53) - 1)
-        return bits.to(torch.float64) * _TWO_POW_M53
+        # Keep the top 53 bits (logical shift of the unsigned value) -> [0, 2^53). In place:
+        # large draws are memory-bound.
+        raw.bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1)
+        return raw.to(torch.float64).mul_(_TWO_POW_M53)
 
     def uniform(self, n: int) -> torch.Tensor:
         return self._uniform53(int(n))
@@ -151,12 +152,14 @@ class SecureRandomness(Randomness):
         n = shape.numel()
         m = (n + 1) // 2
         u = self._uniform53(2 * m)
-        u1 = 1.0 - u[:m]  # (0, 1]: log is finite
-        u2 = u[m:]
-        r = torch.sqrt(-2.0 * torch.log(u1))
-        theta = (2.0 * math.pi) * u2
-        z = torch.cat([r * torch.cos(theta), r * torch.sin(theta)])[:n]
-        return (z * float(std)).to(dtype=dtype, device=device).reshape(shape)
+        # Box–Muller in float64, in place (large draws are memory-bound):
+        # r = sqrt(−2 log(1 − u1)) with 1 − u1 in (0, 1], θ = 2π·u2; z = (r cos θ, r sin θ)·std.
+        r = u[:m].neg_().add_(1.0).log_().mul_(-2.0).sqrt_().mul_(float(std))
+        theta = u[m:].mul_(2.0 * math.pi)
+        z = torch.empty(2 * m, dtype=torch.float64)
+        torch.cos(theta, out=z[:m]).mul_(r)
+        torch.sin(theta, out=z[m:]).mul_(r)
+        return z[:n].to(dtype=dtype, device=device).reshape(shape)
 
     def spawn(self, *key: Any) -> "SecureRandomness":
         return SecureRandomness()

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpcore import DPConfigError
+from dpcore.layers import WSConv2d
 
 MODELS = ("mlp", "small_cnn", "cnn", "resnet9", "wrn16_4", "tv:<torchvision name>")
 GROUPS = 16
@@ -72,17 +73,6 @@ def mnist_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     with torch.no_grad():
         flat = features(torch.zeros(1, c, h, w)).shape[1]
     return nn.Sequential(features, nn.Linear(flat, 32), nn.ReLU(), nn.Linear(32, num_classes))
-
-
-class WSConv2d(nn.Conv2d):
-    """Convolution with weight standardisation (Qiao et al. 2019): each output filter's
-    weights are centred and scaled to unit variance before use. Works with torch.func."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        mean = w.mean(dim=(1, 2, 3), keepdim=True)
-        var = w.var(dim=(1, 2, 3), keepdim=True, unbiased=False)
-        return F.conv2d(x, (w - mean) / torch.sqrt(var + 1e-5), self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
 def _gn(channels: int) -> nn.GroupNorm:
