@@ -1,4 +1,5 @@
-"""A fast path for the clipped sum: book-keeping (BK) clipping for Linear and Conv2d layers.
+"""A fast path for the clipped sum: book-keeping (BK) clipping for Linear, Conv2d,
+weight-standardised Conv2d (:class:`dpcore.layers.WSConv2d`) and GroupNorm layers.
 
 The reference path (:mod:`dpcore.grad_sample` + :func:`dpcore.clipping.clipped_sum`) runs a
 vmap'd backward per example. For layers whose weight gradient is an outer product of the
@@ -12,11 +13,16 @@ forward and one backward of the *activations only* (Bu et al. 2023, "book-keepin
   per example, ‖a_iᵀ g_i‖ = ‖a_i‖·‖g_i‖ (the "ghost norm"); for sequences and convolutions
   (inputs unfolded to patches), from the per-example gradient ``g_iᵀ a_i`` or from the ghost
   form Σ_{t,s}(a_t·a_s)(g_t·g_s), whichever costs fewer operations;
-* the clipped sum Σ_i f_i·g_iᵀa_i is one matrix product with the factors folded into ``g``.
+* the clipped sum Σ_i f_i·g_iᵀa_i is one matrix product with the factors folded into ``g``;
+* GroupNorm normalises each example alone: its γ and β gradients are Σ_positions g·x̂ and
+  Σ g, with x̂ recomputed from the recorded input;
+* a weight-standardised convolution uses ŵ(w): its per-example gradients are the
+  standardisation's vector-Jacobian product of the per-example gradients for ŵ
+  (:class:`_WSJacobian`, which also gives their norms in a ghost form).
 
 Exactly the same clip factors as the reference (float64 norms, the same safety margin, the
 same skip-and-count of non-finite rows). Models with any trainable parameter outside a
-supported layer (GroupNorm, weight-standardised convolutions, embeddings, ...), layers used
+supported layer (LayerNorm, embeddings, grouped convolutions, ...), layers used
 more than once per forward, or a loss that does not vmap, are not handled here:
 :func:`supports` says so and the caller uses the reference path. Tests check that both paths
 give the same clipped sum.

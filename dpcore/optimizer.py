@@ -70,8 +70,8 @@ class DPOptimizer:
         add_noise: False on every rank but one in sharded training.
         reduce_fn: called with the list of summed (noised) gradient tensors, in place.
         clipping: how the clipped sum is computed. ``"vmap"`` (default): per-example gradients
-            with torch.func, for any model. ``"bookkeeping"``: :mod:`dpcore.fastclip` (Linear and
-            Conv2d parameters only; faster). Book-keeping assumes that the model treats the
+            with torch.func, for any model. ``"bookkeeping"``: :mod:`dpcore.fastclip` (Linear,
+            Conv2d, WSConv2d and GroupNorm parameters only; faster). Book-keeping assumes that the model treats the
             examples of a batch independently along dim 0, which no cheap check can prove, so
             before it is trusted its clipped sum is compared with the vmap path's on the first
             physical batch of two or more examples; on any difference, or anything it cannot
@@ -176,7 +176,7 @@ class DPOptimizer:
         if clipping == "bookkeeping":
             if not fastclip.supports(model):
                 raise DPConfigError(
-                    "clipping='bookkeeping' handles Linear and Conv2d parameters only; these are not: "
+                    "clipping='bookkeeping' handles Linear, Conv2d, WSConv2d and GroupNorm parameters only; these are not: "
                     f"{fastclip.unsupported_parameters(model)[:5]}. Use clipping='vmap'."
                 )
             self._fast = fastclip.BookKeepingClipper(model, loss_fn)

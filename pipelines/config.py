@@ -87,7 +87,7 @@ class TrainConfig:
     num_workers: int = _f(2, "Ray Train workers (each samples its own shard)", "cluster")
     use_gpu: bool = _f(False, "one GPU per worker, NCCL (default: CPU, gloo)", "cluster")
     physical_batch_size: int = _f(256, "examples per per-example-gradient call (memory, not privacy)", "cluster")
-    clipping: str = _f("vmap", "per-example clipping: vmap (any model), or bookkeeping (Linear/Conv2d models; faster; verified against vmap on the first batch, else vmap)", "cluster")
+    clipping: str = _f("vmap", "per-example clipping: vmap (any model), or bookkeeping (Linear/Conv2d/WSConv2d/GroupNorm models; faster; verified against vmap on the first batch, else vmap)", "cluster")
     checkpoint_every: int = _f(0, "steps between checkpoints and evaluations (0: about 10 per run)", "cluster")
     max_failures: int = _f(2, "worker-group restarts from the last checkpoint before the run fails", "cluster")
     ray_address: str | None = _f(
