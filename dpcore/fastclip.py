@@ -200,8 +200,8 @@ def _groupnorm_per_example(m: nn.GroupNorm, a: torch.Tensor, g: torch.Tensor, sq
 class _WSJacobian:
     """The weight standardisation ŵ = (w − μ)/s of a :class:`WSConv2d`, s = sqrt(σ² + ε), per
     output filter of n weights. Its vector-Jacobian product, for a gradient v with respect to
-    ŵ (one filter), is (v − mean(v) − ŵ·mean(v ⊙ ŵ)) / s; with κ = ‖ŵ‖²/n = σ²/(σ² + ε),
-    ‖that‖² = (‖v‖² − (1ᵀv)²/n − (2 − κ)(ŵᵀv)²/n) / s². Everything in float64."""
+    ŵ (one filter), is (v − mean(v) − ŵ·mean(v ⊙ ŵ)) / s; with κ = ‖ŵ‖²/n = σ²/(σ² + ε) and
+    ŵ ⟂ 1, ‖that‖² = (‖v‖² − (1ᵀv)²/n − (2 − κ)(ŵᵀv)²/n) / s². Everything in float64."""
 
     def __init__(self, m: nn.Conv2d):
         w = m.weight.detach().double().reshape(m.out_channels, -1)
@@ -230,15 +230,25 @@ class _WSJacobian:
         return v.div_(self.s.to(v.dtype))
 
     def ghost_sq_norms(self, A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-        """Per-example ‖vjp(Σ_t G_t A_tᵀ)‖² from patches A [B, n, T] and output gradients
-        G [B, out, T], without forming the per-example gradients: per filter, ‖v‖² from the
-        Gram matrices, 1ᵀv from the patch sums, ŵᵀv from ŵ applied to the patches."""
+        """Per-example ‖vjp(Σ_t G_t A_tᵀ)‖², never below the exact value, from patches A
+        [B, n, T] and output gradients G [B, out, T] without forming the per-example gradients.
+
+        The patches are centred first: the standardisation discards the mean direction, so
+        with ṽ = Σ_t g_t Ã_t (Ã_t centred), ‖vjp(v)‖² = (‖ṽ‖² − (2 − κ)(ŵᵀṽ)²/n) / s², where
+        ‖ṽ‖² comes from the Gram matrices and ŵᵀṽ from ŵ applied to the patches. The
+        subtraction can cancel (v nearly along ŵ), so an allowance for float64 rounding is
+        added, 8·(n + T)·u·(Σ_t ‖Ã_t‖·|g_t|)², which bounds every term's magnitude: the
+        result can only overestimate the norm, which costs a smaller clip factor, never a
+        share above C."""
         A, G = A.double(), G.double()
+        A = A - A.mean(1, keepdim=True)
+        T = A.shape[2]
         aa = A.transpose(1, 2) @ A  # [B, T, T]
-        vv = ((aa @ G.transpose(1, 2)) * G.transpose(1, 2)).sum(1)  # [B, out]: ‖v_o‖²
-        one_v = (G * A.sum(1, keepdim=True)).sum(2)  # [B, out]: 1ᵀv_o
-        w_v = ((self.w_hat @ A) * G).sum(2)  # [B, out]: ŵ_oᵀv_o
-        per_filter = (vv - one_v.square() / self.n - (2.0 - self.kappa) * w_v.square() / self.n).clamp_min(0.0)
+        vv = ((aa @ G.transpose(1, 2)) * G.transpose(1, 2)).sum(1)  # [B, out]: ‖ṽ_o‖²
+        w_v = ((self.w_hat @ A) * G).sum(2)  # [B, out]: ŵ_oᵀṽ_o
+        bound = (G.abs() * torch.linalg.vector_norm(A, dim=1, keepdim=True)).sum(2).square()
+        allowance = 8.0 * (self.n + T) * torch.finfo(torch.float64).eps * bound
+        per_filter = (vv - (2.0 - self.kappa) * w_v.square() / self.n + allowance).clamp_min(0.0)
         return (per_filter / self.s.view(1, -1).square()).sum(1)
 
 

@@ -455,7 +455,7 @@ def test_resnet9_stays_on_book_keeping_and_the_float64_check_tells_right_from_wr
         warnings.simplefilter("error", UserWarning)  # no fall-back warning
         opt.accumulate(x, y)
     assert opt.clipping == "bookkeeping" and opt._fast_verified
-    assert opt._agree_in_float64(x, y)
+    assert opt._agree_in_float64(x, y) is not None
     m64 = copy.deepcopy(model).double()
     fast = {}
     BookKeepingClipper(m64, ce).clipped_sum(x.double(), y, 0.5, fast)
@@ -464,4 +464,32 @@ def test_resnet9_stays_on_book_keeping_and_the_float64_check_tells_right_from_wr
         assert torch.allclose(fast[k], ref[k], rtol=0, atol=1e-9), (k, (fast[k] - ref[k]).abs().max())
     mixing = nn.Sequential(nn.Linear(4, 8), Center(), nn.Tanh(), nn.Linear(8, 3))
     opt = _bk_optimizer(mixing)
-    assert not opt._agree_in_float64(torch.randn(16, 4), torch.randint(0, 3, (16,)))
+    assert opt._agree_in_float64(torch.randn(16, 4), torch.randint(0, 3, (16,))) is None
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e3, 1e6, 1e8])
+def test_ws_ghost_norms_never_underestimate_even_when_the_terms_cancel(offset):
+    """Patches with a large constant offset make the per-example gradient point almost along
+    the mean direction, which the standardisation removes: the ghost identity then subtracts
+    nearly equal numbers. The ghost norm must stay ≥ the exact norm of the materialised VJP
+    (float64), and within 1e-9 of it when nothing cancels."""
+    from dpcore.fastclip import _WSJacobian
+    from dpcore.layers import WSConv2d
+
+    torch.manual_seed(16)
+    conv = WSConv2d(4, 6, 3)
+    jac = _WSJacobian(conv)
+    B, n, T = 5, 36, 10
+    R = torch.round(torch.randn(B, n, T, dtype=torch.float64) * 1024) / 1024  # exact after + offset
+    A = R + offset
+    assert torch.equal(A - offset, R)
+    G = torch.randn(B, 6, T, dtype=torch.float64)
+    # The standardisation's VJP discards the constant direction exactly, so the exact norm is
+    # that of the offset-free patches (computed without any cancellation).
+    exact = jac.vjp(torch.einsum("bot,bnt->bon", G, R)).square().sum((1, 2))
+    ghost = jac.ghost_sq_norms(A, G)
+    assert (ghost >= exact * (1 - 1e-12)).all(), (ghost - exact)
+    if offset == 0.0:
+        assert torch.allclose(ghost, exact, rtol=1e-9, atol=0)
+    else:
+        assert (ghost <= exact + 1e-6 * (exact + 1.0) * (offset ** 2)).all()
