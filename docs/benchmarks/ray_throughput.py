@@ -90,6 +90,9 @@ def main() -> int:
             rows.append(ray_row(workers, root))
             print(rows[-1], file=sys.stderr, flush=True)
     ray.shutdown()
+    from pipelines.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as the Ray Train workers do
     rows.append(in_process_row())
     print("| setting | steps | steps/s (steady) | expected examples/s | wall s (incl. start-up) |")
     print("|---|---|---|---|---|")
