@@ -362,6 +362,42 @@ class DPOptimizer:
             self._leave_fast("its clipped sum differs from the per-example (vmap) reference on this model")
         return bad
 
+    def fit_physical_batch_size(self, x: torch.Tensor, y: torch.Tensor, budget_bytes: int) -> dict:
+        """Set ``physical_batch_size`` to the largest power of two (at most the current value)
+        whose measured peak memory fits ``budget_bytes`` (:mod:`dpcore.memory`). Probes run
+        this optimizer's own clipped-sum path on the first examples of ``x``; their sums are
+        thrown away and nothing is released, sampled or ledgered. Before book-keeping is
+        verified, the probe also runs the vmap path (the first batch computes both).
+        Returns the measurement report."""
+        from . import memory
+
+        if self._lot_open:
+            raise RuntimeError("fit_physical_batch_size is for before a lot starts")
+        upper = self.physical_batch_size
+
+        def probe(b: int):
+            xb, yb = x[:b], y[:b]
+            if self.augment is not None:
+                xb = self._augmented(xb)
+            if self._fast is not None:
+                try:
+                    self._fast.clipped_sum(xb, yb, self.clip_norm, {})
+                except fastclip.Unsupported:
+                    pass
+            if self._fast is None or not self._fast_verified:
+                per_sample, _ = self._per_example(xb, yb)
+                clipped_sum(per_sample, self.clip_norm, ord=self.norm_ord)
+
+        need = min(upper, memory.PROBE_BATCHES[-1])
+        if len(x) < need:
+            raise ValueError(f"fit_physical_batch_size needs at least {need} examples to probe with, got {len(x)}")
+        device = next(iter(self.params.values())).device
+        report = memory.fit_batch_size(probe, upper, int(budget_bytes), device)
+        if report["physical_batch_size"] < upper:
+            self.physical_batch_size = report["physical_batch_size"]
+        report["physical_batch_size"] = self.physical_batch_size
+        return report
+
     def _sums_agree(self, fast: dict, fast_bad: int, ref: dict, bad: int) -> bool:
         scale = max(float(v.abs().max()) for v in ref.values()) if ref else 0.0
         return fast_bad == bad and set(fast) == set(ref) and all(

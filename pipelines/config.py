@@ -87,6 +87,7 @@ class TrainConfig:
     num_workers: int = _f(2, "Ray Train workers (each samples its own shard)", "cluster")
     use_gpu: bool = _f(False, "one GPU per worker, NCCL (default: CPU, gloo)", "cluster")
     physical_batch_size: int = _f(256, "examples per per-example-gradient call (memory, not privacy)", "cluster")
+    memory_budget_mb: float = _f(0.0, "per-worker memory budget (MiB) for the per-example gradients: the physical batch size becomes the largest power of two ≤ physical_batch_size that fits, measured at start (0: off)", "cluster")
     clipping: str = _f("vmap", "per-example clipping: vmap (any model), or bookkeeping (Linear/Conv2d/WSConv2d/GroupNorm models; faster; verified against vmap on the first batch, else vmap)", "cluster")
     checkpoint_every: int = _f(0, "steps between checkpoints and evaluations (0: about 10 per run)", "cluster")
     max_failures: int = _f(2, "worker-group restarts from the last checkpoint before the run fails", "cluster")
@@ -167,6 +168,8 @@ class TrainConfig:
         dpcore.accounting.check_accountant(self.accountant)
         for name in ("lot_size", "physical_batch_size", "num_workers", "generated_size"):
             dpcore.validation.check_positive_int(getattr(self, name), name)
+        if isinstance(self.memory_budget_mb, bool) or not isinstance(self.memory_budget_mb, (int, float)) or not (0 <= self.memory_budget_mb < float("inf")):
+            raise err(f"memory_budget_mb={self.memory_budget_mb!r} is invalid: it must be a number of MiB ≥ 0 (0: off).")
         for name in ("checkpoint_every", "max_failures", "split_seed", "init_seed"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

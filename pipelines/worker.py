@@ -385,6 +385,10 @@ def train_loop_per_worker(spec: dict) -> None:
         clipping=cfg.clipping,
         **method_options(cfg, spec, rank),
     )
+    fitted = None
+    if cfg.memory_budget_mb > 0:  # probes on this shard's first examples; nothing is released
+        n_probe = min(len(y_train), cfg.physical_batch_size)
+        fitted = private.optimizer.fit_physical_batch_size(x_train[:n_probe], y_train[:n_probe], int(cfg.memory_budget_mb * 2**20))
     ema = dpcore.ParameterEMA(model, cfg.ema_decay) if cfg.ema_decay is not None else None
     if checkpoint is not None:
         private.optimizer.load_state_dict({**shared["optimizer"], "randomness": rank_state["noise"]})
@@ -406,6 +410,10 @@ def train_loop_per_worker(spec: dict) -> None:
         canary_value = cfg.clip_norm * (1.0 - dpcore.clipping.CLIP_MARGIN)
 
     tracker = _Tracker(spec) if rank == 0 else None
+    if tracker is not None and fitted is not None:
+        tracker.client.set_tag(tracker.run_id, "physical_batch_size.fitted", str(fitted["physical_batch_size"]))
+        if fitted.get("measured"):
+            tracker.client.set_tag(tracker.run_id, "physical_batch_size.per_example_mib", f"{fitted['per_example_bytes'] / 2**20:.3f}")
     every = spec["checkpoint_every"]
     last_step = start_step + allowance  # the plan, or fewer if rolled-back releases used up budget
     t_last, step_last = time.monotonic(), start_step

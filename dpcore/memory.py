@@ -1,0 +1,94 @@
+"""Pick the physical batch size from a memory budget, by measurement.
+
+The physical batch size bounds the memory of the per-example gradient computation and changes
+nothing in the privacy analysis (the lot is still summed in full before noise). Its memory
+grows about linearly with the batch: a fixed part (weights, workspaces) plus a part per
+example (activations, output gradients, materialised per-example gradients). Two probes of
+the clipped-sum computation measure both, and the largest power of two that fits the budget
+is taken.
+
+Peak memory of a probe:
+* CUDA: ``torch.cuda.max_memory_allocated`` after resetting the peak statistics.
+* CPU (Linux): the process's resident-set high-water mark (``VmHWM``), reset through
+  ``/proc/self/clear_refs`` after ``malloc_trim(0)`` has returned free heap memory, so that
+  memory kept by the allocator from earlier steps is not counted as available.
+
+The probes run the real computation on real examples but release nothing: their sums are
+thrown away, and neither the ledger, the lot nor any randomness is touched.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Callable
+
+import torch
+
+from .errors import DPConfigError
+
+PROBE_BATCHES = (4, 16)
+SAFETY = 1.15  # per-example bytes are scaled up by this much before fitting
+
+
+def _read_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"{key} not in /proc/self/status")
+
+
+def cpu_peak_supported() -> bool:
+    try:
+        _read_status("VmHWM")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak memory that ``fn()`` adds over what was in use before it, in bytes."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - base)
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    base = _read_status("VmRSS")
+    fn()
+    return max(0, _read_status("VmHWM") - base)
+
+
+def fit_batch_size(probe: Callable[[int], object], upper: int, budget_bytes: int, device: torch.device) -> dict:
+    """The largest power of two ≤ ``upper`` whose measured peak fits ``budget_bytes``
+    (``upper`` itself if it fits). ``probe(b)`` runs the computation on b examples."""
+    if budget_bytes <= 0:
+        raise DPConfigError(f"the memory budget must be positive, not {budget_bytes} bytes.")
+    b1, b2 = (min(upper, b) for b in PROBE_BATCHES)
+    if device.type != "cuda" and not cpu_peak_supported():
+        return {"physical_batch_size": upper, "measured": False, "reason": "no /proc/self peak-memory interface"}
+    probe(b2)  # warm-up: lazy initialisation and kernel caches are not per-example memory
+    p1 = peak_bytes(lambda: probe(b1), device)
+    p2 = peak_bytes(lambda: probe(b2), device)
+    per_example = max((p2 - p1) / (b2 - b1), 1.0) if b2 > b1 else max(p2 / b2, 1.0)
+    fixed = max(p1 - per_example * b1, 0.0)
+    fits = math.floor((budget_bytes - fixed) / (per_example * SAFETY))
+    report = {"measured": True, "per_example_bytes": per_example, "fixed_bytes": fixed, "budget_bytes": budget_bytes,
+              "probe_peaks": {b1: p1, b2: p2}}
+    if fits < 1:
+        raise DPConfigError(
+            f"the memory budget of {budget_bytes / 2**20:.0f} MiB does not fit one example: measured "
+            f"{per_example / 2**20:.1f} MiB per example plus {fixed / 2**20:.0f} MiB fixed. Raise the budget."
+        )
+    chosen = upper if fits >= upper else 2 ** int(math.log2(fits))
+    report["physical_batch_size"] = chosen
+    return report
