@@ -7,6 +7,10 @@ example (activations, output gradients, materialised per-example gradients). Two
 the clipped-sum computation measure both, and the largest power of two that fits the budget
 is taken.
 
+The fit is a straight line through two small probes; where a layer switches form with the
+batch (book-keeping's ghost norms above its materialisation budget) the line is an
+estimate, hence the safety factor.
+
 Peak memory of a probe:
 * CUDA: ``torch.cuda.max_memory_allocated`` after resetting the peak statistics.
 * CPU (Linux): the process's resident-set high-water mark (``VmHWM``), reset through
@@ -50,13 +54,14 @@ def cpu_peak_supported() -> bool:
 
 def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
     """Peak memory that ``fn()`` adds over what was in use before it, in bytes."""
-    if device.type == "cuda":
+    if device.type == "cuda":  # reserved, not allocated: the caching allocator's blocks count
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
+        base = torch.cuda.memory_reserved(device)
         fn()
         torch.cuda.synchronize(device)
-        return max(0, torch.cuda.max_memory_allocated(device) - base)
+        return max(0, torch.cuda.max_memory_reserved(device) - base)
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
@@ -79,7 +84,8 @@ def fit_batch_size(probe: Callable[[int], object], upper: int, budget_bytes: int
     probe(b2)  # warm-up: lazy initialisation and kernel caches are not per-example memory
     p1 = peak_bytes(lambda: probe(b1), device)
     p2 = peak_bytes(lambda: probe(b2), device)
-    per_example = max((p2 - p1) / (b2 - b1), 1.0) if b2 > b1 else max(p2 / b2, 1.0)
+    # (If noise makes the larger probe look no bigger, the whole peak is charged per example.)
+    per_example = (p2 - p1) / (b2 - b1) if (b2 > b1 and p2 > p1) else max(p2 / b2, 1.0)
     fixed = max(p1 - per_example * b1, 0.0)
     fits = math.floor((budget_bytes - fixed) / (per_example * SAFETY))
     report = {"measured": True, "per_example_bytes": per_example, "fixed_bytes": fixed, "budget_bytes": budget_bytes,

@@ -365,15 +365,22 @@ class DPOptimizer:
     def fit_physical_batch_size(self, x: torch.Tensor, y: torch.Tensor, budget_bytes: int) -> dict:
         """Set ``physical_batch_size`` to the largest power of two (at most the current value)
         whose measured peak memory fits ``budget_bytes`` (:mod:`dpcore.memory`). Probes run
-        this optimizer's own clipped-sum path on the first examples of ``x``; their sums are
-        thrown away and nothing is released, sampled or ledgered. Before book-keeping is
-        verified, the probe also runs the vmap path (the first batch computes both).
+        this optimizer's own per-example path (BAM's ascent, DP-SAT's diagnostics pair, and,
+        before book-keeping is verified, both book-keeping and vmap) on examples of ``x``
+        (repeated if there are fewer than the probes need); their sums are thrown away,
+        nothing is released, sampled or ledgered, and the augmentation stream is put back.
         Returns the measurement report."""
         from . import memory
 
         if self._lot_open:
             raise RuntimeError("fit_physical_batch_size is for before a lot starts")
         upper = self.physical_batch_size
+        if len(x) == 0:
+            return {"physical_batch_size": upper, "measured": False, "reason": "no examples to probe with"}
+        need = min(upper, max(memory.PROBE_BATCHES))
+        if len(x) < need:
+            idx = torch.arange(need) % len(x)
+            x, y = x[idx], y[idx]
 
         def probe(b: int):
             xb, yb = x[:b], y[:b]
@@ -385,14 +392,24 @@ class DPOptimizer:
                 except fastclip.Unsupported:
                     pass
             if self._fast is None or not self._fast_verified:
-                per_sample, _ = self._per_example(xb, yb)
+                alive = []  # per-example sets that training holds at the same time
+                if self.method == "bam":  # the ascent's memory, whatever λ is at step 0
+                    per_sample, at_theta = self.grad_sampler.bam(xb, yb, 1.0, self.bam_variant)
+                    alive.append(at_theta)
+                else:
+                    per_sample = self.grad_sampler(xb, yb)
+                    if self.method == "dpsat" and self.diagnostics_enabled:  # a second set, at θ
+                        alive.append(self.grad_sampler(xb, yb))
                 clipped_sum(per_sample, self.clip_norm, ord=self.norm_ord)
+                alive.clear()
 
-        need = min(upper, memory.PROBE_BATCHES[-1])
-        if len(x) < need:
-            raise ValueError(f"fit_physical_batch_size needs at least {need} examples to probe with, got {len(x)}")
-        device = next(iter(self.params.values())).device
-        report = memory.fit_batch_size(probe, upper, int(budget_bytes), device)
+        saved = self.augment.state_dict() if self.augment is not None and hasattr(self.augment, "state_dict") else None
+        try:
+            device = next(iter(self.params.values())).device
+            report = memory.fit_batch_size(probe, upper, int(budget_bytes), device)
+        finally:
+            if saved is not None:
+                self.augment.load_state_dict(saved)
         if report["physical_batch_size"] < upper:
             self.physical_batch_size = report["physical_batch_size"]
         report["physical_batch_size"] = self.physical_batch_size

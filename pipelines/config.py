@@ -168,8 +168,8 @@ class TrainConfig:
         dpcore.accounting.check_accountant(self.accountant)
         for name in ("lot_size", "physical_batch_size", "num_workers", "generated_size"):
             dpcore.validation.check_positive_int(getattr(self, name), name)
-        if isinstance(self.memory_budget_mb, bool) or not isinstance(self.memory_budget_mb, (int, float)) or not (0 <= self.memory_budget_mb < float("inf")):
-            raise err(f"memory_budget_mb={self.memory_budget_mb!r} is invalid: it must be a number of MiB ≥ 0 (0: off).")
+        if isinstance(self.memory_budget_mb, bool) or not isinstance(self.memory_budget_mb, (int, float)) or not (self.memory_budget_mb == 0 or 1 <= self.memory_budget_mb < float("inf")):
+            raise err(f"memory_budget_mb={self.memory_budget_mb!r} is invalid: it must be 0 (off) or a number of MiB ≥ 1.")
         for name in ("checkpoint_every", "max_failures", "split_seed", "init_seed"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
