@@ -213,19 +213,17 @@ class _WSJacobian:
         self.kappa = self.w_hat.square().mean(1)  # [out]
 
     def vjp(self, v: torch.Tensor) -> torch.Tensor:
-        """Gradients with respect to w from gradients ``v`` [..., out, n] with respect to ŵ."""
-        dtype = v.dtype
-        v = v.double()
-        out = (v - v.mean(-1, keepdim=True) - self.w_hat * (v * self.w_hat).mean(-1, keepdim=True)) / self.s
-        return out.to(dtype)
+        """Gradients with respect to w from gradients ``v`` [..., out, n] with respect to ŵ,
+        computed in float64 (``v`` is left as it is)."""
+        return self.vjp_(v.to(torch.float64, copy=True)).to(v.dtype)
 
     def vjp_(self, v: torch.Tensor) -> torch.Tensor:
-        """:meth:`vjp` in place, in ``v``'s own precision, for per-example gradients
-        [B, out, n] that are then measured as they are (their norms are taken from the result,
-        so its rounding is what gets clipped)."""
+        """:meth:`vjp` in place, in ``v``'s own precision: for per-example gradients that are
+        then measured as they are (their norms are taken from the result, so its rounding is
+        what gets clipped)."""
         w_hat = self.w_hat.to(v.dtype)
         mean = v.mean(-1, keepdim=True)
-        along = torch.einsum("bon,on->bo", v, w_hat).unsqueeze(-1).div_(self.n)
+        along = torch.einsum("...on,on->...o", v, w_hat).unsqueeze(-1).div_(self.n)
         v.sub_(mean).addcmul_(along, w_hat, value=-1.0)
         return v.div_(self.s.to(v.dtype))
 
