@@ -366,10 +366,12 @@ class DPOptimizer:
         """Set ``physical_batch_size`` to the largest power of two (at most the current value)
         whose measured peak memory fits ``budget_bytes`` (:mod:`dpcore.memory`). Probes run
         this optimizer's own per-example path (BAM's ascent, DP-SAT's diagnostics pair, and,
-        before book-keeping is verified, both book-keeping and vmap) on examples of ``x``
-        (repeated if there are fewer than the probes need); their sums are thrown away,
+        before book-keeping is verified, both book-keeping and vmap) on batches shaped like
+        ``x``; their sums are thrown away,
         nothing is released, sampled or ledgered, and the augmentation stream is put back.
-        Returns the measurement report."""
+        Only the shapes and dtypes of ``x`` and ``y`` are used: the probes run on random inputs
+        and zero targets of those shapes, so the measured sizes (which the pipeline logs)
+        are not a statistic of the training data. Returns the measurement report."""
         from . import memory
 
         if self._lot_open:
@@ -378,9 +380,13 @@ class DPOptimizer:
         if len(x) == 0:
             return {"physical_batch_size": upper, "measured": False, "reason": "no examples to probe with"}
         need = min(upper, max(memory.PROBE_BATCHES))
-        if len(x) < need:
-            idx = torch.arange(need) % len(x)
-            x, y = x[idx], y[idx]
+        g = torch.Generator().manual_seed(0)
+        shape = (need, *x.shape[1:])
+        if x.is_floating_point():
+            x = torch.randn(shape, generator=g, dtype=x.dtype).to(x.device)
+        else:
+            x = torch.zeros(shape, dtype=x.dtype, device=x.device)
+        y = torch.zeros((need, *y.shape[1:]), dtype=y.dtype, device=y.device)
 
         def probe(b: int):
             xb, yb = x[:b], y[:b]

@@ -386,7 +386,7 @@ def train_loop_per_worker(spec: dict) -> None:
         **method_options(cfg, spec, rank),
     )
     fitted = None
-    if cfg.memory_budget_mb > 0:  # probes on this shard's first examples; nothing is released
+    if cfg.memory_budget_mb > 0:  # probes on random data shaped like this shard's; nothing is released
         n_probe = min(len(y_train), cfg.physical_batch_size)  # (each rank fits its own; rank 0's is tagged)
         fitted = private.optimizer.fit_physical_batch_size(x_train[:n_probe], y_train[:n_probe], int(cfg.memory_budget_mb * 2**20))
     ema = dpcore.ParameterEMA(model, cfg.ema_decay) if cfg.ema_decay is not None else None

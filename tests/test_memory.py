@@ -98,3 +98,25 @@ def test_the_budget_option_is_checked(bad):
         TrainConfig(memory_budget_mb=bad).validate()
     TrainConfig(memory_budget_mb=0).validate()
     TrainConfig(memory_budget_mb=512).validate()
+
+
+def test_probes_never_see_the_training_data():
+    """The pipeline logs the measured sizes, so they must not be a statistic of private data:
+    the probes run on random inputs and zero targets shaped like the given batch."""
+    opt = _opt()
+    seen = []
+    sampler = opt.grad_sampler
+
+    class Recording:
+        def __call__(self, xb, yb, **kw):
+            seen.append((xb.clone(), yb.clone()))
+            return sampler(xb, yb, **kw)
+
+        def __getattr__(self, name):
+            return getattr(sampler, name)
+
+    opt.grad_sampler = Recording()
+    x = torch.full((64, 1, 28, 28), float("nan"))
+    y = torch.full((64,), 7)
+    opt.fit_physical_batch_size(x, y, 2**40)
+    assert seen and all(torch.isfinite(xb).all() and (yb == 0).all() for xb, yb in seen)
