@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
 from .clipping import clip_factors
 from .grad_sample import LossFn
 from .layers import WS_EPS, WSConv2d
@@ -108,9 +109,20 @@ def supports(model: nn.Module) -> bool:
     return not unsupported_parameters(model)
 
 
-def _conv_per_example(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Per-example weight gradients ``[B, out, in·kh·kw]`` of a plain Conv2d (groups=1) from its
-    input ``a`` [B, in, H, W] and output gradient ``g`` [B, out, H', W']."""
+def _conv_per_example(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, native_ok: bool = True):
+    """``(W, sq)``: per-example weight gradients ``W`` [B, out, in·kh·kw] of a plain Conv2d
+    (groups=1) from its input ``a`` [B, in, H, W] and output gradient ``g`` [B, out, H', W'],
+    and their squared norms in float64 where the compiled kernel (:mod:`dpcore.native`) gave
+    them, else ``None``."""
+    if native_ok:
+        got = native.conv2d_per_example(m, a, g)
+        if got is not None:
+            return got
+    return _conv_per_example_torch(m, a, g), None
+
+
+def _conv_per_example_torch(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The torch form of :func:`_conv_per_example` (any device and dtype): ``W`` only."""
     batch = a.shape[0]
     if m.in_channels == 1:
         # W_i[o, p, q] = Σ_{y,x} a_pad[i, s_h·y + d_h·p, s_w·x + d_w·q] · g[i, o, y, x]: a forward
@@ -350,10 +362,10 @@ class BookKeepingClipper:
             if isinstance(m, nn.Conv2d):
                 G = g.reshape(batch, g.shape[1], -1)  # [B, c, T]
                 if batch * m.weight.numel() <= self.MAX_PER_EXAMPLE_ELEMENTS:
-                    W = _conv_per_example(m, a, g)  # [B, out, in·kh·kw]: gradients for the weight used
+                    W, w_sq = _conv_per_example(m, a, g)  # [B, out, in·kh·kw]: gradients for the weight used
                     if ws:  # ... which is ŵ(w): back through the standardisation, per example
-                        W = _WSJacobian(m).vjp_(W)
-                    sq += _row_sq_norms(W.reshape(batch, -1), clip_norm)
+                        W, w_sq = _WSJacobian(m).vjp_(W), None
+                    sq += w_sq if w_sq is not None else _row_sq_norms(W.reshape(batch, -1), clip_norm)
                     bias_g = self._bias(m, G.sum(2), sq)
                     parts.append((name, m, "materialised", (W, bias_g)))
                     continue

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpcore
+from dpcore import native
 from dpcore.clipping import clipped_sum
 from dpcore.fastclip import BookKeepingClipper, Unsupported, supports, unsupported_parameters
 from dpcore.grad_sample import PerSampleGradients
@@ -358,23 +359,35 @@ def test_single_channel_convolutions_equal_the_vmap_clipped_sum(clip):
         assert torch.allclose(out[k], ref[k], atol=1e-5, rtol=1e-5), (k, (out[k] - ref[k]).abs().max())
 
 
-def test_per_example_conv_gradients_equal_autograd_per_example():
-    """Both per-example forms (forward convolution for one input channel, grouped weight
-    gradient otherwise) against autograd run on each example alone."""
+@pytest.mark.parametrize("native_ok", [True, False], ids=["native", "torch"])
+def test_per_example_conv_gradients_equal_autograd_per_example(native_ok):
+    """Every per-example form (the compiled kernel; forward convolution for one input channel
+    and grouped weight gradient otherwise) against autograd run on each example alone, with
+    sparse and dense output gradients; and the kernel's squared norms against float64."""
     from dpcore.fastclip import _conv_per_example
 
     torch.manual_seed(12)
     for conv, shape in [
         (nn.Conv2d(1, 5, (4, 3), stride=(3, 2), padding=(1, 2), dilation=(2, 1)), (1, 15, 14)),
         (nn.Conv2d(3, 4, 3, stride=2, padding=1, dilation=2), (3, 11, 9)),
+        (nn.Conv2d(1, 16, 8, stride=2, padding=3), (1, 28, 28)),  # the MNIST CNN's layers
+        (nn.Conv2d(16, 32, 4, stride=2), (16, 13, 13)),
+        (nn.Conv2d(5, 3, (1, 6), stride=(1, 3), padding=(0, 4)), (5, 4, 17)),
+        (nn.Conv2d(70, 2, 1), (70, 3, 3)),  # D = 70: a 64-wide block and a tail
     ]:
         x = torch.randn(6, *shape)
         z = conv(x)
-        g = torch.randn_like(z)
-        got = _conv_per_example(conv, x, g)
-        for i in range(6):
-            (w,) = torch.autograd.grad(conv(x[i : i + 1]), conv.weight, g[i : i + 1])
-            assert torch.allclose(got[i], w.reshape(conv.out_channels, -1), atol=1e-5), i
+        for density in (1.0, 0.25, 0.0):
+            g = torch.randn_like(z) * (torch.rand_like(z) < density)
+            got, sq = _conv_per_example(conv, x, g, native_ok=native_ok)
+            if native_ok and native.load() is not None:
+                assert sq is not None  # the kernel was used
+            for i in range(6):
+                (w,) = torch.autograd.grad(conv(x[i : i + 1]), conv.weight, g[i : i + 1])
+                assert torch.allclose(got[i], w.reshape(conv.out_channels, -1), atol=1e-5), (conv, density, i)
+            if sq is not None:
+                ref = got.double().reshape(6, -1).square().sum(1)
+                assert torch.allclose(sq, ref, rtol=1e-12, atol=0), (conv, density)
 
 
 def test_float32_chunked_norms_are_within_the_clipping_margin():

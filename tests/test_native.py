@@ -1,0 +1,149 @@
+"""The optional compiled kernel (dpcore.native): same values as torch, the dense semantics for
+non-finite values, and a clean fall-back to torch when it cannot be built or is switched off."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from dpcore import native
+from dpcore.fastclip import _conv_per_example, _conv_per_example_torch
+
+needs_kernel = pytest.mark.skipif(native._compiler() is None, reason="no C compiler on this machine")
+
+
+@needs_kernel
+def test_kernel_builds_and_passes_its_self_check_where_a_compiler_exists():
+    # Otherwise every kernel test below would silently test the torch path.
+    assert native.load() is not None, native.state()
+
+
+@needs_kernel
+def test_kernel_matches_torch_over_random_geometries():
+    """Random kernel sizes, strides, paddings, dilations, channels and output-gradient
+    densities: the kernel's W equals torch's grouped weight gradient within float32
+    rounding, and its squared norms equal the float64 sums of W's squares."""
+    gen = torch.Generator().manual_seed(3)
+
+    def pick(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    for trial in range(60):
+        kh, kw = pick(1, 6), pick(1, 9)
+        sh, sw, dh, dw = pick(1, 3), pick(1, 3), pick(1, 2), pick(1, 2)
+        ph, pw = pick(0, 3), pick(0, 3)
+        cin, cout, batch = pick(1, 7), pick(1, 9), pick(1, 5)
+        h = dh * (kh - 1) + 1 + pick(0, 8) - 2 * ph
+        w = dw * (kw - 1) + 1 + pick(0, 8) - 2 * pw
+        if h < 1 or w < 1:
+            continue
+        conv = nn.Conv2d(cin, cout, (kh, kw), stride=(sh, sw), padding=(ph, pw), dilation=(dh, dw))
+        a = torch.randn(batch, cin, h, w, generator=gen)
+        out = conv(a).detach()
+        density = float(torch.rand((), generator=gen))
+        g = torch.randn(out.shape, generator=gen) * (torch.rand(out.shape, generator=gen) < density)
+        got = native.conv2d_per_example(conv, a, g)
+        assert got is not None, conv
+        W, sq = got
+        ref = _conv_per_example_torch(conv, a.double(), g.double())
+        scale = ref.abs().max().item() + 1e-30
+        assert (W.double() - ref).abs().max().item() <= 1e-5 * scale, (trial, conv, a.shape)
+        exact = W.double().reshape(batch, -1).square().sum(1)
+        assert torch.allclose(sq, exact, rtol=1e-12, atol=0), (trial, conv)
+
+
+@needs_kernel
+def test_non_finite_inputs_poison_the_example_as_in_the_dense_reference():
+    """An inf in the input where every output gradient that touches it is zero: the dense
+    product has 0·inf = NaN, so the example must come out non-finite (and be skipped by the
+    caller), even though the kernel otherwise skips zero gradients. Other examples are
+    unaffected."""
+    conv = nn.Conv2d(2, 3, 3, padding=1)
+    a = torch.randn(3, 2, 6, 6)
+    g = torch.randn(3, 3, 6, 6)
+    a[1, 0, 2, 2] = float("inf")
+    g[1] = 0.0  # all zero: a sparse kernel that skips zeros would return exactly 0
+    a[2, 1, 0, 0] = float("nan")
+    W, sq = native.conv2d_per_example(conv, a, g)
+    ref = _conv_per_example_torch(conv, a, g)
+    assert torch.isnan(ref[1]).any() and torch.isnan(W[1]).any()
+    assert not torch.isfinite(sq[1]) and not torch.isfinite(sq[2])
+    assert torch.isfinite(sq[0]) and torch.allclose(W[0], ref[0], atol=1e-5)
+    assert torch.equal(torch.isnan(W), torch.isnan(ref))
+
+
+def test_cases_outside_the_kernel_use_torch():
+    """float64, non-contiguous inputs and wrong shapes: float64 goes to torch, non-contiguous
+    inputs give the same values, and a gradient of the wrong shape is refused."""
+    conv = nn.Conv2d(3, 4, 3, stride=2).double()
+    a = torch.randn(5, 3, 9, 9, dtype=torch.float64)
+    g = torch.randn(5, 4, 4, 4, dtype=torch.float64)
+    assert native.conv2d_per_example(conv, a, g) is None
+    W, sq = _conv_per_example(conv, a, g)
+    assert sq is None and W.dtype == torch.float64
+    conv32 = nn.Conv2d(3, 4, 3, stride=2)
+    wrong = torch.randn(5, 4, 3, 3)
+    assert native.conv2d_per_example(conv32, a.float(), wrong) is None
+    if native.load() is not None:
+        a_nc = torch.randn(9, 9, 3, 5).permute(3, 2, 0, 1)  # not contiguous
+        g32 = torch.randn(5, 4, 4, 4)
+        W1, _ = native.conv2d_per_example(conv32, a_nc, g32)
+        W2, _ = native.conv2d_per_example(conv32, a_nc.contiguous(), g32)
+        assert torch.equal(W1, W2)
+
+
+_CHILD = r"""
+import json, torch
+from torch import nn
+from dpcore import native
+from dpcore.fastclip import _conv_per_example
+conv = nn.Conv2d(2, 3, 3)
+a, g = torch.randn(4, 2, 7, 7), torch.randn(4, 3, 5, 5)
+W, sq = _conv_per_example(conv, a, g)
+print(json.dumps({"state": native.state(), "used": sq is not None, "shape": list(W.shape)}))
+"""
+
+
+def _child(env_extra, tmp_path):
+    env = {**os.environ, "DP_NATIVE_CACHE": str(tmp_path / "cache"), **env_extra}
+    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_switched_off_or_unbuildable_kernel_falls_back_to_torch(tmp_path):
+    off = _child({"DP_NATIVE": "0"}, tmp_path)
+    assert off == {"state": "off (DP_NATIVE=0)", "used": False, "shape": [4, 3, 18]}
+    broken = _child({"CC": "/bin/false"}, tmp_path)
+    assert broken["state"].startswith("off (RuntimeError: the C compiler failed") and not broken["used"]
+    assert broken["shape"] == [4, 3, 18]
+    missing = _child({"CC": str(tmp_path / "no-such-compiler")}, tmp_path)
+    assert missing["state"].startswith("off (") and not missing["used"]
+
+
+def test_kernel_is_built_once_into_a_private_cache(tmp_path):
+    if native._compiler() is None:
+        pytest.skip("no C compiler here")
+    first = _child({}, tmp_path)
+    assert first["used"] and first["state"].startswith("on (" + str(tmp_path / "cache"))
+    built = list((tmp_path / "cache").glob("conv_pe-*.so"))
+    assert len(built) == 1 and (tmp_path / "cache").stat().st_mode & 0o077 == 0
+    mtime = built[0].stat().st_mtime_ns
+    again = _child({}, tmp_path)
+    assert again["used"] and built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
+
+
+def test_a_cache_directory_others_can_write_is_not_used(tmp_path):
+    """A shared library is loaded from the cache: a group/world-writable directory is refused
+    (another user could plant a library there) and a private temporary directory is used."""
+    if native._compiler() is None:
+        pytest.skip("no C compiler here")
+    shared = tmp_path / "cache"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    got = _child({}, tmp_path)
+    assert got["used"] and "dp-native-" in got["state"] and str(shared) not in got["state"]
+    assert not list(shared.glob("*.so"))
