@@ -114,7 +114,7 @@ def _conv_per_example(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, native_ok:
     (groups=1) from its input ``a`` [B, in, H, W] and output gradient ``g`` [B, out, H', W'],
     and their squared norms in float64 where the compiled kernel (:mod:`dpcore.native`) gave
     them, else ``None``."""
-    if native_ok:
+    if native_ok and native.worthwhile(m, g):
         got = native.conv2d_per_example(m, a, g)
         if got is not None:
             return got
@@ -416,7 +416,8 @@ class BookKeepingClipper:
                 continue
             if kind == "materialised":  # Σ_i f_i W_i from the per-example gradients
                 per_example, bias_g = data
-                w = torch.einsum("b,bod->od", f, drop_bad(per_example).to(dtype))
+                pe = drop_bad(per_example).to(dtype)
+                w = f @ pe.reshape(pe.shape[0], -1)  # one matrix-vector product
             else:
                 # Ghost-norm layers: Σ_i f_i G_iᵀA_i over (example, position). With several
                 # positions the sum runs in float64, so that each example's share keeps the norm

@@ -124,6 +124,7 @@ def time_steps(model_name: str, rounds: int, warmup: int = 3, opacus: bool = Tru
     notes: dict[str, str] = {}
     step, ours_opt = _ours(make, x, y, "bookkeeping") if dpcore.fastclip.supports(make()) else _ours(make, x, y, "vmap")
     steps["ours"] = step
+    native_calls = native.calls
     steps["ours-vmap"] = _ours(make, x, y, "vmap")[0]
     if opacus:
         for mode in ("hooks", "ew", "ghost"):
@@ -145,7 +146,12 @@ def time_steps(model_name: str, rounds: int, warmup: int = 3, opacus: bool = Tru
     # After the first step's verification; "native conv kernel" says whether dpcore.native ran.
     notes["ours"] = f"clipping={ours_opt.clipping}"
     if ours_opt.clipping == "bookkeeping" and any(isinstance(m, torch.nn.Conv2d) for m in ours_opt.model.modules()):
-        notes["ours"] += f", native conv kernel {native.state().split(' (')[0]}"
+        if native.calls > native_calls:
+            notes["ours"] += ", native conv kernel"
+        elif native.state().startswith("off"):
+            notes["ours"] += f", native conv kernel {native.state()}"
+        else:
+            notes["ours"] += ", torch conv path (layer shapes outside the native kernel's)"
     med = {k: statistics.median(v) for k, v in times.items()}
     opacus_best = min((v for k, v in med.items() if k.startswith("opacus")), default=float("nan"))
     rows = []

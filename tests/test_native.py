@@ -100,8 +100,8 @@ import json, torch
 from torch import nn
 from dpcore import native
 from dpcore.fastclip import _conv_per_example
-conv = nn.Conv2d(2, 3, 3)
-a, g = torch.randn(4, 2, 7, 7), torch.randn(4, 3, 5, 5)
+conv = nn.Conv2d(8, 3, 3)  # rows of 72: a layer the kernel is chosen for
+a, g = torch.randn(4, 8, 7, 7), torch.randn(4, 3, 5, 5)
 W, sq = _conv_per_example(conv, a, g)
 print(json.dumps({"state": native.state(), "used": sq is not None, "shape": list(W.shape)}))
 """
@@ -116,10 +116,10 @@ def _child(env_extra, tmp_path):
 
 def test_switched_off_or_unbuildable_kernel_falls_back_to_torch(tmp_path):
     off = _child({"DP_NATIVE": "0"}, tmp_path)
-    assert off == {"state": "off (DP_NATIVE=0)", "used": False, "shape": [4, 3, 18]}
+    assert off == {"state": "off (DP_NATIVE=0)", "used": False, "shape": [4, 3, 72]}
     broken = _child({"CC": "/bin/false"}, tmp_path)
     assert broken["state"].startswith("off (RuntimeError: the C compiler failed") and not broken["used"]
-    assert broken["shape"] == [4, 3, 18]
+    assert broken["shape"] == [4, 3, 72]
     missing = _child({"CC": str(tmp_path / "no-such-compiler")}, tmp_path)
     assert missing["state"].startswith("off (") and not missing["used"]
 
@@ -147,3 +147,26 @@ def test_a_cache_directory_others_can_write_is_not_used(tmp_path):
     got = _child({}, tmp_path)
     assert got["used"] and "dp-native-" in got["state"] and str(shared) not in got["state"]
     assert not list(shared.glob("*.so"))
+
+
+def test_the_kernel_is_chosen_by_layer_shape_only():
+    """The MNIST CNN's convolutions use the kernel; ResNet-9's (large patches, where torch's
+    grouped convolution is faster) and rows narrower than one block do not. The rule never
+    looks at values: the same shapes with other data give the same choice."""
+    from pipelines.models import build_model
+
+    def convs(model, shape):
+        seen = []
+        hooks = [m.register_forward_hook(lambda m, i, o: seen.append((m, o))) for m in model.modules() if isinstance(m, nn.Conv2d)]
+        model(torch.randn(2, *shape))
+        for h in hooks:
+            h.remove()
+        return seen
+
+    cnn = convs(build_model("cnn", (1, 28, 28), 10), (1, 28, 28))
+    assert [native.worthwhile(m, o) for m, o in cnn] == [True, True]
+    r9 = convs(build_model("resnet9", (3, 32, 32), 10), (3, 32, 32))
+    assert len(r9) >= 8 and not any(native.worthwhile(m, o) for m, o in r9)
+    assert not native.worthwhile(nn.Conv2d(1, 8, 3), torch.zeros(1, 8, 6, 6))  # 9-wide rows
+    for m, o in cnn:
+        assert native.worthwhile(m, torch.full_like(o, float("nan"))) == native.worthwhile(m, o)
