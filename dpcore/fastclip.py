@@ -13,6 +13,10 @@ forward and one backward of the *activations only* (Bu et al. 2023, "book-keepin
   per example, ‖a_iᵀ g_i‖ = ‖a_i‖·‖g_i‖ (the "ghost norm"); for sequences and convolutions
   (inputs unfolded to patches), from the per-example gradient ``g_iᵀ a_i`` or from the ghost
   form Σ_{t,s}(a_t·a_s)(g_t·g_s), whichever costs fewer operations;
+* for convolutions of small patch size (the MNIST CNN's), the per-example weight gradients
+  and their float64 squared norms come from a compiled kernel (:mod:`dpcore.native`) that
+  skips the output-gradient entries that are exactly zero; elsewhere, or without a C
+  compiler, from torch's grouped weight gradient;
 * the clipped sum Σ_i f_i·g_iᵀa_i is one matrix product with the factors folded into ``g``;
 * GroupNorm normalises each example alone: its γ and β gradients are Σ_positions g·x̂ and
   Σ g, with x̂ recomputed from the recorded input;
