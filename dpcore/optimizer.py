@@ -50,7 +50,7 @@ from .validation import (
 
 ReduceFn = Callable[[list[torch.Tensor]], None]
 AugmentFn = Callable[[torch.Tensor], torch.Tensor]
-CLIPPING_MODES = ("vmap", "bookkeeping")
+CLIPPING_MODES = ("vmap", "bookkeeping", "auto")
 
 
 class DPOptimizer:
@@ -75,7 +75,10 @@ class DPOptimizer:
             examples of a batch independently along dim 0, which no cheap check can prove, so
             before it is trusted its clipped sum is compared with the vmap path's on the first
             physical batch of two or more examples; on any difference, or anything it cannot
-            handle at run time, the optimizer warns and stays on the vmap path.
+            handle at run time, the optimizer warns and stays on the vmap path. ``"auto"``:
+            book-keeping where it applies (supported layers; not BAM, augmentation
+            multiplicity, L1 clipping or diagnostics), else vmap, silently; the platform's
+            jobs use it by default. :attr:`clipping` says which was chosen.
         method: ``"dpsgd"`` (default), ``"bam"`` or ``"dpsat"`` (see :mod:`dpcore.methods`).
         ascent: BAM's λ or DP-SAT's ρ: a number, or a schedule ``step -> value`` (0-based step).
         bam_variant: ``"sam"`` (gradient at the per-example ascent point) or ``"exact"``
@@ -147,6 +150,9 @@ class DPOptimizer:
         self.augment = augment
         self.augmentation_multiplicity = augmentation_multiplicity
         self.diagnostics_enabled = bool(diagnostics)
+        if clipping == "auto":
+            fits = method != "bam" and augmentation_multiplicity == 1 and clip_norm_type != "l1" and not self.diagnostics_enabled
+            clipping = "bookkeeping" if fits and fastclip.supports(model) else "vmap"
         if self.diagnostics_enabled and clipping == "bookkeeping":
             warnings.warn("diagnostics need per-example gradients: using the vmap path.", stacklevel=2)
             clipping = "vmap"

@@ -88,7 +88,7 @@ class TrainConfig:
     use_gpu: bool = _f(False, "one GPU per worker, NCCL (default: CPU, gloo)", "cluster")
     physical_batch_size: int = _f(256, "examples per per-example-gradient call (memory, not privacy)", "cluster")
     memory_budget_mb: float = _f(0.0, "per-worker memory budget (MiB) for the per-example gradients: the physical batch size becomes the largest power of two ≤ physical_batch_size that fits, measured at start (0: off)", "cluster")
-    clipping: str = _f("vmap", "per-example clipping: vmap (any model), or bookkeeping (Linear/Conv2d/WSConv2d/GroupNorm models; faster; verified against vmap on the first batch, else vmap)", "cluster")
+    clipping: str = _f("auto", "per-example clipping: auto (bookkeeping where the model and method allow it, else vmap), vmap (any model), or bookkeeping (Linear/Conv2d/WSConv2d/GroupNorm models; faster; verified against vmap on the first batch, else vmap)", "cluster")
     checkpoint_every: int = _f(0, "steps between checkpoints and evaluations (0: about 10 per run)", "cluster")
     max_failures: int = _f(2, "worker-group restarts from the last checkpoint before the run fails", "cluster")
     ray_address: str | None = _f(

@@ -445,6 +445,8 @@ def train_loop_per_worker(spec: dict) -> None:
             reported_releases, pruned = report(rate)
             if pruned:  # Optuna's pruner stopped this trial (a sweep); every rank got the decision
                 break
+    if tracker is not None:  # which per-example path ran (clipping="auto" picks; verification may fall back)
+        tracker.client.set_tag(tracker.run_id, "clipping.used", private.optimizer.clipping)
     # Restored right at the budget (the rolled-back releases used it up): the restored state
     # is the final one, but the ledger has grown since that checkpoint, so report it again.
     need = None

@@ -506,3 +506,31 @@ def test_ws_ghost_norms_never_underestimate_even_when_the_terms_cancel(offset):
         assert torch.allclose(ghost, exact, rtol=1e-9, atol=0)
     else:
         assert (ghost <= exact + 1e-6 * (exact + 1.0) * (offset ** 2)).all()
+
+
+def test_auto_clipping_picks_book_keeping_only_where_it_applies():
+    """clipping="auto" (the jobs' default): book-keeping for supported models with plain
+    per-example L2 clipping; vmap, without an error, for BAM, augmentation multiplicity, L1
+    clipping, diagnostics and unsupported layers."""
+    def opt(model, **kw):
+        return dpcore.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=F.cross_entropy,
+            noise_multiplier=1.0, clip_norm=1.0, sample_rate=0.1, dataset_size=100,
+            randomness=dpcore.SecureRandomness(), ledger=dpcore.PrivacyLedger(None, 1e-5),
+            clipping="auto", **kw,
+        )
+
+    mlp = lambda: nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))  # noqa: E731
+    assert opt(mlp()).clipping == "bookkeeping"
+    assert opt(build_model("cnn", (1, 28, 28), 10)).clipping == "bookkeeping"
+    assert opt(mlp(), method="dpsat", ascent=0.1).clipping == "bookkeeping"
+    assert opt(mlp(), method="bam", ascent=0.1).clipping == "vmap"
+    assert opt(mlp(), noise="laplace", clip_norm_type="l1").clipping == "vmap"
+    assert opt(mlp(), augmentation_multiplicity=2, augment=lambda x: torch.stack([x, x], 1)).clipping == "vmap"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # auto never warns about its choice
+        assert opt(mlp(), diagnostics=True).clipping == "vmap"
+        assert opt(nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3))).clipping == "vmap"
+    from pipelines.config import TrainConfig
+
+    assert TrainConfig().clipping == "auto"
