@@ -11,9 +11,15 @@ for this CPU (``-march=native``), into a per-user cache directory
 (``$DP_NATIVE_CACHE``, else ``$XDG_CACHE_HOME/dp-platform/native``, else
 ``~/.cache/dp-platform/native``), keyed by the source, the flags, the compiler's version and
 the CPU. It takes about half a second, once per machine. The cache directory must belong to
-this user and not be writable by others (a shared library is loaded from it); otherwise a
-private temporary directory is used. After loading, the kernel is checked against torch on a
+this user and not be writable by others, nor may any directory above it be (unless sticky,
+like /tmp): a shared library is loaded from it. Otherwise a private temporary directory is
+used, and removed at exit. After loading, the kernel is checked against torch on a
 small convolution with stride, padding and dilation.
+
+Its running time depends on how many output gradients are zero, so a step's duration (and
+the throughput a job reports) carries a little information about the data, as with any
+data-dependent arithmetic; the released values do not depend on the path taken beyond
+float32 rounding, and the path is chosen by layer shape only.
 
 Nothing here is required: with no compiler, a failed build or check, a non-CPU tensor or
 another dtype, or ``DP_NATIVE=0``, callers get ``None`` and use the torch path. Either way the
@@ -22,6 +28,7 @@ optimizer's first-batch verification compares the fast clipped sum with the refe
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import logging
@@ -61,23 +68,39 @@ def state() -> str:
 
 
 def _cpu_id() -> str:
-    """The machine and the first CPU's description (model, feature flags), for the cache key:
-    a kernel built with ``-march=native`` is only loaded on the CPU it was built for."""
-    first = ""
+    """The machine and the first CPU's model and feature flags, for the cache key: a kernel
+    built with ``-march=native`` is only loaded on the CPU it was built for. (Not the whole
+    cpuinfo block: its clock speed moves with frequency scaling.)"""
+    keep = ("model name", "flags", "Features", "CPU implementer", "CPU architecture", "CPU variant", "CPU part")
+    lines = []
     try:
-        first = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
+        for line in Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0].splitlines():
+            if line.split(":", 1)[0].strip() in keep:
+                lines.append(line)
     except OSError:
         pass
-    return "\n".join([platform.machine(), platform.processor(), first])
+    return "\n".join([platform.machine(), platform.processor(), *lines])
 
 
 def _private_dir(path: Path) -> bool:
-    """True if ``path`` is a directory of this user that no one else can write to."""
+    """True if ``path`` is a directory of this user that no one else can write to, and no
+    directory above it can be changed by anyone but this user or root (a group- or
+    world-writable ancestor must be sticky, like /tmp, so that no one else can rename what is
+    in it). A shared library is loaded from here: nobody else may plant or swap one."""
     try:
-        st = path.stat()
+        real = path.resolve(strict=True)
+        st = real.stat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return False
+        for parent in real.parents:
+            st = parent.stat()
+            if st.st_uid not in (os.getuid(), 0):
+                return False
+            if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+                return False
     except OSError:
         return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not (st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+    return True
 
 
 def _cache_dir() -> Path:
@@ -93,7 +116,9 @@ def _cache_dir() -> Path:
         pass
     if _private_dir(path):
         return path
-    return Path(tempfile.mkdtemp(prefix="dp-native-"))
+    private = Path(tempfile.mkdtemp(prefix="dp-native-"))  # mode 700; removed at exit
+    atexit.register(shutil.rmtree, private, True)
+    return private
 
 
 def _compiler() -> str | None:
@@ -101,33 +126,45 @@ def _compiler() -> str | None:
     return cc
 
 
-def _build(cc: str, out_dir: Path) -> Path:
+def _builds(cc: str, out_dir: Path):
+    """Yield a built library for each flag set in turn (cached ones are reused), so that the
+    caller can fall through to the next one if loading or the self-check fails. Raises
+    RuntimeError, with the compiler's messages, when none builds."""
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"cannot run the C compiler {cc!r}: {e}") from None
     source = _SOURCE.read_bytes()
     errors = []
+    yielded = False
     for arch in _ARCH_FLAGS:
         flags = _BASE_FLAGS + arch
         key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_id().encode()])).hexdigest()[:20]
         target = out_dir / f"conv_pe-{key}.so"
         if target.exists():
-            return target
+            yielded = True
+            yield target, arch
+            continue
         fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=out_dir)
         os.close(fd)
+        built = False
         try:
             proc = subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120)
             if proc.returncode == 0:
                 os.replace(tmp, target)  # atomic: concurrent builders (Ray workers) are safe
-                return target
-            errors.append(f"{' '.join(arch) or 'no -march'}: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}")
+                built = True
+            else:
+                errors.append(f"{' '.join(arch) or 'no -march'}: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}")
         except (OSError, subprocess.SubprocessError) as e:
             errors.append(f"{' '.join(arch)}: {e}")
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    raise RuntimeError("the C compiler failed: " + "; ".join(map(str, errors)))
+        if built:
+            yielded = True
+            yield target, arch
+    if not yielded:
+        raise RuntimeError("the C compiler failed: " + "; ".join(map(str, errors)))
 
 
 def _self_check(lib) -> str | None:
@@ -168,17 +205,25 @@ def load():
             if cc is None:
                 _state = "off (no C compiler found; set CC)"
                 return None
-            path = _build(cc, _cache_dir())
-            lib = ctypes.CDLL(str(path))
-            fn = lib.dp_conv2d_per_example
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 16
-            reason = _self_check(lib)
-            if reason:
-                _state = f"off ({reason})"
-                return None
-            _lib = lib
-            _state = f"on ({path})"
+            reasons = []
+            for path, arch in _builds(cc, _cache_dir()):
+                try:
+                    lib = ctypes.CDLL(str(path))
+                except OSError as e:  # e.g. an OpenMP runtime that does not match: next flags
+                    reasons.append(f"{' '.join(arch)}: {e}")
+                    continue
+                fn = lib.dp_conv2d_per_example
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 16
+                reason = _self_check(lib)
+                if reason:
+                    reasons.append(f"{' '.join(arch)}: {reason}")
+                    continue
+                _lib = lib
+                _state = f"on ({path})"
+                break
+            if _lib is None:
+                _state = "off (" + "; ".join(reasons) + ")"
         except Exception as e:  # any failure: the torch path is used
             _state = f"off ({type(e).__name__}: {e})"
         finally:

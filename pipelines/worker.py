@@ -410,6 +410,11 @@ def train_loop_per_worker(spec: dict) -> None:
         canary_value = cfg.clip_norm * (1.0 - dpcore.clipping.CLIP_MARGIN)
 
     tracker = _Tracker(spec) if rank == 0 else None
+    if tracker is not None:
+        # The path clipping="auto" chose from the model and method, before any data was seen.
+        # (Whether the first-batch check later fell back to vmap depends on the private data,
+        # so it is not logged here: only the workers' warning says so.)
+        tracker.client.set_tag(tracker.run_id, "clipping.chosen", private.optimizer.clipping)
     if tracker is not None and fitted is not None:
         tracker.client.set_tag(tracker.run_id, "physical_batch_size.fitted", str(fitted["physical_batch_size"]))
         if fitted.get("measured"):
@@ -445,8 +450,6 @@ def train_loop_per_worker(spec: dict) -> None:
             reported_releases, pruned = report(rate)
             if pruned:  # Optuna's pruner stopped this trial (a sweep); every rank got the decision
                 break
-    if tracker is not None:  # which per-example path ran (clipping="auto" picks; verification may fall back)
-        tracker.client.set_tag(tracker.run_id, "clipping.used", private.optimizer.clipping)
     # Restored right at the budget (the rolled-back releases used it up): the restored state
     # is the final one, but the ledger has grown since that checkpoint, so report it again.
     need = None

@@ -170,3 +170,25 @@ def test_the_kernel_is_chosen_by_layer_shape_only():
     assert not native.worthwhile(nn.Conv2d(1, 8, 3), torch.zeros(1, 8, 6, 6))  # 9-wide rows
     for m, o in cnn:
         assert native.worthwhile(m, torch.full_like(o, float("nan"))) == native.worthwhile(m, o)
+
+
+def test_a_cache_under_a_directory_others_can_change_is_not_used(tmp_path):
+    """A private cache directory inside a world-writable, non-sticky directory could be
+    renamed and replaced by another user: refused. Under a sticky one (like /tmp): used."""
+    if native._compiler() is None:
+        pytest.skip("no C compiler here")
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    env = {"DP_NATIVE_CACHE": str(open_dir / "cache")}
+    out = subprocess.run([sys.executable, "-c", _CHILD], env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["used"] and "dp-native-" in got["state"] and not list((open_dir / "cache").glob("*.so"))
+    open_dir.chmod(0o1777)
+    out = subprocess.run([sys.executable, "-c", _CHILD], env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["used"] and got["state"].startswith("on (" + str(open_dir / "cache"))
+
+
+def test_the_cache_key_ignores_the_clock_speed():
+    assert "MHz" not in native._cpu_id() and "bogomips" not in native._cpu_id().lower()
