@@ -33,6 +33,12 @@ Schedule = Callable[[int], float]
 AscentArg = Union[float, Schedule]
 
 
+def bookkeeping_applies(method: str, augmentation_multiplicity: int, clip_norm_type: str) -> bool:
+    """Whether book-keeping clipping (L2 norms of plain per-example gradients) can serve these
+    options: not BAM's ascent point, averaged augmented copies, or L1 clipping."""
+    return method != "bam" and augmentation_multiplicity == 1 and clip_norm_type != "l1"
+
+
 def check_method_options(
     *,
     method: str = "dpsgd",
@@ -73,7 +79,7 @@ def check_method_options(
             f"augmentation_multiplicity={augmentation_multiplicity!r} is invalid: it is the number K ≥ 1 of "
             "augmented copies whose gradients are averaged per example (1 = no augmentation)."
         )
-    if clipping == "bookkeeping" and (method == "bam" or augmentation_multiplicity > 1 or clip_norm_type == "l1"):
+    if clipping == "bookkeeping" and not bookkeeping_applies(method, augmentation_multiplicity, clip_norm_type):
         raise DPConfigError(
             "clipping='bookkeeping' computes the L2 norms of plain per-example gradients only; BAM, "
             "augmentation multiplicity and L1 clipping need clipping='vmap'."

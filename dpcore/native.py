@@ -122,8 +122,7 @@ def _cache_dir() -> Path:
 
 
 def _compiler() -> str | None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    return cc
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
 def _builds(cc: str, out_dir: Path):

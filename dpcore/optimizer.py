@@ -36,7 +36,7 @@ from . import fastclip
 from .accounting import POISSON_LAPLACE, PrivacyEvent
 from .clipping import clip_factors, clipped_sum, per_sample_norms
 from .grad_sample import LossFn, PerSampleGradients
-from .methods import AscentArg, as_schedule, check_method_options
+from .methods import AscentArg, as_schedule, bookkeeping_applies, check_method_options
 from .ledger import PrivacyLedger
 from .errors import DPConfigError
 from .randomness import Randomness, SecureRandomness
@@ -151,7 +151,7 @@ class DPOptimizer:
         self.augmentation_multiplicity = augmentation_multiplicity
         self.diagnostics_enabled = bool(diagnostics)
         if clipping == "auto":
-            fits = method != "bam" and augmentation_multiplicity == 1 and clip_norm_type != "l1" and not self.diagnostics_enabled
+            fits = bookkeeping_applies(method, augmentation_multiplicity, clip_norm_type) and not self.diagnostics_enabled
             clipping = "bookkeeping" if fits and fastclip.supports(model) else "vmap"
         if self.diagnostics_enabled and clipping == "bookkeeping":
             warnings.warn("diagnostics need per-example gradients: using the vmap path.", stacklevel=2)

@@ -12,9 +12,8 @@ it is installed.
 
 Modes:
 * ``non-private``: forward, backward, SGD step;
-* ``ours``: dpcore's DPOptimizer with book-keeping clipping where the model is made of
-  Linear/Conv2d/WSConv2d/GroupNorm layers (``clipping="bookkeeping"``; verified against vmap on
-  the first step),
+* ``ours``: dpcore's DPOptimizer with ``clipping="auto"``: book-keeping where the model is
+  made of Linear/Conv2d/WSConv2d/GroupNorm layers (verified against vmap on the first step),
   else vmap; secure noise; no budget check overhead beyond the ledger's cached allowance;
 * ``ours-vmap``: the same with the reference vmap per-example path;
 * ``opacus-hooks``, ``opacus-ew``, ``opacus-ghost``: Opacus 1.6 with that ``grad_sample_mode``.
@@ -122,7 +121,7 @@ def time_steps(model_name: str, rounds: int, warmup: int = 3, opacus: bool = Tru
     x, y = _data(shape, batch)
     steps: dict[str, object] = {"non-private": _non_private(make, x, y)}
     notes: dict[str, str] = {}
-    step, ours_opt = _ours(make, x, y, "bookkeeping") if dpcore.fastclip.supports(make()) else _ours(make, x, y, "vmap")
+    step, ours_opt = _ours(make, x, y, "auto")
     steps["ours"] = step
     native_calls = native.calls
     steps["ours-vmap"] = _ours(make, x, y, "vmap")[0]
