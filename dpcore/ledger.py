@@ -190,12 +190,21 @@ class PrivacyLedger:
         return accounting.compose(self.groups())
 
     # ----------------------------------------------------------------------------------
+    def _allowance_key(self, event: PrivacyEvent, others) -> tuple:
+        return (tuple(sorted((repr(e), c) for e, c in others if e != event and c > 0)), event)
+
+    def prime_allowance(self, event: PrivacyEvent, other_groups, max_count: int) -> None:
+        """Seed the budget check with ``max_count`` = :func:`accounting.max_steps` of ``event``
+        next to ``other_groups``, computed elsewhere (the driver's plan) with this ledger's
+        budget, δ and accountant. It is used only while the ledger's other releases are exactly
+        ``other_groups``; any other history is computed afresh, as always."""
+        self._allowance_cache[self._allowance_key(event, list(other_groups))] = int(max_count)
+
     def allowance(self, event: PrivacyEvent) -> int | float:
         """How many more releases of ``event`` fit in the budget given everything so far."""
         if self.target_epsilon is None:
             return math.inf
-        others = tuple(sorted((repr(e), c) for e, c in self._counts.items() if e != event and c > 0))
-        key = (others, event)
+        key = self._allowance_key(event, self._counts.items())
         if key not in self._allowance_cache:
             prior = [(e, c) for e, c in self._counts.items() if e != event and c > 0]
             self._allowance_cache[key] = accounting.max_steps(

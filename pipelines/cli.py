@@ -21,40 +21,67 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import dpcore
+
+from ._trace import trace
 
 PROG = "dp-platform"
 
 
 def _ingest(argv: list[str]) -> int:
-    from .config import load_config
-    from .data import DATASETS, load_dataset
-    from .ingest import ingest
+    import time
 
-    p = argparse.ArgumentParser(prog=f"{PROG} ingest", description="Write a dataset once as Parquet shards (fixed-size binary images, labels, split) with a checksummed manifest. Train on it with --data-dir OUT_DIR.")
-    p.add_argument("dataset", help=f"one of {', '.join(DATASETS)}")
-    p.add_argument("out_dir", help="folder to write (manifest.json, train-*.parquet, val.parquet, test.parquet)")
+    from .config import load_config
+    from .data import DATASETS, CorruptShardError, ingest, load_dataset, verify
+
+    p = argparse.ArgumentParser(
+        prog=f"{PROG} ingest",
+        description="Write a dataset once as Arrow shards (images in their own dtype, labels, split) with a checksummed "
+        "manifest; train on it with --data-dir OUT_DIR. With --verify, re-check an ingested dataset in full instead.",
+    )
+    p.add_argument("dataset", help=f"one of {', '.join(DATASETS)}; with --verify, the ingested folder to check")
+    p.add_argument("out_dir", nargs="?", help="folder to write (manifest.json, train-*.arrow, val.arrow, test.arrow)")
+    p.add_argument("--verify", action="store_true", help="re-hash every file of the ingested folder DATASET against its manifest")
     p.add_argument("--num-shards", type=int, default=2, help="training shards; use a multiple of the number of workers (default 2)")
-    p.add_argument("--data-dir", help="where the raw dataset is (torchvision layout or ImageFolder tree)")
+    p.add_argument("--data-dir", help="where the raw dataset is (IDX files, torchvision's layout or an ImageFolder tree)")
     p.add_argument("--download", action="store_true", help="download the torchvision dataset into --data-dir")
-    p.add_argument("--image-size", type=int, help="resize ImageFolder images to this square size")
+    p.add_argument("--image-size", type=int, help="resize ImageFolder images (or size generated ones) to this square size")
     p.add_argument("--generated-size", type=int, default=10_000, help="examples of the 'generated' dataset")
+    p.add_argument("--generated-channels", type=int, default=1, help="channels of the 'generated' images (with --image-size)")
     p.add_argument("--val-fraction", type=float, default=0.1, help="validation fraction carved out of the training data")
     p.add_argument("--test-fraction", type=float, default=0.2, help="test fraction, for datasets without a test set")
     p.add_argument("--split-seed", type=int, default=0, help="seed of the public split permutation")
     a = p.parse_args(argv)
+    t0 = time.monotonic()
     try:
+        if a.verify:
+            manifest = verify(a.dataset, full=True)
+            rows = sum(e["rows"] for e in manifest["files"])
+            size = sum(e.get("bytes", 0) for e in manifest["files"])
+            print(f"ok: {a.dataset}: {len(manifest['files'])} files, {rows} rows, {size / 2**20:.1f} MiB, every SHA-256 matches ({time.monotonic() - t0:.1f}s)")
+            return 0
+        if a.out_dir is None:
+            p.error("OUT_DIR is required (or --verify FOLDER)")
         load_config(overrides={"dataset": a.dataset, "data_dir": a.data_dir}).validate()
         ds = load_dataset(
             a.dataset, data_dir=a.data_dir, download=a.download, image_size=a.image_size, generated_size=a.generated_size,
-            val_fraction=a.val_fraction, test_fraction=a.test_fraction, split_seed=a.split_seed,
+            generated_channels=a.generated_channels, val_fraction=a.val_fraction, test_fraction=a.test_fraction, split_seed=a.split_seed,
         )
+        t1 = time.monotonic()
         out = ingest(ds, a.out_dir, num_shards=a.num_shards)
+    except CorruptShardError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except dpcore.DPError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {ds.name}: {len(ds.train)} train rows in {a.num_shards} shards, {len(ds.val)} val, {len(ds.test)} test -> {out}")
+    size = sum(f.stat().st_size for f in Path(out).glob("*.arrow"))
+    print(
+        f"wrote {ds.name}: {len(ds.train)} train rows in {a.num_shards} shards, {len(ds.val)} val, {len(ds.test)} test "
+        f"({ds.train.x.dtype}, {size / 2**20:.1f} MiB) -> {out}  (load {t1 - t0:.1f}s, write and hash {time.monotonic() - t1:.1f}s)"
+    )
     return 0
 
 
@@ -137,6 +164,7 @@ def _ui(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    trace("cli main")
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"train": None, "sweep": None, "federated": None, "audit": None, "ingest": _ingest, "ledger": _ledger, "ui": _ui, "bench": None,
                 "stack": None, "submit": None, "status": None, "logs": None, "stop": None}

@@ -19,8 +19,8 @@ from typing import Any
 
 import dpcore
 
-from .data import DATASETS, NEEDS_DATA_DIR
-from .models import MODELS
+from .data import DATASETS, NEEDS_DATA_DIR, USES_DATA_DIR
+from .models import MODELS, check_activation
 
 OPTIMIZERS = ("sgd", "adam", "nadam")
 
@@ -34,7 +34,10 @@ class TrainConfig:
     # data
     dataset: str = _f("digits", f"dataset: {', '.join(DATASETS)}", "data")
     data_dir: str | None = _f(
-        None, "folder holding the dataset (torchvision layout or an ImageFolder tree), or an already ingested Parquet dataset (has manifest.json)", "data"
+        None,
+        "folder holding the dataset: IDX files (mnist, fashion-mnist; flat or torchvision's layout; default: the standard "
+        "install path, /usr/share/datasets/<name>), torchvision's layout (cifar), an ImageFolder tree, or an ingested dataset (has manifest.json)",
+        "data",
     )
     download: bool = _f(False, "download the torchvision dataset into data_dir (needs a network)", "data")
     image_size: int | None = _f(None, "resize ImageFolder images to this square size; the size of 'generated' images (default 8)", "data")
@@ -42,9 +45,15 @@ class TrainConfig:
     val_fraction: float = _f(0.1, "fraction of the training data held out for validation (never trained on)", "data")
     test_fraction: float = _f(0.2, "fraction held out for testing, for datasets without their own test set", "data")
     split_seed: int = _f(0, "seed of the (public, data-independent) split permutation", "data")
+    train_subset: int = _f(0, "train on the first K examples of the publicly shuffled training split only (0: all); validation and test are unchanged", "data")
     # model and optimiser
     model: str = _f("mlp", f"model: {', '.join(MODELS)}", "model")
     replace_batchnorm: bool = _f(False, "replace BatchNorm layers by GroupNorm (needed for most tv: models)", "model")
+    activation: str | None = _f(
+        None, "activation of mlp, small_cnn, cnn, scatter_cnn: relu, tanh, elu, or tempered:s,T,o (Papernot et al.'s tempered sigmoid s·sigmoid(T·x)−o). Default: the model's own (relu; tanh for small_cnn and scatter_cnn)", "model"
+    )
+    groupnorm: bool = _f(False, "GroupNorm after each convolution of small_cnn and cnn", "model")
+    weight_standardization: bool = _f(False, "weight-standardised convolutions in small_cnn and cnn (De et al. 2022)", "model")
     optimizer: str = _f("adam", f"optimizer applied to the noised gradient: {', '.join(OPTIMIZERS)}", "model")
     lr: float = _f(0.02, "learning rate", "model")
     momentum: float = _f(0.9, "momentum (sgd only)", "model")
@@ -86,6 +95,9 @@ class TrainConfig:
     # cluster
     num_workers: int = _f(2, "Ray Train workers (each samples its own shard)", "cluster")
     use_gpu: bool = _f(False, "one GPU per worker, NCCL (default: CPU, gloo)", "cluster")
+    in_process: bool = _f(
+        False, "train in this process with Ray Train's local mode: no Ray cluster and no worker processes, so it starts in seconds; one worker (num_workers=1), no automatic restarts (--resume still works)", "cluster"
+    )
     physical_batch_size: int = _f(256, "examples per per-example-gradient call (memory, not privacy)", "cluster")
     memory_budget_mb: float = _f(0.0, "per-worker memory budget (MiB) for the per-example gradients: the physical batch size becomes the largest power of two ≤ physical_batch_size that fits, measured at start (0: off)", "cluster")
     clipping: str = _f("auto", "per-example clipping: auto (bookkeeping where the model and method allow it, else vmap), vmap (any model), or bookkeeping (Linear/Conv2d/WSConv2d/GroupNorm models; faster; verified against vmap on the first batch, else vmap)", "cluster")
@@ -102,6 +114,9 @@ class TrainConfig:
     registered_model: str | None = _f(None, "name in the MLflow model registry (default: dp-<dataset>-<model>; 'none' to skip)", "tracking")
     diagnostics: bool = _f(
         False, "NON-PRIVATE: also log training loss/accuracy and clip fractions; tags the run dp.diagnostics=non-private", "tracking"
+    )
+    test_every_report: bool = _f(
+        True, "evaluate the test split at every report; --no-test-every-report: only at the end, so that nothing chosen during the run (pruning, early looks) can depend on it", "tracking"
     )
     log_model: bool = _f(True, "log (and register) the final model; sweeps log only the best trial's", "tracking")
     quiet: bool = _f(False, "no progress output", "tracking")
@@ -170,7 +185,7 @@ class TrainConfig:
             dpcore.validation.check_positive_int(getattr(self, name), name)
         if isinstance(self.memory_budget_mb, bool) or not isinstance(self.memory_budget_mb, (int, float)) or not (self.memory_budget_mb == 0 or 1 <= self.memory_budget_mb < float("inf")):
             raise err(f"memory_budget_mb={self.memory_budget_mb!r} is invalid: it must be 0 (off) or a number of MiB ≥ 1.")
-        for name in ("checkpoint_every", "max_failures", "split_seed", "init_seed"):
+        for name in ("checkpoint_every", "max_failures", "split_seed", "init_seed", "train_subset"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise err(f"{name}={v!r} is invalid: it must be an integer ≥ 0.")
@@ -184,6 +199,10 @@ class TrainConfig:
         check_audit_options(self)
         if self.audit_canaries and self.audit_kind not in ("gradient", "input"):
             raise err(f"audit_kind={self.audit_kind!r} is unknown; use gradient (white-box) or input (black-box).")
+        if self.in_process and self.num_workers != 1:
+            raise err(f"in_process trains one worker in this process; num_workers={self.num_workers} needs Ray workers (drop --in-process).")
+        if self.in_process and self.fault_at_step is not None:
+            raise err("fault_at_step kills a worker process; with in_process the worker is this process. Drop one of them.")
         if self.fault_at_step is not None and not (0 <= self.fault_rank < self.num_workers):
             raise err(f"fault_rank={self.fault_rank} must be a worker rank in [0, {self.num_workers}).")
 
@@ -210,8 +229,30 @@ def check_dataset_and_model(cfg) -> None:
         raise err(f"dataset={cfg.dataset!r} is unknown; available: {', '.join(DATASETS)}.")
     if cfg.dataset in NEEDS_DATA_DIR and not cfg.data_dir:
         raise err(f"dataset={cfg.dataset!r} needs --data-dir (the folder that holds it); add --download to fetch it there.")
+    if cfg.data_dir:
+        root = Path(os.path.expanduser(cfg.data_dir))
+        manifest = root / "manifest.json"
+        if manifest.is_file():  # an ingested dataset: it must be the one the run is named after
+            import json
+
+            try:
+                name = json.loads(manifest.read_text()).get("name")
+            except (OSError, ValueError):
+                name = None  # the driver's verification names the problem
+            if name is not None and name != cfg.dataset:
+                raise err(
+                    f"data_dir={cfg.data_dir!r} is an ingested {name!r} dataset, but dataset={cfg.dataset!r}. "
+                    f"Use --dataset {name}, or point --data-dir to {cfg.dataset}'s files."
+                )
+        elif cfg.dataset not in USES_DATA_DIR:
+            raise err(
+                f"dataset={cfg.dataset!r} does not read data_dir={cfg.data_dir!r} (it is built in); drop --data-dir, or "
+                f"give an ingested {cfg.dataset} dataset (a folder with manifest.json)."
+            )
     if not (cfg.model in MODELS[:-1] or (cfg.model.startswith("tv:") and len(cfg.model) > 3)):
         raise err(f"model={cfg.model!r} is unknown; available: {', '.join(MODELS)}.")
+    if getattr(cfg, "activation", None) is not None:
+        check_activation(cfg.activation)
 
 
 def check_audit_options(cfg) -> None:

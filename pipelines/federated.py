@@ -254,21 +254,29 @@ class RayPool:
 
 # ------------------------------------------------------------------------------------------
 def load_data(cfg: FederatedConfig):
-    """Train/val/test splits: an ingested Parquet dataset (data_dir with manifest.json) or a
-    dataset loaded through torchvision / scikit-learn / the generator."""
+    """Train/val/test splits as model inputs (float32, normalised; clients' data is small and
+    simulated in memory): an ingested dataset (data_dir with manifest.json) or a dataset loaded
+    through its source (IDX files, torchvision, scikit-learn, the generator)."""
+    from .data import Split
+
     if cfg.data_dir and (Path(cfg.data_dir).expanduser() / "manifest.json").is_file():
-        from .ingest import read_manifest, read_split, verify
+        from .data import open_split, read_manifest, verify
 
         path = Path(cfg.data_dir).expanduser()
         verify(path)
         manifest = read_manifest(path)
-        splits = {s: read_split(path, s) for s in ("train", "val", "test")}
+        splits = {}
+        for s in ("train", "val", "test"):
+            m = open_split(path, s)
+            splits[s] = Split(m.batch(torch.arange(len(m))), m.y.clone())
         return SimpleNamespace(name=manifest.get("name", cfg.dataset), num_classes=manifest["num_classes"],
                                input_shape=tuple(manifest["input_shape"]), **splits)
-    return load_dataset(
+    ds = load_dataset(
         cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, image_size=cfg.image_size, generated_size=cfg.generated_size,
         val_fraction=cfg.val_fraction, test_fraction=cfg.test_fraction, split_seed=cfg.split_seed,
     )
+    splits = {s: Split(ds.inputs(s), getattr(ds, s).y) for s in ("train", "val", "test")}
+    return SimpleNamespace(name=ds.name, num_classes=ds.num_classes, input_shape=ds.input_shape, **splits)
 
 
 def plan_federated(cfg: FederatedConfig) -> dict:

@@ -30,9 +30,9 @@ from pathlib import Path
 import dpcore
 
 from . import tracking
+from ._trace import trace
 from .config import TrainConfig, add_config_arguments, config_from_dict, load_config
-from .data import load_dataset
-from .ingest import CorruptShardError, ingest, verify
+from .data.shards import FORMAT_VERSION
 from .models import build_run_model
 
 JOURNAL = "ledger.journal.jsonl"
@@ -41,27 +41,42 @@ MAX_PCA_DIM = 8192  # a d×d float64 matrix of 512 MiB
 
 # ------------------------------------------------------------------------------------------
 # Planning (driver side, before any worker starts)
+def _source_fingerprint(cfg: TrainConfig) -> dict:
+    """What the raw data is, cheaply (names, sizes and times of its files; no reading): the key
+    of the ingest cache, so that a cached dataset is re-used without loading the source."""
+    from .data import IDX_DATASETS, find_idx_files
+
+    fingerprint = {
+        "name": cfg.dataset, "format": FORMAT_VERSION, "data_dir": cfg.data_dir, "image_size": cfg.image_size,
+        "generated_size": cfg.generated_size, "val_fraction": cfg.val_fraction, "test_fraction": cfg.test_fraction,
+        "split_seed": cfg.split_seed, "train_subset": cfg.train_subset,
+    }
+    files: list[Path] = []
+    if cfg.dataset in IDX_DATASETS and not cfg.download:
+        files = [p for pair in find_idx_files(cfg.dataset, cfg.data_dir).values() for p in pair]
+    elif cfg.data_dir and cfg.dataset in ("imagefolder", "cifar10", "cifar100"):  # trees a user may edit
+        root = Path(cfg.data_dir).expanduser()
+        files = [f for f in root.rglob("*") if f.is_file()] if root.is_dir() else []
+    fingerprint["files"] = sorted((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return fingerprint
+
+
 def prepare_data(cfg: TrainConfig) -> tuple[Path, dict]:
-    """An ingested, verified Parquet dataset for ``cfg``: ``data_dir`` itself if it is one,
-    else the dataset loaded and ingested once into ``storage_path/datasets`` (one shard per
-    worker), re-used while its checksums hold."""
+    """An ingested, verified dataset for ``cfg``: ``data_dir`` itself if it is one, else the
+    dataset loaded and ingested once into ``storage_path/datasets`` (one shard per worker).
+    A cached ingest is re-used without loading the source again (its key is the source files'
+    names, sizes and times) while its verification holds."""
+    from .data import CorruptShardError, ingest, load_dataset, verify
+
     if cfg.data_dir and (Path(cfg.data_dir).expanduser() / "manifest.json").is_file():
+        if cfg.train_subset:
+            raise dpcore.DPConfigError(
+                f"train_subset={cfg.train_subset} applies when the platform ingests the data itself; {cfg.data_dir} is "
+                "already ingested. Point --data-dir to the raw files, or ingest a smaller dataset."
+            )
         path = Path(cfg.data_dir).expanduser().resolve()
         return path, verify(path)
-    loader_args = {
-        "data_dir": cfg.data_dir,
-        "download": cfg.download,
-        "image_size": cfg.image_size,
-        "generated_size": cfg.generated_size,
-        "val_fraction": cfg.val_fraction,
-        "test_fraction": cfg.test_fraction,
-        "split_seed": cfg.split_seed,
-    }
-    dataset = load_dataset(cfg.dataset, **loader_args)
-    fingerprint = {"name": cfg.dataset, **loader_args}
-    if cfg.dataset == "imagefolder":  # a tree a user may edit: key the cache by its files too
-        root = Path(cfg.data_dir).expanduser()
-        fingerprint["files"] = sorted((str(f.relative_to(root)), f.stat().st_size, f.stat().st_mtime_ns) for f in root.rglob("*") if f.is_file())
+    fingerprint = _source_fingerprint(cfg)
     key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:12]
     out = Path(cfg.storage_path).resolve() / "datasets" / f"{cfg.dataset}-{key}-{cfg.num_workers}shards"
     if (out / "manifest.json").is_file():
@@ -69,8 +84,24 @@ def prepare_data(cfg: TrainConfig) -> tuple[Path, dict]:
             return out, verify(out)
         except CorruptShardError:
             pass  # our own cache: rewrite it
+    dataset = load_dataset(
+        cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, image_size=cfg.image_size, generated_size=cfg.generated_size,
+        val_fraction=cfg.val_fraction, test_fraction=cfg.test_fraction, split_seed=cfg.split_seed,
+    ).with_train_subset(cfg.train_subset)
     ingest(dataset, out, num_shards=cfg.num_workers)
     return out, verify(out)
+
+
+def prepare_features(cfg: TrainConfig, data_dir: Path, manifest: dict, model) -> tuple[Path, dict] | None:
+    """The cached features of the model's public front end (ScatterNet), or None when the model
+    has none or the run augments its inputs (then the front end runs at every step)."""
+    from .data.features import ensure_features
+    from .models import split_public_front
+
+    front, _ = split_public_front(model)
+    if front is None or cfg.augmentation_multiplicity > 1:
+        return None
+    return ensure_features(data_dir, manifest, front, front.cache_key(), cfg.storage_path, stream=None if cfg.quiet else sys.stderr)
 
 
 def plan_run(cfg: TrainConfig) -> dict:
@@ -126,6 +157,14 @@ def plan_run(cfg: TrainConfig) -> dict:
         noise=cfg.noise,
         prior_groups=prior,
     )
+    event_kind = dpcore.accounting.POISSON_LAPLACE if cfg.noise == "laplace" else dpcore.accounting.POISSON_GAUSSIAN
+    # How many steps the budget allows at this σ (≥ the planned steps): computed once here, so
+    # that the workers' budget check starts from it instead of searching again.
+    max_releases = dpcore.max_steps(
+        sigma, q, cfg.target_epsilon, cfg.target_delta, cfg.accountant, prior_groups=prior,
+        event=dpcore.PrivacyEvent(event_kind, sigma, q),
+    )
+    features = prepare_features(cfg, data_dir, manifest, model)  # last: everything that can fail cheaply has been checked
     every = cfg.checkpoint_every or max(1, math.ceil(steps / 10))
     name = cfg.run_name or f"{cfg.dataset}-{cfg.model.replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
     ray_run_name = f"{name}-{uuid.uuid4().hex[:6]}"
@@ -140,12 +179,16 @@ def plan_run(cfg: TrainConfig) -> dict:
         "journal": str(run_dir / JOURNAL),
         "data_dir": str(data_dir),
         "input_shape": list(manifest["input_shape"]),
+        # what the workers train on: the cached features of a public front end (ScatterNet), else the data itself
+        "train_data_dir": str(features[0]) if features else str(data_dir),
+        "features": features[1]["source"]["features"] if features else None,
         "num_classes": manifest["num_classes"],
         "split_info": manifest.get("split_info", {}),
         "dataset_size": n,
         "noise_multiplier": sigma,
         "sample_rate": q,
-        "event_kind": dpcore.accounting.POISSON_LAPLACE if cfg.noise == "laplace" else dpcore.accounting.POISSON_GAUSSIAN,
+        "event_kind": event_kind,
+        "max_releases": max_releases,
         "pca_path": str(run_dir / "pca.pt") if cfg.pca_components else None,
         "audit_path": str(run_dir / "audit.pt") if cfg.audit_canaries else None,
         "steps": steps,
@@ -257,6 +300,9 @@ def ray_cluster(cfg: TrainConfig):
         yield
         return
     else:
+        # A one-node cluster of our own is never drained by a cloud provider: Ray Train's
+        # preemption watcher (an extra actor process, started at every run) has nothing to watch.
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
         ray.init(
             num_cpus=max(os.cpu_count() or 1, cfg.num_workers),
             num_gpus=None if cfg.use_gpu else 0,
@@ -275,12 +321,23 @@ def _fit(spec: dict, cfg: TrainConfig):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from .worker import train_loop_per_worker
+    from .worker_entry import train_loop_per_worker
 
+    # Ray Train's controller looks at its workers every 2 s by default, so each phase change
+    # (workers up, training done) waits up to 2 s; half a second costs nothing measurable.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    if cfg.in_process:  # Ray Train's local mode: the training function runs here, in this process
+        import logging
+
+        for name in ("ray.train.v2.api.config", "ray.train.v2._internal.execution.train_fn_utils"):
+            logging.getLogger(name).setLevel(logging.WARNING)  # "Running in local mode", "Reported metrics: ..."
+        scaling = ScalingConfig(num_workers=0)
+    else:
+        scaling = ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=None if cfg.use_gpu else {"CPU": 1})
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=spec,
-        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=None if cfg.use_gpu else {"CPU": 1}),
+        scaling_config=scaling,
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         run_config=RunConfig(
             name=spec["ray_run_name"],
@@ -324,12 +381,12 @@ def ensure_pca(spec: dict, cfg: TrainConfig, client, run_id: str) -> None:
         return
     import torch
 
-    from .ingest import read_split
+    from .data import open_split
 
     ledger = open_run_ledger(spec)
-    train = read_split(spec["data_dir"], "train")
+    train = open_split(spec["data_dir"], "train")
     result = dpcore.dp_pca(
-        train.x, cfg.pca_components, cfg.pca_noise_multiplier, dpcore.make_randomness(cfg.seed).spawn("pca"),
+        train.batch(torch.arange(len(train))), cfg.pca_components, cfg.pca_noise_multiplier, dpcore.make_randomness(cfg.seed).spawn("pca"),
         sample_rate=cfg.pca_sample_rate, ledger=ledger,
     )
     tmp = Path(spec["pca_path"] + ".tmp")
@@ -413,7 +470,9 @@ def run(
         spec, cfg = _resume_spec(resume, (cfg or TrainConfig()).tracking_uri, resume_changes or {})
     else:
         cfg = cfg or TrainConfig()
+        trace("run() start")
         spec = plan_run(cfg)
+        trace("planned")
         spec["optuna"] = optuna_trial
     client = MlflowClient(spec["tracking_uri"])
     mlflow.set_tracking_uri(spec["tracking_uri"])
@@ -440,7 +499,9 @@ def run(
             tracking.write_json_artifact(client, run_id, "spec.json", spec)
         ensure_pca(spec, cfg, client, run_id)
         ensure_audit(spec, cfg)
-        with ray_cluster(cfg), JournalProgress(spec, enabled=not cfg.quiet):
+        trace("mlflow run set up")
+        with (contextlib.nullcontext() if cfg.in_process else ray_cluster(cfg)), JournalProgress(spec, enabled=not cfg.quiet):
+            trace("cluster ready")
             result = _fit(spec, cfg)
         if result.error is not None:
             raise _worker_dp_error(result.error) or result.error
@@ -468,9 +529,9 @@ def run(
         tracking.plot_run(client, run_id, ledger)
         import numpy as np
 
-        from .ingest import read_split
+        from .data import model_example
 
-        example = read_split(spec["data_dir"], "test").x[:4].numpy().astype(np.float32)
+        example = model_example(spec["data_dir"])
         reg = cfg.registered_model or f"dp-{cfg.dataset}-{cfg.model.replace(':', '_')}"
         version = None
         if cfg.log_model:

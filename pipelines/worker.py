@@ -36,9 +36,10 @@ import torch.nn.functional as F
 import dpcore
 from dpcore.ledger import COMMITTED
 
+from ._trace import trace
 from .config import TrainConfig, config_from_dict
-from .ingest import read_split, sha256_file
-from .models import build_run_model
+from .data import MappedSplit, open_split, sha256_file
+from .models import build_run_model, split_public_front
 
 MODEL_FILE = "model.pt"
 EMA_MODEL_FILE = "ema_model.pt"
@@ -113,19 +114,49 @@ def param_checksum(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+class ShardInputs:
+    """This rank's training examples as the trained module takes them: rows of the memory-mapped
+    shard, normalised per batch on the training device, then (rank 0, black-box audit) the input
+    canaries appended after them, already in the module's input space."""
+
+    def __init__(self, shard: MappedSplit, device, extra: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.shard, self.device = shard, device
+        self.extra_x = None if extra is None else extra[0].to(device)
+        self.y = torch.cat([shard.y, extra[1]]) if extra is not None else shard.y
+        self.y = self.y.to(device)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def batch(self, idx: torch.Tensor, device=None) -> torch.Tensor:
+        idx = torch.as_tensor(idx).cpu()
+        n = len(self.shard)
+        if self.extra_x is None or not bool((idx >= n).any()):
+            return self.shard.batch(idx, self.device)
+        inside = idx < n
+        out = torch.empty((len(idx),) + tuple(self.extra_x.shape[1:]), dtype=torch.float32, device=self.device)
+        out[inside.to(self.device)] = self.shard.batch(idx[inside], self.device)
+        out[(~inside).to(self.device)] = self.extra_x[(idx[~inside] - n).to(self.device)]
+        return out
+
+
 @torch.no_grad()
-def evaluate(model, x, y, batch: int = 2048) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) on a held-out split."""
-    if len(y) == 0:
+def evaluate(model, split, device=None, batch: int = 2048) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) of ``model`` on ``split`` (anything with ``batch(idx,
+    device)`` and labels ``y``), in chunks: a held-out split is never loaded whole."""
+    n = len(split.y)
+    if n == 0:
         return float("nan"), float("nan")
     model.eval()
     correct, loss = 0, 0.0
-    for i in range(0, len(y), batch):
-        out = model(x[i : i + batch])
-        correct += (out.argmax(1) == y[i : i + batch]).sum().item()
-        loss += F.cross_entropy(out, y[i : i + batch], reduction="sum").item()
+    for lo in range(0, n, batch):
+        idx = torch.arange(lo, min(n, lo + batch))
+        out = model(split.batch(idx, device))
+        y = split.y[idx.to(split.y.device)].to(out.device)
+        correct += (out.argmax(1) == y).sum().item()
+        loss += F.cross_entropy(out, y, reduction="sum").item()
     model.train()
-    return correct / len(y), loss / len(y)
+    return correct / n, loss / n
 
 
 _JOURNAL_LOCK = None  # the open lock file of this process's journal (rank 0); released when the process dies
@@ -150,6 +181,13 @@ def lock_journal(journal: str) -> None:
             "still training?). Stop them first; two trainers on one journal could spend the budget twice."
         ) from None
     _JOURNAL_LOCK = f
+
+
+def unlock_journal() -> None:
+    global _JOURNAL_LOCK
+    if _JOURNAL_LOCK is not None:
+        _JOURNAL_LOCK.close()  # closing the file releases its flock
+        _JOURNAL_LOCK = None
 
 
 def journal_is_locked(journal: str) -> bool:
@@ -199,6 +237,9 @@ def open_ledger(spec: dict, checkpoint_meta: dict | None, checkpoint_ledger: dic
                 f"the run uses a DP-PCA projection but its ledger journal {journal} holds no release for it. "
                 "Refusing to train on a projection that is not accounted for."
             )
+        if spec.get("max_releases") is not None:  # the driver's plan: the budget check need not search again
+            prior = [(dpcore.pca.pca_event(cfg["pca_noise_multiplier"], cfg["pca_sample_rate"]), 1)] if spec.get("pca_path") else []
+            ledger.prime_allowance(step_event(spec), prior, spec["max_releases"])
         after = checkpoint_meta["step"] if checkpoint_meta is not None else 0
         if any(e.status == COMMITTED and e.step > after for e in ledger.entries):
             ledger.mark_rolled_back(after)
@@ -260,6 +301,22 @@ def complete_checkpoints(run_dir: str, reported=None) -> list[tuple[int, int, st
     return sorted(candidates)
 
 
+def persist_checkpoint(src: Path, run_dir: Path, step: int, keep: int = 2) -> Path:
+    """Copy a checkpoint folder into ``run_dir/checkpoint_local_<step>`` (written aside, then
+    renamed, so a crash leaves no half checkpoint under that name) and keep the last ``keep``."""
+    import shutil
+
+    dest = run_dir / f"checkpoint_local_{step:09d}"
+    tmp = run_dir / f".checkpoint_local_{step:09d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.rename(tmp, dest)
+    for old in sorted(run_dir.glob("checkpoint_local_*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return dest
+
+
 def find_checkpoint(spec: dict, reported, rank: int, world: int):
     """The checkpoint to restore: the latest complete one in the run's storage.
 
@@ -286,17 +343,38 @@ def find_checkpoint(spec: dict, reported, rank: int, world: int):
     return ray.train.Checkpoint.from_directory(choice)
 
 
-def record_placement(spec: dict, rank: int) -> None:
-    """Where this rank runs (Ray node, host, process), in the run folder; the driver logs it
-    (``ray/placement.json``). A restarted group overwrites it with its new placement."""
+def memory_status() -> dict:
+    """This process's memory in MiB (Linux /proc): peak and current resident set, and the
+    current anonymous (heap) and file-backed (memory-mapped shards) parts of it."""
+    keys = {"VmHWM": "peak_rss_mib", "VmRSS": "rss_mib", "RssAnon": "rss_anon_mib", "RssFile": "rss_file_mib"}
+    out = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name in keys:
+                out[keys[name]] = round(int(value.split()[0]) / 1024, 1)
+    except OSError:
+        pass
+    return out
+
+
+def record_placement(spec: dict, rank: int, memory: dict | None = None) -> None:
+    """Where this rank runs (Ray node, host, process), and with ``memory`` its memory use, in
+    the run folder; the driver logs it (``ray/placement.json``). A restarted group overwrites
+    it with its new placement."""
     import socket
 
     import ray
 
     d = Path(spec["run_dir"]) / "placement"
     d.mkdir(parents=True, exist_ok=True)
-    ctx = ray.get_runtime_context()
-    info = {"rank": rank, "node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(), "hostname": socket.gethostname(), "pid": os.getpid()}
+    if ray.is_initialized():
+        node_id, node_ip = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    else:  # in_process (Ray Train's local mode): no cluster, this process is the worker
+        node_id, node_ip = f"in-process:{socket.gethostname()}", "127.0.0.1"
+    info = {"rank": rank, "node_id": node_id, "node_ip": node_ip, "hostname": socket.gethostname(), "pid": os.getpid()}
+    if memory:
+        info["memory"] = memory
     tmp = d / f".rank{rank}.json.tmp"
     tmp.write_text(json.dumps(info))
     os.replace(tmp, d / f"rank{rank}.json")
@@ -313,13 +391,16 @@ def train_loop_per_worker(spec: dict) -> None:
 
     from .allocator import keep_freed_memory
 
+    trace("worker entry")
     keep_freed_memory()  # this process is ours: reuse freed memory across steps (DP_MALLOC_TUNE=0: off)
     cfg = config_from_dict(spec["config"])
     _quiet_ray_train_logs()
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     record_placement(spec, rank)
-    if cfg.use_gpu:
+    if cfg.use_gpu and cfg.in_process:
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif cfg.use_gpu:
         from ray.train.torch import get_device
 
         device = get_device()  # the GPU Ray assigned to this worker
@@ -331,20 +412,28 @@ def train_loop_per_worker(spec: dict) -> None:
 
         warnings.simplefilter("ignore", dpcore.SeededRandomnessWarning)  # the driver already warned and tagged the run
 
-    train = read_split(spec["data_dir"], "train", rank, world)
-    x_train, y_train = train.x.to(device), train.y.to(device)
+    torch.manual_seed(cfg.init_seed)  # public: identical initial weights on every rank
+    model = build_run_model(cfg, tuple(spec["input_shape"]), spec["num_classes"], load_pca(spec)).to(device)
+    # With cached features (ScatterNet), the workers read the features and train the rest of the model.
+    front, trained = split_public_front(model) if spec.get("features") else (None, model)
+    data_dir = spec.get("train_data_dir") or spec["data_dir"]
+    extra = None
     if rank == 0 and spec.get("audit_path"):
         canaries = torch.load(spec["audit_path"])
         if canaries["kind"] == "input":  # black-box canaries in the data: rank 0's shard holds them, sampled like any example
             keep = canaries["included"]
-            x_train = torch.cat([x_train, canaries["x"][keep].to(device, x_train.dtype)])
-            y_train = torch.cat([y_train, canaries["y"][keep].to(device)])
+            x_extra = canaries["x"][keep].to(device)
+            if front is not None:
+                with torch.no_grad():
+                    x_extra = front(x_extra)
+            extra = (x_extra, canaries["y"][keep])
+    trace("model built")
+    train = ShardInputs(open_split(data_dir, "train", rank, world), device, extra)
+    trace("data opened")
+    y_train = train.y
     if rank == 0:
-        val, test = read_split(spec["data_dir"], "val"), read_split(spec["data_dir"], "test")
-        held_out = {k: (s.x.to(device), s.y.to(device)) for k, s in (("val", val), ("test", test))}
+        held_out = {k: open_split(data_dir, k) for k in ("val", "test")}
 
-    torch.manual_seed(cfg.init_seed)  # public: identical initial weights on every rank
-    model = build_run_model(cfg, tuple(spec["input_shape"]), spec["num_classes"], load_pca(spec)).to(device)
     optimizer = make_optimizer(cfg, [p for p in model.parameters() if p.requires_grad])
 
     checkpoint = find_checkpoint(spec, ray.train.get_checkpoint(), rank, world)
@@ -363,9 +452,11 @@ def train_loop_per_worker(spec: dict) -> None:
             ckpt_ledger = json.loads((d / LEDGER_FILE).read_text())
     start_step = meta["step"] if meta is not None else 0
 
+    trace("checkpoint looked up")
     ledger, allowance = open_ledger(spec, meta, ckpt_ledger, rank, world)
+    trace("ledger opened")
     private = dpcore.build_private(
-        model,
+        trained,
         optimizer,
         F.cross_entropy,
         noise_multiplier=spec["noise_multiplier"],
@@ -378,17 +469,19 @@ def train_loop_per_worker(spec: dict) -> None:
         accountant=cfg.accountant,
         randomness=dpcore.make_randomness(cfg.seed),
         ledger=ledger,
-        shard=torch.arange(len(y_train)),
+        shard=torch.arange(len(train)),
         rank=rank,
         reduce_fn=allreduce_sum if world > 1 else None,
         physical_batch_size=cfg.physical_batch_size,
         clipping=cfg.clipping,
         **method_options(cfg, spec, rank),
     )
+    trace("private built")
     fitted = None
     if cfg.memory_budget_mb > 0:  # probes on random data shaped like this shard's; nothing is released
-        n_probe = min(len(y_train), cfg.physical_batch_size)  # (each rank fits its own; rank 0's is tagged)
-        fitted = private.optimizer.fit_physical_batch_size(x_train[:n_probe], y_train[:n_probe], int(cfg.memory_budget_mb * 2**20))
+        n_probe = min(len(train), cfg.physical_batch_size)  # (each rank fits its own; rank 0's is tagged)
+        probe = torch.arange(n_probe)
+        fitted = private.optimizer.fit_physical_batch_size(train.batch(probe), y_train[probe], int(cfg.memory_budget_mb * 2**20))
     ema = dpcore.ParameterEMA(model, cfg.ema_decay) if cfg.ema_decay is not None else None
     if checkpoint is not None:
         private.optimizer.load_state_dict({**shared["optimizer"], "randomness": rank_state["noise"]})
@@ -414,20 +507,24 @@ def train_loop_per_worker(spec: dict) -> None:
         # The path clipping="auto" chose from the model and method, before any data was seen.
         # (Whether the first-batch check later fell back to vmap depends on the private data,
         # so it is not logged here: only the workers' warning says so.)
-        tracker.client.set_tag(tracker.run_id, "clipping.chosen", private.optimizer.clipping)
+        tracker.tag("clipping.chosen", private.optimizer.clipping)
     if tracker is not None and fitted is not None:
-        tracker.client.set_tag(tracker.run_id, "physical_batch_size.fitted", str(fitted["physical_batch_size"]))
+        tracker.tag("physical_batch_size.fitted", str(fitted["physical_batch_size"]))
         if fitted.get("measured"):
-            tracker.client.set_tag(tracker.run_id, "physical_batch_size.per_example_mib", f"{fitted['per_example_bytes'] / 2**20:.3f}")
+            tracker.tag("physical_batch_size.per_example_mib", f"{fitted['per_example_bytes'] / 2**20:.3f}")
     every = spec["checkpoint_every"]
     last_step = start_step + allowance  # the plan, or fewer if rolled-back releases used up budget
     t_last, step_last = time.monotonic(), start_step
     step = start_step
     reported_releases = meta["releases"] if meta is not None else -1
-    report = lambda rate: _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, tracker, held_out if rank == 0 else None, x_train, y_train, audit)  # noqa: E731
+    report = lambda rate: _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, tracker, held_out if rank == 0 else None, train, audit)  # noqa: E731
+    trace("loop start")
+    peak_anon = 0.0  # the largest anonymous resident set seen at a report (Linux keeps no peak of it)
     while step < last_step:
+        if step == start_step + 1:
+            trace("first step done")
         lot = private.sampler.sample()
-        private.optimizer.accumulate(x_train[lot], y_train[lot])
+        private.optimizer.accumulate(train.batch(lot), y_train[lot])
         if audit is not None:  # canaries in the data join the lot at rate q, like every example
             sampled = audit["in"][audit_root.spawn("audit-sampling", step).uniform(len(audit["in"])) < spec["sample_rate"]]
             private.optimizer.add_coordinate_examples(sampled, canary_value)
@@ -444,12 +541,15 @@ def train_loop_per_worker(spec: dict) -> None:
                 marker.write_text(f"rank {rank} died after step {step}\n")
                 os._exit(17)  # a hard crash: no cleanup, no report
         if step % every == 0 or step == last_step:
+            peak_anon = max(peak_anon, memory_status().get("rss_anon_mib", 0.0))
             now = time.monotonic()
             rate = (step - step_last) / max(now - t_last, 1e-9)
             t_last, step_last = now, step
             reported_releases, pruned = report(rate)
             if pruned:  # Optuna's pruner stopped this trial (a sweep); every rank got the decision
                 break
+    peak_anon = max(peak_anon, memory_status().get("rss_anon_mib", 0.0))
+    record_placement(spec, rank, {**memory_status(), "peak_rss_anon_mib": peak_anon})
     # Restored right at the budget (the rolled-back releases used it up): the restored state
     # is the final one, but the ledger has grown since that checkpoint, so report it again.
     need = None
@@ -463,7 +563,7 @@ def train_loop_per_worker(spec: dict) -> None:
         report(float("nan"))
 
 
-def _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, tracker, held_out, x_train, y_train, audit=None) -> int:
+def _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, tracker, held_out, train, audit=None) -> int:
     """Metrics (rank 0) and a checkpoint (every rank's part) in one ``ray.train.report``.
     Returns the number of ledger releases the checkpoint holds (rank 0; -1 elsewhere)."""
     import ray.train
@@ -488,7 +588,13 @@ def _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, 
                 eval_model = copy.deepcopy(model)
                 eval_model.load_state_dict(ema.averaged_state_dict())
                 torch.save(eval_model.state_dict(), d / EMA_MODEL_FILE)
-            (val_acc, val_loss), (test_acc, test_loss) = (evaluate(eval_model, *held_out[k]) for k in ("val", "test"))
+            if spec.get("features"):  # the held-out splits are features too: evaluate the rest of the model
+                eval_model = split_public_front(eval_model)[1]
+            device = next(model.parameters()).device
+            val_acc, val_loss = evaluate(eval_model, held_out["val"], device)
+            test_acc = test_loss = float("nan")  # NaN metrics are not logged
+            if final or cfg.test_every_report:
+                test_acc, test_loss = evaluate(eval_model, held_out["test"], device)
             if spec.get("optuna") and not final:
                 pruned = tracker.prune(val_acc, step)
             metrics = {
@@ -505,8 +611,9 @@ def _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, 
                 "final": float(final),
             }
             if cfg.diagnostics:  # NON-PRIVATE: computed on rank 0's training shard, not noised
-                acc, loss = evaluate(model, x_train, y_train)
-                norms = private.optimizer.diagnostics(x_train[:512], y_train[:512])["per_sample_norms"]
+                acc, loss = evaluate(split_public_front(model)[1] if spec.get("features") else model, train)
+                first = torch.arange(min(512, len(train)))
+                norms = private.optimizer.diagnostics(train.batch(first), train.y[first])["per_sample_norms"]
                 metrics.update(
                     {
                         "diag_train_accuracy": acc,
@@ -532,6 +639,8 @@ def _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, 
                 "pruned": pruned, "run_id": spec["run_id"], "files": files,
             }
             (d / "meta.json").write_text(json.dumps(meta))
+        if cfg.in_process:  # Ray Train's local mode keeps no checkpoint: keep it in the run folder ourselves
+            persist_checkpoint(d, Path(spec["run_dir"]), step)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
     if tracker is not None:
         tracker.log(metrics, step)
@@ -549,12 +658,35 @@ class _Tracker:
     """Rank 0 logs each report's metrics to the run's MLflow run as they happen."""
 
     def __init__(self, spec: dict):
-        from mlflow import MlflowClient
+        import threading
 
-        self.client = MlflowClient(spec["tracking_uri"])
         self.run_id = spec["run_id"]
         self.optuna = spec.get("optuna")
         self._trial = None
+        self._client = None
+        self._pending_tags: dict[str, str] = {}
+        # Importing MLflow takes about a second: do it beside the first steps, not before them.
+        self._loading = threading.Thread(target=self._connect, args=(spec["tracking_uri"],), daemon=True)
+        self._loading.start()
+
+    def _connect(self, uri: str) -> None:
+        try:
+            from mlflow import MlflowClient
+
+            self._client = MlflowClient(uri)
+        except BaseException as e:  # raised where the client is first used
+            self._client = e
+
+    @property
+    def client(self):
+        self._loading.join()
+        if isinstance(self._client, BaseException):
+            raise self._client
+        return self._client
+
+    def tag(self, key: str, value: str) -> None:
+        """Set a run tag with the next log (MLflow may still be loading)."""
+        self._pending_tags[key] = value
 
     def prune(self, value: float, step: int) -> bool:
         """Report the validation accuracy to the sweep's Optuna trial; True if it should stop."""
@@ -569,11 +701,14 @@ class _Tracker:
         return bool(self._trial.should_prune())
 
     def log(self, metrics: dict, step: int) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric, RunTag
 
+        client = self.client
         ts = int(time.time() * 1000)
         batch = [Metric(k, float(v), ts, step) for k, v in metrics.items() if k not in ("step", "final") and v == v]
-        self.client.log_batch(self.run_id, metrics=batch)
+        tags = [RunTag(k, v) for k, v in self._pending_tags.items()]
+        client.log_batch(self.run_id, metrics=batch, tags=tags)
+        self._pending_tags.clear()
 
     def log_history(self, records: list[dict]) -> None:
         """One metric per key and step (``diag_<key>``), in batches of at most 1000."""

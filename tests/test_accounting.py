@@ -8,6 +8,8 @@ import dp_accounting
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import dpcore
 from dpcore import accounting
@@ -224,3 +226,31 @@ def test_calibrated_sigma_is_within_half_a_percent_above_a_plain_pld_bisection()
     ours = dpcore.calibrate_noise_multiplier(2.0, 1e-5, q, steps)
     assert hi <= ours <= hi * 1.005, (ours, hi)
     assert eps(ours) <= 2.0
+
+
+@given(st.integers(0, 500), st.integers(-50, 600), st.integers(1, 520))
+@settings(max_examples=300, deadline=None)
+def test_galloping_search_is_exact_whatever_the_guess(answer, guess, limit):
+    """The count search started from a (coarse-grid) guess returns exactly what the plain
+    doubling-and-bisection search returns, for any monotone predicate, guess and limit."""
+    from dpcore.accounting import _largest_count, _largest_count_near
+
+    calls = []
+
+    def fits(t):
+        calls.append(t)
+        assert 1 <= t <= limit  # never asks outside [1, limit]
+        return t <= answer
+
+    assert _largest_count_near(fits, guess, limit) == _largest_count(lambda t: t <= answer, limit) == min(answer, limit)
+
+
+def test_max_steps_on_the_fine_grid_equals_a_fine_only_search():
+    """The coarse-then-fine search gives the same count as a search on the fine grid alone,
+    at counts where the coarse and fine grids straddle the boundary differently or not."""
+    from dpcore.accounting import PLD_VALUE_DISCRETIZATION, PrivacyEvent, _largest_count, epsilon
+
+    for sigma, q, eps in [(0.6457, 0.0095, 3.0), (1.1, 0.02, 1.0), (4.05, 0.1365, 3.0)]:
+        ev = PrivacyEvent.dpsgd_step(sigma, q)
+        fine = _largest_count(lambda t: epsilon([(ev, t)], 1e-5, "pld", PLD_VALUE_DISCRETIZATION) <= eps, 10**6)
+        assert dpcore.max_steps(sigma, q, eps, 1e-5) == fine

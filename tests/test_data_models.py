@@ -34,15 +34,18 @@ def test_mnist_loader_reads_torchvision_files_and_carves_validation_from_train(t
     assert ds.input_shape == (1, 28, 28) and ds.num_classes == 10
     assert (len(ds.train), len(ds.val), len(ds.test)) == (90, 10, 20)
     assert ds.split_info["source"] == "official train/test" and ds.split_info["val_examples"] == 10
-    # Standardised with MNIST's published mean/std: pixel 0 maps to -0.1307/0.3081.
-    assert torch.isclose(torch.cat([ds.train.x, ds.val.x]).min(), torch.tensor(-0.1307 / 0.3081), atol=1e-4)
+    assert ds.train.x.dtype == torch.uint8  # stored as shipped
+    # Standardised with MNIST's published mean/std: pixel 0 maps to -0.1307/0.3081, 255 to (1-0.1307)/0.3081.
+    inputs = torch.cat([ds.inputs("train"), ds.inputs("val")])
+    assert torch.isclose(inputs.min(), torch.tensor(-0.1307 / 0.3081), atol=1e-5)
+    assert torch.isclose(inputs.max(), torch.tensor((1 - 0.1307) / 0.3081), atol=1e-5)
     # Validation rows come out of the training set only, never from test.
     assert not any(torch.equal(v, t) for v in ds.val.x for t in ds.test.x)
 
 
 def test_missing_torchvision_files_say_where_they_were_looked_for(tmp_path):
-    with pytest.raises(dpcore.DPConfigError, match="mnist was not found under data_dir"):
-        load_dataset("mnist", data_dir=str(tmp_path))
+    with pytest.raises(dpcore.DPConfigError, match="cifar10 was not found under data_dir"):
+        load_dataset("cifar10", data_dir=str(tmp_path))
 
 
 def _png_tree(root, classes=("ant", "bee", "cat"), per_class=6, size=10):
@@ -70,8 +73,10 @@ def test_generated_dataset_has_the_requested_size_and_is_learnable_signal():
     ds = load_dataset("generated", generated_size=500)
     assert len(ds.train) + len(ds.val) + len(ds.test) == 500 and ds.input_shape == (1, 8, 8)
     # Class means differ (a real signal): nearest-class-mean on train beats chance on test.
-    means = torch.stack([ds.train.x[ds.train.y == c].mean(0) for c in range(10)])
-    pred = ((ds.test.x[:, None] - means[None]) ** 2).flatten(2).sum(-1).argmin(1)
+    assert ds.train.x.dtype == torch.uint8
+    x_train, x_test = ds.inputs("train"), ds.inputs("test")
+    means = torch.stack([x_train[ds.train.y == c].mean(0) for c in range(10)])
+    pred = ((x_test[:, None] - means[None]) ** 2).flatten(2).sum(-1).argmin(1)
     assert (pred == ds.test.y).float().mean() > 0.5
 
 

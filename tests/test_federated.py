@@ -31,7 +31,7 @@ def _cfg(root, **over):
 
 
 def _runner(order, offsets, lr=0.1, epochs=1):
-    return ClientRunner(DIGITS.train.x, DIGITS.train.y, order, offsets, "mlp", (1, 8, 8), 10, epochs, 10, lr, shuffle_seed=0)
+    return ClientRunner(DIGITS.inputs("train"), DIGITS.train.y, order, offsets, "mlp", (1, 8, 8), 10, epochs, 10, lr, shuffle_seed=0)
 
 
 def _initial_weights(seed=0):

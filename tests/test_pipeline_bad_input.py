@@ -8,8 +8,7 @@ import pytest
 
 import dpcore
 from pipelines.config import TrainConfig, load_config
-from pipelines.data import load_digits
-from pipelines.ingest import ingest
+from pipelines.data import ingest, load_digits
 from pipelines.train import run
 
 
@@ -33,7 +32,7 @@ def _cfg(tmp_path, **over):
 def corrupt_dataset(tmp_path_factory):
     d = tmp_path_factory.mktemp("corrupt")
     ingest(load_digits(), d, num_shards=2)
-    shard = d / "train-00001-of-00002.parquet"
+    shard = d / "train-00001-of-00002.arrow"
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2] ^= 0xFF  # one flipped byte in the middle of the shard
     shard.write_bytes(bytes(raw))
@@ -44,7 +43,7 @@ def corrupt_dataset(tmp_path_factory):
     "over, message",
     [
         (dict(dataset="nope"), "dataset='nope' is unknown; available: digits, mnist"),
-        (dict(dataset="mnist"), "dataset='mnist' needs --data-dir"),
+        (dict(dataset="mnist", data_dir=None), "mnist was not found: no IDX files"),
         (dict(dataset="mnist", data_dir="/nonexistent/mnist"), "data_dir='/nonexistent/mnist' does not exist"),
         (dict(model="tv:resnet18"), "BatchNorm"),
         (dict(lot_size=100_000), "lot_size=100000 is larger than the dataset"),
@@ -93,7 +92,7 @@ def test_corrupt_shard_is_named_before_training(tmp_path, corrupt_dataset):
     ray_was_up = ray.is_initialized()
     with pytest.raises(dpcore.DPConfigError) as err:
         run(_cfg(tmp_path, data_dir=str(corrupt_dataset)))
-    assert "train-00001-of-00002.parquet is corrupt" in str(err.value)
+    assert "train-00001-of-00002.arrow is corrupt" in str(err.value)
     _nothing_started(tmp_path, ray_was_up)
 
 

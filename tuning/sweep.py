@@ -244,7 +244,8 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
     from mlflow import MlflowClient
 
     from pipelines import tracking
-    from pipelines.train import prepare_data, ray_cluster
+    from pipelines.models import build_run_model
+    from pipelines.train import prepare_data, prepare_features, ray_cluster
 
     # ---- everything that can fail, before the study or any run is written ----------------
     sweep.validate()
@@ -253,8 +254,10 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
     base.validate()
     tracking_uri = tracking.resolve_tracking_uri(base.tracking_uri)
     tracking.check_tracking_uri(tracking_uri)
-    _, manifest = prepare_data(base)
+    data_dir, manifest = prepare_data(base)
     n = sum(e["rows"] for e in manifest["files"] if e["split"] == "train")
+    # A public front end's features (ScatterNet) are computed once here, not by the first trials at once.
+    prepare_features(base, data_dir, manifest, build_run_model(base, tuple(manifest["input_shape"]), manifest["num_classes"]))
     raw_space = space_override if space_override is not None else (sweep.space if sweep.space is not None else default_space(base.method))
     space = parse_space(raw_space, n)
     if "ascent" in space.names and base.method == "dpsgd":
@@ -455,17 +458,16 @@ def _finalise(study, sweep: SweepConfig, base, client, parent_id: str, sel, n_tr
 def _register_best(client, base, attrs: dict) -> str | None:
     """Log the best trial's model (from its final checkpoint) into its run and register it."""
     import mlflow
-    import numpy as np
 
     from pipelines import tracking
-    from pipelines.ingest import read_split
+    from pipelines.data import model_example
     from pipelines.train import load_final_model
 
     run_id = attrs["run_id"]
     spec_path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="spec.json", tracking_uri=client.tracking_uri)
     spec = json.loads(Path(spec_path).read_text())
     model = load_final_model(spec, attrs["checkpoint"])
-    example = read_split(spec["data_dir"], "test").x[:4].numpy().astype(np.float32)
+    example = model_example(spec["data_dir"])
     name = base.registered_model or f"dp-sweep-{base.dataset}-{base.model.replace(':', '_')}"
     mlflow.set_tracking_uri(client.tracking_uri)
     version = tracking.log_model(run_id, model, example, name, float(attrs["epsilon"]), base.target_delta, base.accountant)

@@ -1,0 +1,53 @@
+"""Data: sources as shipped (:mod:`.sources`, :mod:`.idx`), Arrow shards written once and
+memory-mapped by workers (:mod:`.shards`), and public fixed feature transforms cached once per
+dataset (:mod:`.features`)."""
+
+from .idx import IDX_DATASETS, find_idx_files, read_idx_split
+from .shards import (
+    CorruptShardError,
+    MappedSplit,
+    ingest,
+    model_example,
+    open_split,
+    read_manifest,
+    read_split,
+    sha256_file,
+    train_size,
+    verify,
+)
+from .sources import (
+    DATASETS,
+    NEEDS_DATA_DIR,
+    USES_DATA_DIR,
+    Dataset,
+    Normalization,
+    Split,
+    load_dataset,
+    load_digits,
+    load_generated,
+)
+
+__all__ = [
+    "CorruptShardError",
+    "DATASETS",
+    "Dataset",
+    "IDX_DATASETS",
+    "MappedSplit",
+    "NEEDS_DATA_DIR",
+    "Normalization",
+    "Split",
+    "USES_DATA_DIR",
+    "find_idx_files",
+    "ingest",
+    "load_dataset",
+    "load_digits",
+    "load_generated",
+    "model_example",
+    "open_split",
+    "read_idx_split",
+    "read_manifest",
+    "read_split",
+    "sha256_file",
+    "train_size",
+    "verify",
+]

@@ -1,0 +1,18 @@
+"""The function Ray Train ships to its controller and workers: a thin entry point.
+
+Ray pickles the training function by reference, so every process that unpickles it (the
+TrainController as well as each worker) imports its module. This module imports nothing
+heavy, so the controller starts without importing torch, dpcore or MLflow; the workers
+import :mod:`pipelines.worker` when they run it.
+"""
+
+
+def train_loop_per_worker(spec: dict) -> None:
+    from .worker import train_loop_per_worker as run
+    from .worker import unlock_journal
+
+    try:
+        run(spec)
+    finally:
+        if spec["config"].get("in_process"):  # this process goes on as the driver: let go of the run's journal
+            unlock_journal()
