@@ -142,17 +142,24 @@ class ShardInputs:
 
 @torch.no_grad()
 def evaluate(model, split, device=None, batch: int = 2048) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) of ``model`` on ``split`` (anything with ``batch(idx,
-    device)`` and labels ``y``), in chunks: a held-out split is never loaded whole."""
-    n = len(split.y)
+    """(accuracy, mean cross-entropy) of ``model`` on ``split``: anything with ``batch(idx,
+    device)`` and labels ``y`` (a mapped split: read in chunks, never loaded whole), or a pair
+    (inputs, labels) of tensors."""
+    if isinstance(split, tuple):
+        x_all, labels = split
+        inputs = lambda idx: x_all[idx]  # noqa: E731
+    else:
+        labels = split.y
+        inputs = lambda idx: split.batch(idx, device)  # noqa: E731
+    n = len(labels)
     if n == 0:
         return float("nan"), float("nan")
     model.eval()
     correct, loss = 0, 0.0
     for lo in range(0, n, batch):
         idx = torch.arange(lo, min(n, lo + batch))
-        out = model(split.batch(idx, device))
-        y = split.y[idx.to(split.y.device)].to(out.device)
+        out = model(inputs(idx))
+        y = labels[idx.to(labels.device)].to(out.device)
         correct += (out.argmax(1) == y).sum().item()
         loss += F.cross_entropy(out, y, reduction="sum").item()
     model.train()

@@ -184,3 +184,79 @@ def test_a_worker_refuses_a_pca_projection_that_is_not_in_the_ledger(tmp_path):
     assert allowance == 10 and len(ledger2) == 1
     worker._JOURNAL_LOCK.close()
     worker._JOURNAL_LOCK = None
+
+
+def _idx(path, array):
+    import gzip
+    import struct
+
+    import numpy as np
+
+    data = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape) + array.astype(np.uint8).tobytes()
+    path.write_bytes(gzip.compress(data))
+
+
+def _idx_folder(root, n_train=40, n_labels=40, test=True, train=True):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    root.mkdir(parents=True, exist_ok=True)
+    if train:
+        _idx(root / "train-images-idx3-ubyte.gz", rng.integers(0, 256, (n_train, 28, 28)))
+        _idx(root / "train-labels-idx1-ubyte.gz", rng.integers(0, 10, n_labels))
+    if test:
+        _idx(root / "t10k-images-idx3-ubyte.gz", rng.integers(0, 256, (10, 28, 28)))
+        _idx(root / "t10k-labels-idx1-ubyte.gz", rng.integers(0, 10, 10))
+    return root
+
+
+def _mixed_sizes(root):
+    import numpy as np
+    from PIL import Image
+
+    for c, size in (("a", 8), ("b", 12)):
+        (root / c).mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray(np.zeros((size, size, 3), np.uint8)).save(root / c / f"{i}.png")
+    return root
+
+
+@pytest.mark.parametrize(
+    "make, over, message",
+    [
+        (lambda d: _idx_folder(d, train=False), dict(dataset="fashion-mnist"), "holds only part of fashion-mnist: train-images-idx3-ubyte[.gz]"),
+        (lambda d: _idx_folder(d, n_labels=39), dict(dataset="fashion-mnist"), "holds 39 labels but"),
+        (_mixed_sizes, dict(dataset="imagefolder"), "have different sizes"),
+        (lambda d: (d.mkdir(parents=True), (d / "f.txt").write_text("x"), d / "f.txt")[2], dict(dataset="fashion-mnist"), "is a file, not a folder"),
+        (lambda d: d / "nowhere", dict(dataset="digits"), "does not read data_dir"),
+    ],
+    ids=["only-test-files", "label-count", "imagefolder-mixed-sizes", "data-dir-is-a-file", "unused-data-dir"],
+)
+def test_bad_real_data_fails_before_anything_starts(tmp_path, make, over, message):
+    """Issue H's bad input: each gets a clear error; no cluster, no MLflow run, no ledger."""
+    import ray
+
+    ray_was_up = ray.is_initialized()
+    data_dir = make(tmp_path / "data")
+    with pytest.raises(dpcore.DPError) as err:
+        run(_cfg(tmp_path, data_dir=str(data_dir), **over))
+    assert message in str(err.value)
+    _nothing_started(tmp_path, ray_was_up)
+
+
+def test_an_ingested_dataset_of_another_name_is_refused(tmp_path, corrupt_dataset):
+    import ray
+
+    ray_was_up = ray.is_initialized()
+    with pytest.raises(dpcore.DPConfigError, match="is an ingested 'digits' dataset, but dataset='fashion-mnist'"):
+        run(_cfg(tmp_path, dataset="fashion-mnist", data_dir=str(corrupt_dataset)))
+    _nothing_started(tmp_path, ray_was_up)
+
+
+def test_ingest_verify_rehashes_everything_and_exits_nonzero_on_corruption(tmp_path, corrupt_dataset):
+    good = tmp_path / "good"
+    ingest(load_digits(), good, num_shards=2)
+    ok = subprocess.run([sys.executable, "-m", "pipelines.cli", "ingest", "--verify", str(good)], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "every SHA-256 matches" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "pipelines.cli", "ingest", "--verify", str(corrupt_dataset)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "train-00001-of-00002.arrow is corrupt" in bad.stderr

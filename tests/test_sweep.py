@@ -249,3 +249,20 @@ def test_rank0_reports_to_the_trial_and_obeys_the_median_pruner(tmp_path):
     assert keep.prune(0.95, 10) is False
     assert stop.prune(0.2, 10) is True
     assert optuna.load_study(study_name="p", storage=storage).trials[3].intermediate_values == {10: 0.2}
+
+
+def test_a_pruned_sweep_from_a_relative_sqlite_path_reports_to_its_study(ray_cluster, tmp_path, monkeypatch):
+    """The worker side of --pruner median runs in Ray Train's own working folder: a study given
+    as a relative SQLite path (the default, sqlite:///optuna.db) must still be the same file
+    there. Two trials with several reports each; every report reached the study."""
+    monkeypatch.chdir(tmp_path)
+    sweep = SweepConfig(study="rel", storage="sqlite:///optuna.db", n_trials=2, max_concurrent=1, sampler="random", sampler_seed=1,
+                        pruner="median", space={"lr": {"low": 0.01, "high": 0.05, "log": True}}, quiet=True)
+    out = run_sweep(sweep, _base(tmp_path, epochs=2, checkpoint_every=2, registered_model="none", storage_path="dp_runs",
+                                  tracking_uri="sqlite:///mlflow.db"))
+    assert out["complete"] + sum(1 for t in optuna.load_study(study_name="rel", storage=f"sqlite:///{tmp_path}/optuna.db").trials
+                                 if t.state == optuna.trial.TrialState.PRUNED) == 2
+    study = optuna.load_study(study_name="rel", storage=f"sqlite:///{tmp_path}/optuna.db")
+    for t in study.trials:
+        assert len(t.intermediate_values) >= 2, t  # the workers' reports reached this very study
+    assert not (tmp_path / "dp_runs" / "optuna.db").exists()

@@ -249,11 +249,20 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
 
     # ---- everything that can fail, before the study or any run is written ----------------
     sweep.validate()
+    # A relative SQLite path would name a different file in each Ray worker (Ray Train runs
+    # them in the run's own folder): resolve it here, once.
+    sweep = dataclasses.replace(sweep, storage=tracking.resolve_tracking_uri(sweep.storage))
     if fixed:
         base = dataclasses.replace(base, **fixed)
     base.validate()
     tracking_uri = tracking.resolve_tracking_uri(base.tracking_uri)
     tracking.check_tracking_uri(tracking_uri)
+    # Trials run in Ray tasks whose working folder may not be this one (a joined cluster):
+    # every relative path of the base config is made absolute here.
+    base = dataclasses.replace(
+        base, tracking_uri=tracking_uri, storage_path=str(Path(base.storage_path).expanduser().resolve()),
+        data_dir=None if base.data_dir is None else str(Path(base.data_dir).expanduser().resolve()),
+    )
     data_dir, manifest = prepare_data(base)
     n = sum(e["rows"] for e in manifest["files"] if e["split"] == "train")
     # A public front end's features (ScatterNet) are computed once here, not by the first trials at once.

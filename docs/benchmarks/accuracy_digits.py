@@ -53,7 +53,7 @@ def opacus(eps: float, seed: int) -> dict:
     torch.manual_seed(0)  # the same initial weights as ours (init_seed=0)
     model = build_model("mlp", data.input_shape, data.num_classes)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    loader = DataLoader(TensorDataset(data.train.x, data.train.y), batch_size=LOT)
+    loader = DataLoader(TensorDataset(data.inputs("train"), data.train.y), batch_size=LOT)
     torch.manual_seed(seed)
     engine = PrivacyEngine(accountant="prv")
     model, optimizer, loader = engine.make_private_with_epsilon(
@@ -70,7 +70,7 @@ def opacus(eps: float, seed: int) -> dict:
             steps += 1
     model.eval()
     with torch.no_grad():
-        acc = (model(data.test.x).argmax(1) == data.test.y).float().mean().item()
+        acc = (model(data.inputs("test")).argmax(1) == data.test.y).float().mean().item()
     return {"acc": acc, "eps": engine.get_epsilon(DELTA), "sigma": optimizer.noise_multiplier, "steps": steps}
 
 

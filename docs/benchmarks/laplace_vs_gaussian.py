@@ -52,10 +52,11 @@ def train(seed: int, *, laplace_eps0: float | None = None, target_epsilon: float
         model, opt, F.cross_entropy, dataset_size=len(data.train), lot_size=LOT, epochs=EPOCHS, target_delta=DELTA,
         clip_norm=1.0, seed=seed, physical_batch_size=LOT, epsilon_every=10**9, **kw,
     )
+    x_train = data.inputs("train")
     for lot in private.sampler:
-        private.optimizer.accumulate(data.train.x[lot], data.train.y[lot])
+        private.optimizer.accumulate(x_train[lot], data.train.y[lot])
         private.optimizer.step()
-    return evaluate(model, data.test.x, data.test.y)[0], private.ledger.epsilon(), private.steps
+    return evaluate(model, (data.inputs("test"), data.test.y))[0], private.ledger.epsilon(), private.steps
 
 
 def main() -> int:

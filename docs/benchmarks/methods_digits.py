@@ -64,12 +64,13 @@ def train(method: str, eps: float, seed: int, choices: dict, diagnostics: bool =
         diagnostics=diagnostics, **extra,
     )
     t0 = time.perf_counter()
+    x_train = data.inputs("train")
     for lot in private.sampler:
-        private.optimizer.accumulate(data.train.x[lot], data.train.y[lot])
+        private.optimizer.accumulate(x_train[lot], data.train.y[lot])
         private.optimizer.step()
     return {
-        "val": evaluate(model, data.val.x, data.val.y)[0],
-        "test": evaluate(model, data.test.x, data.test.y)[0],
+        "val": evaluate(model, (data.inputs("val"), data.val.y))[0],
+        "test": evaluate(model, (data.inputs("test"), data.test.y))[0],
         "epsilon": private.ledger.epsilon(),
         "sigma": private.noise_multiplier,
         "steps": private.steps,

@@ -60,7 +60,7 @@ def ray_row(workers: int, root: str) -> dict:
 def in_process_row() -> dict:
     torch.set_num_threads(2)
     data = load_dataset("generated", generated_size=DATA["generated_size"], image_size=28, val_fraction=0.1, test_fraction=0.1)
-    x, y = data.train.x, data.train.y
+    x, y = data.inputs("train"), data.train.y
     n = len(y)
     torch.manual_seed(0)
     model = build_model("cnn", data.input_shape, data.num_classes)

@@ -44,7 +44,7 @@ def untuned_opacus(seed: int) -> float:
     torch.manual_seed(0)
     model = build_model("mlp", data.input_shape, data.num_classes)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = DataLoader(TensorDataset(data.train.x, data.train.y), batch_size=64)
+    loader = DataLoader(TensorDataset(data.inputs("train"), data.train.y), batch_size=64)
     torch.manual_seed(seed)
     engine = PrivacyEngine(accountant="prv")
     model, optimizer, loader = engine.make_private_with_epsilon(
@@ -59,7 +59,7 @@ def untuned_opacus(seed: int) -> float:
             optimizer.step()
     model.eval()
     with torch.no_grad():
-        return (model(data.test.x).argmax(1) == data.test.y).float().mean().item()
+        return (model(data.inputs("test")).argmax(1) == data.test.y).float().mean().item()
 
 
 def main() -> int:
