@@ -182,3 +182,30 @@ def test_a_workers_heap_does_not_grow_with_the_dataset(tmp_path):
     # shards instead gives +50 and +181 MiB.
     assert shard_mib[200_000] - shard_mib[20_000] > 130
     assert grew[200_000] - grew[20_000] < 20, grew
+
+
+def test_a_rank_with_several_shards_gathers_any_lot_across_them(digits, tmp_path):
+    """num_shards=4 read by 1 worker: the lot's rows come from four maps, in the lot's order."""
+    from pipelines.data import open_split
+
+    ingest(digits, tmp_path, num_shards=4)
+    part = open_split(tmp_path, "train", rank=0, world_size=1)
+    assert len(part.x.parts) == 4
+    lot = torch.tensor([len(digits.train) - 1, 0, 700, 5, 312, 313, 940])
+    assert torch.equal(part.x[lot], digits.train.x[lot]) and torch.equal(part.y[lot], digits.train.y[lot])
+    assert torch.equal(part.x[2:9], digits.train.x[2:9])
+
+
+def test_normalization_is_per_channel_and_exact_for_the_published_constants():
+    from pipelines.data import Normalization
+
+    norm = Normalization(1 / 255, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+    x = torch.randint(0, 256, (5, 3, 4, 4), dtype=torch.uint8)
+    ref = (x.double() / 255 - torch.tensor(norm.mean, dtype=torch.float64).view(1, 3, 1, 1)) / torch.tensor(norm.std, dtype=torch.float64).view(1, 3, 1, 1)
+    out = norm(x)
+    assert out.dtype == torch.float32 and torch.allclose(out.double(), ref, atol=1e-5)
+    digits = Normalization(1 / 16)  # exact: k/16 is representable
+    counts = torch.arange(17, dtype=torch.uint8).view(1, 1, 1, 17)
+    assert torch.equal(digits(counts), counts.float() / 16)
+    with pytest.raises(dpcore.DPConfigError, match="3 channel constants but the data has 2"):
+        norm(torch.zeros(1, 2, 4, 4, dtype=torch.uint8))

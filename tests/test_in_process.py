@@ -1,0 +1,58 @@
+"""`--in-process`: the same training function, run by Ray Train's local mode in the driver
+process (no Ray cluster, no worker processes), with the same ledger, checkpoints and MLflow run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+
+import dpcore
+from pipelines.config import TrainConfig
+from pipelines.train import run
+
+
+def _cfg(root: Path, **over) -> TrainConfig:
+    values = dict(in_process=True, num_workers=1, epochs=3, target_epsilon=3.0, checkpoint_every=3, storage_path=str(root / "runs"),
+                  tracking_uri=f"sqlite:///{root}/mlflow.db", registered_model="none", quiet=True)
+    values.update(over)
+    return TrainConfig(**values)
+
+
+def test_an_in_process_run_trains_ledgers_and_checkpoints_without_a_cluster(tmp_path):
+    import ray
+
+    was_up = ray.is_initialized()
+    out = run(_cfg(tmp_path))
+    assert ray.is_initialized() == was_up  # no cluster was started (or joined) for it
+    assert out["steps"] == out["planned_steps"] > 0 and out["rolled_back"] == 0
+    assert out["epsilon"] <= 3.0 and out["test_accuracy"] > 0.5
+    placement = json.loads((Path(out["spec"]["run_dir"]) / "placement" / "rank0.json").read_text())
+    assert placement["node_id"].startswith("in-process") and placement["memory"]["peak_rss_mib"] > 0
+    # Ray Train's local mode keeps no checkpoint: the worker persisted the last two itself.
+    kept = sorted(p.name for p in Path(out["spec"]["run_dir"]).glob("checkpoint_local_*"))
+    assert len(kept) == 2 and out["checkpoint"].endswith(kept[-1])
+    meta = json.loads((Path(out["checkpoint"]) / "meta.json").read_text())
+    assert meta["step"] == out["steps"] and meta["releases"] == len(out["ledger"])
+    r = mlflow.MlflowClient(out["tracking_uri"]).get_run(out["run_id"])
+    assert r.info.status == "FINISHED" and float(r.data.tags["dp.epsilon"]) == pytest.approx(out["epsilon"], rel=1e-5)
+    # the journal lock was let go: another run of this process could take it
+    from pipelines.worker import journal_is_locked
+
+    assert not journal_is_locked(out["spec"]["journal"])
+
+
+def test_in_process_needs_one_worker_and_no_fault_injection(tmp_path):
+    with pytest.raises(dpcore.DPConfigError, match="in_process trains one worker in this process"):
+        run(_cfg(tmp_path, num_workers=2))
+    with pytest.raises(dpcore.DPConfigError, match="fault_at_step kills a worker process"):
+        run(_cfg(tmp_path, fault_at_step=2))
+
+
+def test_the_cli_flag(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "pipelines.cli", "train", "--in-process", "--num-workers", "1", "--epochs", "1",
+                          "--registered-model", "none", "--quiet"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "workers=1 on 1 node(s)" in res.stdout and "ε spent:" in res.stdout
