@@ -375,10 +375,12 @@ def record_placement(spec: dict, rank: int, memory: dict | None = None) -> None:
 
     d = Path(spec["run_dir"]) / "placement"
     d.mkdir(parents=True, exist_ok=True)
-    if ray.is_initialized():
-        node_id, node_ip = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-    else:  # in_process (Ray Train's local mode): no cluster, this process is the worker
+    if spec["config"].get("in_process") or not ray.is_initialized():
+        # Ray Train's local mode: this process is the worker, even where the driver process
+        # holds a Ray connection made for something else
         node_id, node_ip = f"in-process:{socket.gethostname()}", "127.0.0.1"
+    else:
+        node_id, node_ip = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
     info = {"rank": rank, "node_id": node_id, "node_ip": node_ip, "hostname": socket.gethostname(), "pid": os.getpid()}
     if memory:
         info["memory"] = memory
