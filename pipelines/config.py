@@ -106,9 +106,6 @@ class TrainConfig:
     ray_address: str | None = _f(
         None, "Ray cluster to join ('auto', ray://...). Default: RAY_ADDRESS, else a local cluster started and stopped here", "cluster"
     )
-    ray_dashboard: bool = _f(
-        False, "with the local cluster a run starts for itself (no ray_address): start Ray's dashboard too, on 127.0.0.1:8265 (about 1 s more to start, on 2 cores)", "cluster"
-    )
     storage_path: str = _f("dp_runs", "where checkpoints, the ledger journal and ingested data go (shared storage on a cluster; default: $DP_STORAGE_PATH, else ./dp_runs)", "cluster")
     # tracking
     tracking_uri: str = _f("sqlite:///mlflow.db", "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, which mlflow.set_tracking_uri also sets, else ./mlflow.db)", "tracking")

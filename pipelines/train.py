@@ -278,8 +278,7 @@ class JournalProgress:
 @contextlib.contextmanager
 def ray_cluster(cfg: TrainConfig):
     """Join ``ray_address`` (or RAY_ADDRESS, e.g. under ``ray job submit``) and stay connected, or
-    else start a local cluster on 127.0.0.1 (its dashboard only with ``ray_dashboard``) and stop
-    it afterwards."""
+    else start a local cluster, on 127.0.0.1 with the dashboard on, and stop it afterwards."""
     import logging
 
     import ray
@@ -307,7 +306,7 @@ def ray_cluster(cfg: TrainConfig):
         ray.init(
             num_cpus=max(os.cpu_count() or 1, cfg.num_workers),
             num_gpus=None if cfg.use_gpu else 0,
-            include_dashboard=cfg.ray_dashboard,
+            include_dashboard=True,
             dashboard_host="127.0.0.1",
             logging_level=logging.WARNING,
             configure_logging=True,
