@@ -1,5 +1,6 @@
 """Arrow ingest: round trip, sharding by rank, and corrupt shards caught before training."""
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -140,6 +141,33 @@ def test_workers_map_their_shards_instead_of_copying_them(digits, tmp_path):
     x = part.batch(lot)
     assert x.dtype == torch.float32
     assert torch.equal(x, digits.normalization(read_split(tmp_path, "train", 1, 2).x[lot]))
+
+
+def _vm_flags(path: Path) -> list[list[str]]:
+    """The VmFlags of every mapping of ``path`` in this process (Linux's /proc/self/smaps)."""
+    flags, current = [], None
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+            current = fields[5] if len(fields) >= 6 else None
+        elif fields[0] == "VmFlags:" and current == str(path):
+            flags.append(fields[1:])
+    return flags
+
+
+def test_training_shards_are_mapped_for_random_access(digits, tmp_path):
+    """A lot's rows are scattered over the shard: the kernel is told (MADV_RANDOM, 'rr' in
+    VmFlags), so a page fault reads that page and not a read-ahead window around it."""
+    from pipelines.data import open_split
+
+    ingest(digits, tmp_path, num_shards=1)
+    train = open_split(tmp_path, "train")
+    test = open_split(tmp_path, "test")
+    train_flags = _vm_flags((tmp_path / "train-00000-of-00001.arrow").resolve())
+    test_flags = _vm_flags((tmp_path / "test.arrow").resolve())
+    assert train_flags and all("rr" in f for f in train_flags), train_flags
+    assert test_flags and not any("rr" in f for f in test_flags), test_flags  # evaluation reads in order
+    assert train.batch(torch.tensor([5, 1])).shape[0] == 2 and len(test) > 0
 
 
 def test_missing_directory_says_to_run_ingest(tmp_path):
