@@ -130,9 +130,9 @@ def make_private(
     rank: int = 0,
     world_size: int = 1,
     reduce_fn: ReduceFn | None = None,
-    epsilon_every: int = 1,
+    epsilon_every: int | None = None,
     journal: str | None = None,
-    clipping: str = "vmap",
+    clipping: str = "auto",
     prior_groups: Sequence[tuple[PrivacyEvent, int]] = (),
     **method_options: Any,
 ) -> PrivateTraining:
@@ -143,6 +143,12 @@ def make_private(
     ``diagnostics``); they are checked before σ is calibrated. ``prior_groups`` are releases
     of the run made outside the training steps (a DP-PCA projection): σ is calibrated with them
     composed in, and the caller appends them to ``private.ledger`` (``dp_pca(ledger=...)``).
+
+    ``clipping="auto"`` (default) uses book-keeping clipping where the model and method allow it
+    (checked against vmap on the first lot, else vmap; ``private.optimizer.clipping`` says
+    which), ``"vmap"`` always materialises per-example gradients. ``epsilon_every=None``
+    (default) composes ε only when asked (``private.ledger.epsilon()``); the budget check is
+    exact at every step either way.
 
     ``journal`` is the path of the ledger's append-only journal (see :class:`PrivacyLedger`);
     an existing journal is resumed. ``seed=None`` (default) is secure mode. In sharded use, each rank passes its ``rank``; it

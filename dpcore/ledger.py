@@ -4,12 +4,13 @@ Each entry holds the step, the event kind, q, the noise multiplier σ, the clipp
 its status (``committed`` or ``rolled_back``), and the cumulative ε at the run's δ computed
 by the ledger's accountant. The ε a run reports is computed from the ledger alone.
 
-Cost of ε: an exact PLD evaluation takes 0.1–0.5 s, too slow to run at every training step.
-The ledger therefore computes each entry's cumulative ε exactly, but only every
-``epsilon_every`` entries (1 = every entry), on the first entry of a new kind of event, and
-whenever :meth:`epsilon` is called (which fills the latest entry). Entries in between keep
-``epsilon=None`` (NaN in the exported columns). The budget check does not depend on this
-cadence: it is exact for every release (see :meth:`check`).
+Cost of ε: an exact PLD evaluation takes 0.1–0.5 s, far too slow to run at every training
+step. By default (``epsilon_every=None``) the ledger computes the cumulative ε exactly on the
+first entry of each kind of event and whenever :meth:`epsilon` is called (which fills the
+latest entry), and never otherwise; ``epsilon_every=k`` also computes it on every k-th entry.
+Entries in between keep ``epsilon=None`` (NaN in the exported columns). The budget check does
+not depend on this: it is exact for every release, against the largest count of the event
+that fits, computed once per event and history (see :meth:`check`).
 
 Restarts: a checkpoint's ``state_dict`` is older than the last release, so on its own it would
 forget the releases made after it. A ledger with a ``journal`` therefore writes every entry
@@ -80,7 +81,9 @@ class PrivacyLedger:
             ``None`` means no budget (the ledger still records and reports ε).
         target_delta: the run's δ.
         accountant: ``"pld"`` (default, tight), ``"rdp"`` or ``"moments"``.
-        epsilon_every: compute the cumulative ε exactly on every k-th entry (see module doc).
+        epsilon_every: ``None`` (default): compute the cumulative ε only when asked
+            (:meth:`epsilon`) and on the first entry of each kind of event; ``k``: also on every
+            k-th entry (see module doc).
     """
 
     def __init__(
@@ -88,15 +91,15 @@ class PrivacyLedger:
         target_epsilon: float | None,
         target_delta: float,
         accountant: str = "pld",
-        epsilon_every: int = 1,
+        epsilon_every: int | None = None,
         dataset_size: int | None = None,
         journal: str | os.PathLike | None = None,
     ):
         self.target_epsilon = None if target_epsilon is None else check_epsilon(target_epsilon)
         self.target_delta = check_delta(target_delta, dataset_size=dataset_size)
         self.accountant = check_accountant(accountant)
-        if isinstance(epsilon_every, bool) or not isinstance(epsilon_every, int) or epsilon_every < 1:
-            raise DPConfigError(f"epsilon_every={epsilon_every!r} is invalid: it must be an integer ≥ 1.")
+        if epsilon_every is not None and (isinstance(epsilon_every, bool) or not isinstance(epsilon_every, int) or epsilon_every < 1):
+            raise DPConfigError(f"epsilon_every={epsilon_every!r} is invalid: it must be None (only when asked) or an integer ≥ 1.")
         self.epsilon_every = epsilon_every
         self._entries: list[LedgerEntry] = []
         self._counts: Counter[PrivacyEvent] = Counter()
@@ -255,7 +258,7 @@ class PrivacyLedger:
             accountant=self.accountant,
         )
         self._entries.append(entry)
-        if first_of_kind or (len(self._entries) % self.epsilon_every == 0):
+        if first_of_kind or (self.epsilon_every is not None and len(self._entries) % self.epsilon_every == 0):
             entry.epsilon = self._epsilon_of(self._counts)
         self._write({"op": "append", **asdict(entry)})
         return entry

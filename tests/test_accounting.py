@@ -87,6 +87,34 @@ def test_per_entry_epsilon_is_cumulative_and_exact_where_computed():
     assert len(cols["step"]) == 30 and math.isnan(cols["epsilon"][1]) and cols["accountant"][0] == "pld"
 
 
+def test_by_default_the_ledger_composes_only_when_asked_and_the_budget_check_stays_exact(monkeypatch):
+    """epsilon_every=None (the default, also make_private's): no fresh composition per
+    release. ε is composed on the first release of each kind and on request; the budget check
+    refuses exactly the first release past the target."""
+    from dpcore import accounting
+
+    ev = PrivacyEvent.dpsgd_step(1.5, 0.05)
+    fit = dpcore.max_steps(1.5, 0.05, 1.0, 1e-5)
+    ledger = dpcore.PrivacyLedger(1.0, 1e-5)
+    assert ledger.allowance(ev) == fit  # the budget check's bound: found once, by bisection
+    calls = []
+    real = accounting.epsilon
+    monkeypatch.setattr(accounting, "epsilon", lambda *a, **k: calls.append(a) or real(*a, **k))
+    for step in range(1, fit + 1):
+        ledger.append(ev, step=step, clip_norm=1.0)
+    assert len(calls) == 1 and ledger.entries[0].epsilon is not None and ledger.entries[-1].epsilon is None
+    with pytest.raises(dpcore.BudgetExceededError):
+        ledger.append(ev, step=fit + 1, clip_norm=1.0)
+    eps = ledger.epsilon()
+    assert eps == pytest.approx(_dpa_pld(dp_accounting.SelfComposedDpEvent(ev.to_dp_event(), fit), 1e-5), rel=1e-9)
+    assert eps <= 1.0 and ledger.entries[-1].epsilon == eps and len(ledger) == fit
+    other = PrivacyEvent.dpsgd_step(3.0, 0.05)  # a new kind of event: composed at once
+    ledger.append(other, step=fit + 1, clip_norm=1.0, check_budget=False)
+    assert ledger.entries[-1].epsilon is not None
+    with pytest.raises(dpcore.DPConfigError, match="None \\(only when asked\\) or an integer ≥ 1"):
+        dpcore.PrivacyLedger(None, 1e-5, epsilon_every=0)
+
+
 @pytest.mark.parametrize(
     "eps, q, steps",
     [(2.0, 4096 / 50000, 915), (1.0, 0.01, 1000), (8.0, 0.1, 300), (0.5, 0.004, 5000)],

@@ -126,7 +126,7 @@ def _train(method_kw, steps=6, seed=11, optimizer="sgd"):
     opt = torch.optim.SGD(model.parameters(), lr=0.5) if optimizer == "sgd" else torch.optim.NAdam(model.parameters(), lr=0.01)
     private = dpcore.make_private(
         model, opt, ce, dataset_size=200, lot_size=40, epochs=steps * 40 / 200, target_epsilon=5.0, target_delta=1e-5,
-        clip_norm=0.5, seed=seed, physical_batch_size=16, **method_kw,
+        clip_norm=0.5, seed=seed, physical_batch_size=16, **{"clipping": "vmap", **method_kw},  # one clipping path for every method compared
     )
     for lot in private.sampler:
         private.optimizer.accumulate(x[lot], y[lot])
