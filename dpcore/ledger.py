@@ -322,6 +322,31 @@ class PrivacyLedger:
         self._counts = Counter(e.event for e in self._entries)
         self._allowance_cache.clear()
 
+    def runs(self) -> list[dict]:
+        """The ledger for a person to read: one row per run of consecutive releases that are
+        identical (kind, q, σ, C, status), like dp_accounting's self-composed events, with the
+        run's count, first and last step, and the cumulative ε after its last release (composed
+        here: one composition per row, not per release)."""
+        rows: list[dict] = []
+        counts: Counter[PrivacyEvent] = Counter()
+        for e in self._entries:
+            key = (e.kind, e.sample_rate, e.noise_multiplier, e.clip_norm, e.status)
+            if rows and rows[-1]["_key"] == key:
+                rows[-1]["count"] += 1
+                rows[-1]["last_step"] = e.step
+            else:
+                rows.append({"_key": key, "kind": e.kind, "count": 1, "first_step": e.step, "last_step": e.step,
+                             "sample_rate": e.sample_rate, "noise_multiplier": e.noise_multiplier, "clip_norm": e.clip_norm,
+                             "status": e.status})
+            counts[e.event] += 1
+            rows[-1]["_counts"] = Counter(counts)
+        for r in rows:
+            del r["_key"]
+            r["epsilon_after"] = self._epsilon_of(r.pop("_counts"))
+            r["delta"] = self.target_delta
+            r["accountant"] = self.accountant
+        return rows
+
     def to_columns(self) -> dict[str, list]:
         """Plain columns (lists of Python scalars), ready for ``pyarrow.table``. ε is NaN where
         it was not computed (see ``epsilon_every``)."""

@@ -164,15 +164,17 @@ def ledger_table(ledger: dpcore.PrivacyLedger):
 
 
 def log_ledger(client, run_id: str, ledger: dpcore.PrivacyLedger) -> None:
-    """The ledger as Parquet (for tools) and as an MLflow table (for the UI)."""
+    """The ledger twice: ``ledger/ledger.parquet``, every release (the raw record, for tools
+    and ``dp-platform ledger``), and ``ledger/ledger.json``, the table the UI shows: one row
+    per run of identical releases (count, first and last step, q, σ, C, status, ε after)."""
     import pyarrow.parquet as pq
 
-    cols = ledger.to_columns()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ledger.parquet"
         pq.write_table(ledger_table(ledger), path)
         client.log_artifact(run_id, str(path), artifact_path="ledger")
-    table = {k: [None if (isinstance(v, float) and v != v) else v for v in vals] for k, vals in cols.items()}
+    runs = ledger.runs()
+    table = {k: [r[k] for r in runs] for k in (runs[0] if runs else {"kind": None})}
     client.log_table(run_id, data=table, artifact_file="ledger/ledger.json")
 
 

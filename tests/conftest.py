@@ -14,11 +14,7 @@ def _quiet_seeded_warning():
         yield
 
 
-@pytest.fixture(autouse=True)
-def _isolate_mlflow_environment():
-    """mlflow.set_tracking_uri() writes MLFLOW_TRACKING_URI into os.environ, and the platform
-    takes its default tracking URI from there (as a cluster node's environment provides it):
-    without this, one test's store would become the default of every later CLI subprocess."""
+def _mlflow_environment_kept():
     import os
 
     saved = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
@@ -26,6 +22,21 @@ def _isolate_mlflow_environment():
     for k in [k for k in os.environ if k.startswith("MLFLOW_")]:
         del os.environ[k]
     os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _isolate_mlflow_environment():
+    """mlflow.set_tracking_uri() writes MLFLOW_TRACKING_URI into os.environ, and the platform
+    takes its default tracking URI from there (as a cluster node's environment provides it):
+    without this, one test's store would become the default of every later CLI subprocess."""
+    yield from _mlflow_environment_kept()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _isolate_mlflow_environment_per_module():
+    """The same around each module: a module-scoped fixture that runs a job (test_pipeline_e2e's)
+    sets it before the per-test snapshot is taken, and it would leak into later modules."""
+    yield from _mlflow_environment_kept()
 
 
 @pytest.fixture(autouse=True)

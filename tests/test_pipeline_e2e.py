@@ -100,6 +100,13 @@ def test_ledger_artifact_matches_an_independent_accountant(e2e):
     assert e2e["epsilon"] <= 3.0
     assert math.isclose(e2e["epsilon"], reference, rel_tol=1e-6), (e2e["epsilon"], reference)
     assert math.isclose(t[-1]["epsilon"], e2e["epsilon"], rel_tol=1e-9)
+    # The table the UI shows: one row for this run's one run of identical releases.
+    ui = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=e2e["run_id"], artifact_path="ledger/ledger.json",
+                                                            tracking_uri=e2e["tracking_uri"])).read_text())
+    rows = [dict(zip(ui["columns"], r)) for r in ui["data"]]
+    assert [(r["count"], r["first_step"], r["last_step"], r["status"]) for r in rows] == [(e2e["steps"], 1, e2e["steps"], "committed")]
+    assert math.isclose(rows[0]["epsilon_after"], e2e["epsilon"], rel_tol=1e-9)  # (the UI table keeps 10 decimals)
+    assert math.isclose(rows[0]["noise_multiplier"], t[0]["noise_multiplier"], rel_tol=1e-9)
 
 
 def test_logged_model_loads_and_predicts_like_the_checkpoint(e2e):
