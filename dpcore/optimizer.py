@@ -340,8 +340,8 @@ class DPOptimizer:
 
     def _verify_fast(self, xb: torch.Tensor, yb: torch.Tensor) -> int | None:
         """First use of book-keeping: compute the batch both ways and keep book-keeping only if
-        the clipped sums agree (to 1e-5 relative to the sum's scale). Adds book-keeping's sum
-        if they agree, else the reference's. Returns the reference's non-finite count."""
+        the clipped sums agree (to 1e-5 relative to the sum's scale). Adds the reference sum
+        either way. Returns the reference's non-finite count."""
         fast: dict[str, torch.Tensor] = {}
         fast_bad = self._fast.clipped_sum(xb, yb, self.clip_norm, fast)
         ref, bad = clipped_sum(self.grad_sampler(xb, yb), self.clip_norm)
@@ -360,11 +360,8 @@ class DPOptimizer:
                 for k, r64 in ref64.items():
                     own = float((ref[k].double() - r64).abs().max())
                     agree = agree and float((fast[k].double() - r64).abs().max()) <= 2.0 * own + slack
-        # Agreed: this batch counts with book-keeping's sum, as every later one will, so that a
-        # run resumed from a checkpoint (which verifies again, on another batch) computes
-        # every step as the uninterrupted run did, bit for bit.
-        for k, v in (fast if agree else ref).items():
-            self._sum[k].add_(v.to(self._sum[k].dtype))
+        for k, v in ref.items():
+            self._sum[k].add_(v)
         if agree:
             self._fast_verified = True
         else:
