@@ -3,6 +3,8 @@
 Imports only torch, numpy and dp_accounting. See DESIGN.md for the data flow of one step
 and the privacy invariants that this package keeps.
 """
+
+from . import audit, federated
 from .accounting import (
     ACCOUNTANTS,
     PrivacyEvent,
@@ -13,8 +15,8 @@ from .accounting import (
     moments_epsilon,
     steps_for_epochs,
 )
-from . import audit, federated
 from .clipping import clipped_sum, per_sample_norms
+from .ema import ParameterEMA
 from .engine import PrivateTraining, build_private, make_private, plan
 from .errors import (
     BudgetExceededError,
@@ -24,7 +26,6 @@ from .errors import (
     SeededRandomnessWarning,
     UnsupportedModuleError,
 )
-from .ema import ParameterEMA
 from .grad_sample import PerSampleGradients
 from .ledger import LedgerEntry, PrivacyLedger
 from .methods import METHODS, ascent_schedule, check_method_options

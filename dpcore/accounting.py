@@ -16,14 +16,15 @@ Accountants (all for the add/remove-one neighbouring relation, example level):
   bound ε = min_λ (α(λ) + log 1/δ)/λ. It reproduces the paper's ε ≈ 1.26 for q=0.01,
   σ=4, T=10⁴, δ=1e-5. Gaussian events only.
 """
+
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import dp_accounting
 import numpy as np
@@ -69,21 +70,27 @@ class PrivacyEvent:
 
     def to_dp_event(self) -> dp_accounting.DpEvent:
         if self.kind == POISSON_GAUSSIAN:
-            return dp_accounting.PoissonSampledDpEvent(self.sample_rate, dp_accounting.GaussianDpEvent(self.noise_multiplier))
+            return dp_accounting.PoissonSampledDpEvent(
+                self.sample_rate, dp_accounting.GaussianDpEvent(self.noise_multiplier)
+            )
         if self.kind == GAUSSIAN:
             return dp_accounting.GaussianDpEvent(self.noise_multiplier)
         if self.kind == POISSON_LAPLACE:
-            return dp_accounting.PoissonSampledDpEvent(self.sample_rate, dp_accounting.LaplaceDpEvent(self.noise_multiplier))
+            return dp_accounting.PoissonSampledDpEvent(
+                self.sample_rate, dp_accounting.LaplaceDpEvent(self.noise_multiplier)
+            )
         return dp_accounting.LaplaceDpEvent(self.noise_multiplier)
 
     @staticmethod
-    def dpsgd_step(noise_multiplier: float, sample_rate: float) -> "PrivacyEvent":
+    def dpsgd_step(noise_multiplier: float, sample_rate: float) -> PrivacyEvent:
         return PrivacyEvent(POISSON_GAUSSIAN, float(noise_multiplier), float(sample_rate))
 
 
 def check_accountant(accountant: str) -> str:
     if accountant not in ACCOUNTANTS:
-        raise DPConfigError(f"accountant={accountant!r} is unknown; choose one of {ACCOUNTANTS} (pld is the tight default).")
+        raise DPConfigError(
+            f"accountant={accountant!r} is unknown; choose one of {ACCOUNTANTS} (pld is the tight default)."
+        )
     return accountant
 
 
@@ -106,7 +113,9 @@ def compose(groups: Iterable[tuple[PrivacyEvent, int]]) -> dp_accounting.DpEvent
 def _base_pld(event: PrivacyEvent, vdi: float):
     if event.kind == POISSON_GAUSSIAN:
         return _pld.from_gaussian_mechanism(
-            standard_deviation=event.noise_multiplier, sampling_prob=event.sample_rate, value_discretization_interval=vdi
+            standard_deviation=event.noise_multiplier,
+            sampling_prob=event.sample_rate,
+            value_discretization_interval=vdi,
         )
     if event.kind == POISSON_LAPLACE:
         return _pld.from_laplace_mechanism(
@@ -155,14 +164,18 @@ def _log_moments_poisson_gaussian(q: float, sigma: float, lambdas: Sequence[int]
         ks = np.arange(a + 1)
         log_binom = np.array([math.lgamma(a + 1) - math.lgamma(k + 1) - math.lgamma(a - k + 1) for k in ks])
         with np.errstate(invalid="ignore"):
-            terms = log_binom + np.where(a - ks > 0, (a - ks) * log1mq, 0.0) + ks * logq + (ks * ks - ks) / (2 * sigma**2)
+            terms = (
+                log_binom + np.where(a - ks > 0, (a - ks) * log1mq, 0.0) + ks * logq + (ks * ks - ks) / (2 * sigma**2)
+            )
         terms = terms[np.isfinite(terms)]
         m = terms.max()
         out[idx] = m + math.log(np.exp(terms - m).sum())
     return out
 
 
-def moments_epsilon(groups: Sequence[tuple[PrivacyEvent, int]], delta: float, orders: Sequence[int] = MOMENTS_ORDERS) -> float:
+def moments_epsilon(
+    groups: Sequence[tuple[PrivacyEvent, int]], delta: float, orders: Sequence[int] = MOMENTS_ORDERS
+) -> float:
     """ε by Abadi et al.'s moments accountant: min_λ (Σ_t α_t(λ) + log(1/δ)) / λ."""
     lambdas = np.asarray(orders)
     total = np.zeros(len(lambdas))
@@ -175,7 +188,9 @@ def moments_epsilon(groups: Sequence[tuple[PrivacyEvent, int]], delta: float, or
             # Plain Gaussian: α(λ) = λ(λ+1)/(2σ²).
             total += count * lambdas * (lambdas + 1) / (2 * event.noise_multiplier**2)
         else:
-            raise DPConfigError("the 'moments' accountant handles Gaussian events only; use accountant='pld' for Laplace events.")
+            raise DPConfigError(
+                "the 'moments' accountant handles Gaussian events only; use accountant='pld' for Laplace events."
+            )
     return float(np.min((total + math.log(1.0 / delta)) / lambdas))
 
 
@@ -251,11 +266,15 @@ def delta(
         elif event.kind == GAUSSIAN:
             total += count * lambdas * (lambdas + 1) / (2 * event.noise_multiplier**2)
         else:
-            raise DPConfigError("the 'moments' accountant handles Gaussian events only; use accountant='pld' for Laplace events.")
+            raise DPConfigError(
+                "the 'moments' accountant handles Gaussian events only; use accountant='pld' for Laplace events."
+            )
     return float(min(1.0, np.exp(np.min(total - lambdas * epsilon))))
 
 
-def dpsgd_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "pld") -> float:
+def dpsgd_epsilon(
+    noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "pld"
+) -> float:
     """ε of ``steps`` DP-SGD steps (Poisson rate q, noise multiplier σ) at δ."""
     return epsilon([(PrivacyEvent.dpsgd_step(noise_multiplier, sample_rate), steps)], delta, accountant)
 
@@ -297,7 +316,9 @@ def calibrate_noise_multiplier(
         raise DPConfigError(f"steps={steps!r} is invalid: it must be a positive integer.")
     check_accountant(accountant)
     if kind not in (POISSON_GAUSSIAN, POISSON_LAPLACE):
-        raise DPConfigError(f"kind={kind!r}: only per-step events ({POISSON_GAUSSIAN}, {POISSON_LAPLACE}) are calibrated.")
+        raise DPConfigError(
+            f"kind={kind!r}: only per-step events ({POISSON_GAUSSIAN}, {POISSON_LAPLACE}) are calibrated."
+        )
     if kind == POISSON_LAPLACE and accountant != "pld":
         raise DPConfigError(f"Laplace steps are accounted by PLD only, not {accountant!r}.")
     prior = list(prior_groups)

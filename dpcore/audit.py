@@ -25,6 +25,7 @@ Two audits:
   part of the scores (a fifth), so the confidence is exact without a multiple-testing
   correction.
 """
+
 from __future__ import annotations
 
 import math
@@ -106,7 +107,9 @@ def one_run_p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> flo
     return min(1.0, beta + alpha * delta * 2 * m)
 
 
-def one_run_epsilon_lower_bound(m: int, r: int, v: int, delta: float, confidence: float = 0.95, epsilon_max: float = 50.0) -> float:
+def one_run_epsilon_lower_bound(
+    m: int, r: int, v: int, delta: float, confidence: float = 0.95, epsilon_max: float = 50.0
+) -> float:
     """The largest ε that the observed v of r correct guesses rejects at ``confidence``: every
     (ε', δ)-DP claim with ε' ≤ this is refuted. 0 if none is."""
     beta = 1.0 - _check_confidence(confidence)
@@ -195,7 +198,13 @@ class DistinguishingResult:
 
 
 def distinguishing_epsilon_lower_bound(
-    scores_in, scores_out, delta: float, confidence: float = 0.95, seed: int = 0, min_count: int = 20, selection_fraction: float = 0.2
+    scores_in,
+    scores_out,
+    delta: float,
+    confidence: float = 0.95,
+    seed: int = 0,
+    min_count: int = 20,
+    selection_fraction: float = 0.2,
 ) -> DistinguishingResult:
     """ε_lb from scores of many independent runs with the canary (``scores_in``) and without it
     (``scores_out``). Higher scores should mean "in"; pass −scores to test the other side.

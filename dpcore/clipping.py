@@ -19,6 +19,7 @@ the rounding of g·factor can exceed any small margin (bfloat16: up to 0.4 %).
 Per-sample norms are available only through :func:`per_sample_norms`, an explicit
 diagnostics call: they are not private.
 """
+
 from __future__ import annotations
 
 import torch

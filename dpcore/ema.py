@@ -5,6 +5,7 @@ of released quantities and costs no privacy (DESIGN invariant 5: optimizer state
 only noised gradients). De et al.'s warm-up is used: the decay at update t is
 min(decay, (1 + t)/(10 + t)), so that early averages are not dominated by the initial weights.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,7 +45,12 @@ class ParameterEMA:
         return state
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "warmup": self.warmup, "updates": self.updates, "shadow": {n: t.clone() for n, t in self.shadow.items()}}
+        return {
+            "decay": self.decay,
+            "warmup": self.warmup,
+            "updates": self.updates,
+            "shadow": {n: t.clone() for n, t in self.shadow.items()},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if set(state["shadow"]) != set(self.shadow):

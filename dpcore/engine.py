@@ -10,10 +10,12 @@
 
 Every input is checked here, before the sampler draws anything or any noise is added.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -100,7 +102,13 @@ def plan(
     else:
         sigma = check_noise_multiplier(noise_multiplier)
         allowed = accounting.max_steps(
-            sigma, q, target_epsilon, target_delta, accountant, prior_groups=prior, event=accounting.PrivacyEvent(kind, sigma, q)
+            sigma,
+            q,
+            target_epsilon,
+            target_delta,
+            accountant,
+            prior_groups=prior,
+            event=accounting.PrivacyEvent(kind, sigma, q),
         )
         if allowed == 0:
             raise DPConfigError(
@@ -163,7 +171,9 @@ def make_private(
         )
     check_positive_int(physical_batch_size, "physical_batch_size")
     check_method_options(
-        **{k: v for k, v in method_options.items() if k not in ("augment", "diagnostics")}, clipping=clipping, accountant=accountant
+        **{k: v for k, v in method_options.items() if k not in ("augment", "diagnostics")},
+        clipping=clipping,
+        accountant=accountant,
     )
     sigma, q, steps = plan(
         dataset_size=dataset_size,
@@ -232,7 +242,11 @@ def build_private(
     validate_model(model)
     if rank != 0 and reduce_fn is None:
         raise DPConfigError(f"rank={rank} needs reduce_fn: ranks ≥ 1 add no noise and must be all-reduced with rank 0.")
-    if ledger.target_delta != target_delta or ledger.accountant != accountant or ledger.target_epsilon != target_epsilon:
+    if (
+        ledger.target_delta != target_delta
+        or ledger.accountant != accountant
+        or ledger.target_epsilon != target_epsilon
+    ):
         raise DPConfigError("the ledger was built for a different (ε, δ) or accountant than this run's plan.")
     sampler = PoissonSampler(shard, sample_rate, randomness.spawn("sampling", rank), steps)
     dp_optimizer = DPOptimizer(

@@ -4,6 +4,7 @@ Every error raised at a boundary names the offending value and says how to fix i
 All configuration errors subclass both :class:`DPConfigError` and ``ValueError`` so that
 callers can catch either.
 """
+
 from __future__ import annotations
 
 

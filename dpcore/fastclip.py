@@ -31,6 +31,7 @@ more than once per forward, or a loss that does not vmap, are not handled here:
 :func:`supports` says so and the caller uses the reference path. Tests check that both paths
 give the same clipped sum.
 """
+
 from __future__ import annotations
 
 import torch
@@ -140,7 +141,9 @@ def _conv_per_example_torch(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> t
         W = F.conv2d(
             ap.reshape(1, batch, ap.shape[2], ap.shape[3]),
             g.reshape(batch * m.out_channels, 1, out_h, out_w),
-            stride=(dh, dw), dilation=(sh, sw), groups=batch,
+            stride=(dh, dw),
+            dilation=(sh, sw),
+            groups=batch,
         )
         return W.reshape(batch, m.out_channels, kh * kw)
     # One convolution-weight gradient with the batch as groups (faster than patches + bmm).
@@ -148,7 +151,10 @@ def _conv_per_example_torch(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> t
         a.reshape(1, -1, *a.shape[2:]),
         (batch * m.out_channels, m.in_channels, *m.kernel_size),
         g.reshape(1, -1, *g.shape[2:]),
-        stride=m.stride, padding=m.padding, dilation=m.dilation, groups=batch,
+        stride=m.stride,
+        padding=m.padding,
+        dilation=m.dilation,
+        groups=batch,
     ).reshape(batch, m.out_channels, -1)
 
 
@@ -332,9 +338,7 @@ class BookKeepingClipper:
                 raise Unsupported(f"layer {name} does not see the batch on dim 0 with gradients")
         return out, {name: rec[0][:2] for name, rec in records.items()}
 
-    def clipped_sum(
-        self, x: torch.Tensor, y: torch.Tensor, clip_norm: float, out: dict[str, torch.Tensor]
-    ) -> int:
+    def clipped_sum(self, x: torch.Tensor, y: torch.Tensor, clip_norm: float, out: dict[str, torch.Tensor]) -> int:
         """Add Σ_i clip(g_i) into ``out`` (a dict of parameter name → tensor). Returns the
         number of examples skipped for a non-finite gradient."""
         batch = x.shape[0]
@@ -476,7 +480,10 @@ class BookKeepingClipper:
             c = G.shape[2]
         if T == 1:
             a, g = (A[:, :, 0], G[:, :, 0]) if channels_first else (A[:, 0], G[:, 0])
-            sq = torch.linalg.vector_norm(a, dim=1, dtype=torch.float64).square() * torch.linalg.vector_norm(g, dim=1, dtype=torch.float64).square()
+            sq = (
+                torch.linalg.vector_norm(a, dim=1, dtype=torch.float64).square()
+                * torch.linalg.vector_norm(g, dim=1, dtype=torch.float64).square()
+            )
             return sq, None
         # (Convolutions reach here only when materialising is over budget: the ghost form.)
         if not channels_first and B * c * d <= self.MAX_PER_EXAMPLE_ELEMENTS and T * d * c <= 4 * T * T * (d + c):

@@ -38,6 +38,7 @@ norms. That median is a statistic of private data released without noise;
 :func:`nonprivate_median_clip_norm` exists for comparison only, and the pipeline allows it
 only in its diagnostics mode (tagged non-private).
 """
+
 from __future__ import annotations
 
 import math
@@ -98,7 +99,13 @@ def nonprivate_median_clip_norm(norms: list[float]) -> float:
 class AdaptiveClipping:
     """The geometric quantile update of Andrew et al. 2021: S ← S·exp(−η(b̄ − γ))."""
 
-    def __init__(self, initial_clip_norm: float, target_quantile: float = 0.5, learning_rate: float = 0.2, quantile_noise: float = 1.0):
+    def __init__(
+        self,
+        initial_clip_norm: float,
+        target_quantile: float = 0.5,
+        learning_rate: float = 0.2,
+        quantile_noise: float = 1.0,
+    ):
         self.clip_norm = check_clip_norm(initial_clip_norm, "clip_norm")
         if not (0.0 < target_quantile < 1.0):
             raise DPConfigError(f"target_quantile={target_quantile!r} must lie in (0, 1); Andrew et al. use 0.5.")
@@ -158,7 +165,9 @@ class ClientLevelDP:
         self.adaptive = adaptive
         self.clip_norm = adaptive.clip_norm if adaptive is not None else check_clip_norm(clip_norm, "clip_norm")
         self.update_noise_multiplier = (
-            split_noise_multiplier(self.noise_multiplier, adaptive.quantile_noise) if adaptive is not None else self.noise_multiplier
+            split_noise_multiplier(self.noise_multiplier, adaptive.quantile_noise)
+            if adaptive is not None
+            else self.noise_multiplier
         )
         self.ledger = ledger
         self._sampler = PoissonSampler(self.num_clients, self.sample_rate, randomness.spawn("clients"), steps=1)

@@ -20,9 +20,10 @@ untouched):
 * **BAM, exact form**: ∇L_i + λ·H_i g_i/‖g_i‖, the gradient of L_i + λ‖∇L_i‖, with the
   Hessian-vector product by forward-over-reverse (a ``jvp`` of ``grad``), per example.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

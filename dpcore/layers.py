@@ -7,6 +7,7 @@ z = conv2d(a, ŵ(w)) with ŵ each output filter's weights centred and scaled to 
 so the per-example gradient with respect to w is the standardisation's vector-Jacobian
 product of the per-example gradient with respect to ŵ.
 """
+
 from __future__ import annotations
 
 import torch

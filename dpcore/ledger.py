@@ -22,6 +22,7 @@ stay in the ledger and are counted in ε (their noise was released, even if the 
 parameters were discarded); the re-run steps are appended again as committed entries.
 :meth:`load_state_dict` refuses a state that would drop releases the ledger already holds.
 """
+
 from __future__ import annotations
 
 import json
@@ -98,8 +99,12 @@ class PrivacyLedger:
         self.target_epsilon = None if target_epsilon is None else check_epsilon(target_epsilon)
         self.target_delta = check_delta(target_delta, dataset_size=dataset_size)
         self.accountant = check_accountant(accountant)
-        if epsilon_every is not None and (isinstance(epsilon_every, bool) or not isinstance(epsilon_every, int) or epsilon_every < 1):
-            raise DPConfigError(f"epsilon_every={epsilon_every!r} is invalid: it must be None (only when asked) or an integer ≥ 1.")
+        if epsilon_every is not None and (
+            isinstance(epsilon_every, bool) or not isinstance(epsilon_every, int) or epsilon_every < 1
+        ):
+            raise DPConfigError(
+                f"epsilon_every={epsilon_every!r} is invalid: it must be None (only when asked) or an integer ≥ 1."
+            )
         self.epsilon_every = epsilon_every
         self._entries: list[LedgerEntry] = []
         self._counts: Counter[PrivacyEvent] = Counter()
@@ -110,8 +115,14 @@ class PrivacyLedger:
             if os.path.exists(self.journal) and os.path.getsize(self.journal) > 0:
                 self._replay_journal()
             else:
-                self._write({"op": "header", "target_epsilon": self.target_epsilon,
-                             "target_delta": self.target_delta, "accountant": self.accountant})
+                self._write(
+                    {
+                        "op": "header",
+                        "target_epsilon": self.target_epsilon,
+                        "target_delta": self.target_delta,
+                        "accountant": self.accountant,
+                    }
+                )
 
     # ----------------------------------------------------------------------------------
     def _write(self, record: dict) -> None:
@@ -136,7 +147,9 @@ class PrivacyLedger:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 if i == len(lines) - 1:  # a torn last line: the crash came mid-write, before append returned
                     break
-                raise DPConfigError(f"ledger journal {self.journal} is corrupt at line {i + 1}; it cannot be trusted.") from None
+                raise DPConfigError(
+                    f"ledger journal {self.journal} is corrupt at line {i + 1}; it cannot be trusted."
+                ) from None
             good_bytes += len(line) + 1
         if good_bytes != len(raw):
             # Cut a torn last line (or end a last line that lacks its newline) so that the next
@@ -335,9 +348,19 @@ class PrivacyLedger:
                 rows[-1]["count"] += 1
                 rows[-1]["last_step"] = e.step
             else:
-                rows.append({"_key": key, "kind": e.kind, "count": 1, "first_step": e.step, "last_step": e.step,
-                             "sample_rate": e.sample_rate, "noise_multiplier": e.noise_multiplier, "clip_norm": e.clip_norm,
-                             "status": e.status})
+                rows.append(
+                    {
+                        "_key": key,
+                        "kind": e.kind,
+                        "count": 1,
+                        "first_step": e.step,
+                        "last_step": e.step,
+                        "sample_rate": e.sample_rate,
+                        "noise_multiplier": e.noise_multiplier,
+                        "clip_norm": e.clip_norm,
+                        "status": e.status,
+                    }
+                )
             counts[e.event] += 1
             rows[-1]["_counts"] = Counter(counts)
         for r in rows:

@@ -20,11 +20,12 @@ Peak memory of a probe:
 The probes run the real computation on real examples but release nothing: their sums are
 thrown away, and neither the ledger, the lot nor any randomness is touched.
 """
+
 from __future__ import annotations
 
 import ctypes
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -88,8 +89,13 @@ def fit_batch_size(probe: Callable[[int], object], upper: int, budget_bytes: int
     per_example = (p2 - p1) / (b2 - b1) if (b2 > b1 and p2 > p1) else max(p2 / b2, 1.0)
     fixed = max(p1 - per_example * b1, 0.0)
     fits = math.floor((budget_bytes - fixed) / (per_example * SAFETY))
-    report = {"measured": True, "per_example_bytes": per_example, "fixed_bytes": fixed, "budget_bytes": budget_bytes,
-              "probe_peaks": {b1: p1, b2: p2}}
+    report = {
+        "measured": True,
+        "per_example_bytes": per_example,
+        "fixed_bytes": fixed,
+        "budget_bytes": budget_bytes,
+        "probe_peaks": {b1: p1, b2: p2},
+    }
     if fits < 1:
         raise DPConfigError(
             f"the memory budget of {budget_bytes / 2**20:.0f} MiB does not fit one example: measured "

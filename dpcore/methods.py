@@ -16,10 +16,11 @@ Noise: ``"gaussian"`` (L2 clipping, N(0, σ²C²)) or ``"laplace"`` (L1 clipping
 b·C per coordinate, accounted as a Poisson-sampled Laplace mechanism by PLD). The Laplace
 form exists to make the DP-Adam paper's mechanism honest; see docs/methods.md.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable, Union
+from collections.abc import Callable
 
 from .errors import DPConfigError
 
@@ -30,7 +31,7 @@ CLIP_NORM_TYPES = ("l2", "l1")
 ASCENT_SCHEDULES = ("constant", "warmup", "cosine")
 
 Schedule = Callable[[int], float]
-AscentArg = Union[float, Schedule]
+AscentArg = float | Schedule
 
 
 def bookkeeping_applies(method: str, augmentation_multiplicity: int, clip_norm_type: str) -> bool:
@@ -67,14 +68,20 @@ def check_method_options(
     if noise not in NOISE_KINDS:
         raise DPConfigError(f"noise={noise!r} is unknown; choose one of {', '.join(NOISE_KINDS)}.")
     if clip_norm_type not in CLIP_NORM_TYPES:
-        raise DPConfigError(f"clip_norm_type={clip_norm_type!r} is unknown; choose one of {', '.join(CLIP_NORM_TYPES)}.")
+        raise DPConfigError(
+            f"clip_norm_type={clip_norm_type!r} is unknown; choose one of {', '.join(CLIP_NORM_TYPES)}."
+        )
     if noise == "laplace" and clip_norm_type != "l1":
         raise DPConfigError(
             "noise='laplace' needs clip_norm_type='l1': the Laplace mechanism is calibrated to the L1 "
             "sensitivity, and an L2 clip at C allows an L1 norm of up to C·√d (d parameters). "
             "Set clip_norm_type='l1', or use noise='gaussian' with L2 clipping."
         )
-    if isinstance(augmentation_multiplicity, bool) or not isinstance(augmentation_multiplicity, int) or augmentation_multiplicity < 1:
+    if (
+        isinstance(augmentation_multiplicity, bool)
+        or not isinstance(augmentation_multiplicity, int)
+        or augmentation_multiplicity < 1
+    ):
         raise DPConfigError(
             f"augmentation_multiplicity={augmentation_multiplicity!r} is invalid: it is the number K ≥ 1 of "
             "augmented copies whose gradients are averaged per example (1 = no augmentation)."
@@ -91,7 +98,9 @@ def check_method_options(
         )
 
 
-def ascent_schedule(value: float, kind: str = "constant", total_steps: int | None = None, warmup_fraction: float = 0.1) -> Schedule:
+def ascent_schedule(
+    value: float, kind: str = "constant", total_steps: int | None = None, warmup_fraction: float = 0.1
+) -> Schedule:
     """λ (or ρ) as a function of the 0-based step: ``constant``; ``warmup``: linear from 0 to
     ``value`` over the first ``warmup_fraction`` of the steps, then constant; ``cosine``: from
     ``value`` down to 0 over the run. Public (data-independent), so free of privacy cost."""

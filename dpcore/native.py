@@ -26,6 +26,7 @@ another dtype, or ``DP_NATIVE=0``, callers get ``None`` and use the torch path. 
 optimizer's first-batch verification compares the fast clipped sum with the reference.
 :func:`state` says which it is.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -138,7 +139,9 @@ def _builds(cc: str, out_dir: Path):
     yielded = False
     for arch in _ARCH_FLAGS:
         flags = _BASE_FLAGS + arch
-        key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_id().encode()])).hexdigest()[:20]
+        key = hashlib.sha256(
+            b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_id().encode()])
+        ).hexdigest()[:20]
         target = out_dir / f"conv_pe-{key}.so"
         if target.exists():
             yielded = True
@@ -153,7 +156,9 @@ def _builds(cc: str, out_dir: Path):
                 os.replace(tmp, target)  # atomic: concurrent builders (Ray workers) are safe
                 built = True
             else:
-                errors.append(f"{' '.join(arch) or 'no -march'}: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}")
+                errors.append(
+                    f"{' '.join(arch) or 'no -march'}: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}"
+                )
         except (OSError, subprocess.SubprocessError) as e:
             errors.append(f"{' '.join(arch)}: {e}")
         finally:
@@ -179,11 +184,18 @@ def _self_check(lib) -> str | None:
         return "the self-check call failed"
     W, sq = got
     ref = torch.nn.grad.conv2d_weight(
-        a.double().reshape(1, -1, 9, 7), (4 * 5, 3, 3, 2), g.double().reshape(1, -1, *out_shape[2:]),
-        stride=conv.stride, padding=conv.padding, dilation=conv.dilation, groups=4,
+        a.double().reshape(1, -1, 9, 7),
+        (4 * 5, 3, 3, 2),
+        g.double().reshape(1, -1, *out_shape[2:]),
+        stride=conv.stride,
+        padding=conv.padding,
+        dilation=conv.dilation,
+        groups=4,
     ).reshape(4, 5, -1)
     ref_sq = ref.reshape(4, -1).square().sum(1)
-    if not torch.allclose(W.double(), ref, rtol=1e-5, atol=1e-5) or not torch.allclose(sq, ref_sq, rtol=1e-5, atol=1e-5):
+    if not torch.allclose(W.double(), ref, rtol=1e-5, atol=1e-5) or not torch.allclose(
+        sq, ref_sq, rtol=1e-5, atol=1e-5
+    ):
         return "the self-check against torch failed"
     return None
 
@@ -233,15 +245,33 @@ def load():
 
 def _call(lib, m: torch.nn.Conv2d, a: torch.Tensor, g: torch.Tensor):
     B, C, H, Wd = a.shape
-    O, OH, OW = g.shape[1:]
+    O, OH, OW = g.shape[1:]  # noqa: E741 (output channels)
     (KH, KW), (sh, sw), (ph, pw), (dh, dw) = m.kernel_size, m.stride, m.padding, m.dilation
     a = a.detach().contiguous()
     g = g.detach().contiguous()
     W = torch.empty((B, O, C * KH * KW), dtype=torch.float32)
     sq = torch.empty(B, dtype=torch.float64)
     rc = lib.dp_conv2d_per_example(
-        a.data_ptr(), g.data_ptr(), W.data_ptr(), sq.data_ptr(),
-        B, C, H, Wd, O, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw, torch.get_num_threads(),
+        a.data_ptr(),
+        g.data_ptr(),
+        W.data_ptr(),
+        sq.data_ptr(),
+        B,
+        C,
+        H,
+        Wd,
+        O,
+        OH,
+        OW,
+        KH,
+        KW,
+        sh,
+        sw,
+        ph,
+        pw,
+        dh,
+        dw,
+        torch.get_num_threads(),
     )
     return (W, sq) if rc == 0 else None
 
@@ -270,10 +300,19 @@ def conv2d_per_example(m: torch.nn.Conv2d, a: torch.Tensor, g: torch.Tensor):
     this layer's, unavailable kernel): the caller then uses torch."""
     if a.device.type != "cpu" or g.device.type != "cpu" or a.dtype != torch.float32 or g.dtype != torch.float32:
         return None
-    if a.dim() != 4 or g.dim() != 4 or a.shape[0] != g.shape[0] or a.shape[1] != m.in_channels or g.shape[1] != m.out_channels:
+    if (
+        a.dim() != 4
+        or g.dim() != 4
+        or a.shape[0] != g.shape[0]
+        or a.shape[1] != m.in_channels
+        or g.shape[1] != m.out_channels
+    ):
         return None
     (KH, KW), (sh, sw), (ph, pw), (dh, dw) = m.kernel_size, m.stride, m.padding, m.dilation
-    expect = [(a.shape[2 + k] + 2 * p - d * (kk - 1) - 1) // s + 1 for k, (p, d, kk, s) in enumerate(((ph, dh, KH, sh), (pw, dw, KW, sw)))]
+    expect = [
+        (a.shape[2 + k] + 2 * p - d * (kk - 1) - 1) // s + 1
+        for k, (p, d, kk, s) in enumerate(((ph, dh, KH, sh), (pw, dw, KW, sw)))
+    ]
     if list(g.shape[2:]) != expect or min(expect) < 1:
         return None
     lib = load()

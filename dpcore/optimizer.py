@@ -23,22 +23,22 @@ augmentation multiplicity) or *where* the lot's gradients are evaluated (DP-SAT)
 noise's distribution (Gaussian or Laplace). Clipping, the one noise draw per lot, the all-reduce,
 the division by qN and the ledger are the same code for all of them.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-import warnings
-
 from . import fastclip
 from .accounting import POISSON_LAPLACE, PrivacyEvent
 from .clipping import clip_factors, clipped_sum, per_sample_norms
-from .grad_sample import LossFn, PerSampleGradients
-from .methods import AscentArg, as_schedule, bookkeeping_applies, check_method_options
-from .ledger import PrivacyLedger
 from .errors import DPConfigError
+from .grad_sample import LossFn, PerSampleGradients
+from .ledger import PrivacyLedger
+from .methods import AscentArg, as_schedule, bookkeeping_applies, check_method_options
 from .randomness import Randomness, SecureRandomness
 from .validation import (
     check_clip_norm,
@@ -151,7 +151,9 @@ class DPOptimizer:
         self.augmentation_multiplicity = augmentation_multiplicity
         self.diagnostics_enabled = bool(diagnostics)
         if clipping == "auto":
-            fits = bookkeeping_applies(method, augmentation_multiplicity, clip_norm_type) and not self.diagnostics_enabled
+            fits = (
+                bookkeeping_applies(method, augmentation_multiplicity, clip_norm_type) and not self.diagnostics_enabled
+            )
             clipping = "bookkeeping" if fits and fastclip.supports(model) else "vmap"
         if self.diagnostics_enabled and clipping == "bookkeeping":
             warnings.warn("diagnostics need per-example gradients: using the vmap path.", stacklevel=2)
@@ -239,7 +241,9 @@ class DPOptimizer:
         direction. |value| ≤ clip_norm, so each has the sensitivity of any other example (in
         L2 and in L1) and the privacy analysis is unchanged; a larger value is refused."""
         if not (abs(float(value)) <= self.clip_norm):
-            raise DPConfigError(f"a canary gradient of norm {abs(float(value)):.6g} exceeds clip_norm={self.clip_norm}: it is not clipped.")
+            raise DPConfigError(
+                f"a canary gradient of norm {abs(float(value)):.6g} exceeds clip_norm={self.clip_norm}: it is not clipped."
+            )
         coords = torch.as_tensor(coords, dtype=torch.long).flatten()
         if len(coords) and (int(coords.min()) < 0 or int(coords.max()) >= self.num_parameters):
             raise ValueError(f"canary coordinates must lie in [0, {self.num_parameters}).")
@@ -250,7 +254,11 @@ class DPOptimizer:
             mine = coords[(coords >= i) & (coords < i + p.numel())] - i
             if len(mine):
                 flat = self._sum[name].view(-1)
-                flat.index_add_(0, mine.to(flat.device), torch.full((len(mine),), float(value), dtype=flat.dtype, device=flat.device))
+                flat.index_add_(
+                    0,
+                    mine.to(flat.device),
+                    torch.full((len(mine),), float(value), dtype=flat.dtype, device=flat.device),
+                )
             i += p.numel()
         self._examples_in_lot += len(coords)
 
@@ -292,7 +300,9 @@ class DPOptimizer:
         """λ (BAM) or ρ (DP-SAT) for the lot being computed."""
         value = float(self.schedule(self.steps_taken))
         if not (value >= 0 and value < float("inf")):
-            raise DPConfigError(f"the ascent schedule gave {value!r} at step {self.steps_taken}; it must be a finite number ≥ 0.")
+            raise DPConfigError(
+                f"the ascent schedule gave {value!r} at step {self.steps_taken}; it must be a finite number ≥ 0."
+            )
         return value
 
     def _per_example(self, xb: torch.Tensor, yb: torch.Tensor):
@@ -335,7 +345,9 @@ class DPOptimizer:
         self._unshifted = None
 
     def _leave_fast(self, why: str) -> None:
-        warnings.warn(f"book-keeping clipping cannot be used for this model ({why}); using the vmap path.", stacklevel=3)
+        warnings.warn(
+            f"book-keeping clipping cannot be used for this model ({why}); using the vmap path.", stacklevel=3
+        )
         self._fast, self.clipping = None, "vmap"
 
     def _verify_fast(self, xb: torch.Tensor, yb: torch.Tensor) -> int | None:
@@ -429,8 +441,13 @@ class DPOptimizer:
 
     def _sums_agree(self, fast: dict, fast_bad: int, ref: dict, bad: int) -> bool:
         scale = max(float(v.abs().max()) for v in ref.values()) if ref else 0.0
-        return fast_bad == bad and set(fast) == set(ref) and all(
-            torch.allclose(fast[k].to(ref[k].dtype), ref[k], rtol=0.0, atol=1e-5 * max(scale, self.clip_norm)) for k in ref
+        return (
+            fast_bad == bad
+            and set(fast) == set(ref)
+            and all(
+                torch.allclose(fast[k].to(ref[k].dtype), ref[k], rtol=0.0, atol=1e-5 * max(scale, self.clip_norm))
+                for k in ref
+            )
         )
 
     def _agree_in_float64(self, xb: torch.Tensor, yb: torch.Tensor) -> dict[str, torch.Tensor] | None:
@@ -442,7 +459,9 @@ class DPOptimizer:
             model64 = copy.deepcopy(self.model).double()
             x64 = xb.double() if xb.is_floating_point() else xb
             fast: dict[str, torch.Tensor] = {}
-            fast_bad = fastclip.BookKeepingClipper(model64, self._fast.loss_fn).clipped_sum(x64, yb, self.clip_norm, fast)
+            fast_bad = fastclip.BookKeepingClipper(model64, self._fast.loss_fn).clipped_sum(
+                x64, yb, self.clip_norm, fast
+            )
             sampler = PerSampleGradients(model64, self._fast.loss_fn, multiplicity=self.augmentation_multiplicity)
             ref, bad = clipped_sum(sampler(x64, yb), self.clip_norm)
         except Exception:  # a model that cannot be copied or run in float64: not verified
@@ -528,13 +547,15 @@ class DPOptimizer:
 
     def _diag_finish(self, clean: list[torch.Tensor]) -> None:
         if self._diag is None:  # no example on this rank: contribute zeros to the reduction
-            self._diag_accumulate({n: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for n, p in self.params.items()})
+            self._diag_accumulate(
+                {n: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for n, p in self.params.items()}
+            )
         names = list(self.params)
         tensors = [self._diag[f"{k}:{n}"] for k in ("sum", "clipped", "unit") for n in names] + clean
         count = self._diag["count"].to(self._sum[names[0]].dtype).reshape(1)
         if self.reduce_fn is not None:
             self.reduce_fn(tensors + [count])
-        l = float(count)
+        l = float(count)  # noqa: E741 (the lot size l of the BAM paper)
         flat = lambda ts: torch.cat([t.reshape(-1).double() for t in ts])  # noqa: E731
         k = len(names)
         g_hat = flat(tensors[:k]) / max(l, 1.0)

@@ -13,6 +13,7 @@ Sampled variant (``sample_rate=q < 1``): the rows are a Poisson sample at rate q
 release is accounted as a Poisson-sampled Gaussian. Either way the release is one event in
 the run's ledger (step 0: before training), composed with the training steps.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -93,11 +94,18 @@ def dp_pca(
     released, event = release_gram(x, noise_multiplier, randomness, ledger=ledger, sample_rate=sample_rate)
     eigvals, eigvecs = torch.linalg.eigh(released)  # ascending; post-processing of the release
     top = torch.argsort(eigvals, descending=True)[:k]
-    return DPPCAResult(eigvecs[:, top].T.contiguous().to(torch.float32), eigvals[top].to(torch.float32), released, event, None)
+    return DPPCAResult(
+        eigvecs[:, top].T.contiguous().to(torch.float32), eigvals[top].to(torch.float32), released, event, None
+    )
 
 
 def release_gram(
-    x: torch.Tensor, noise_multiplier: float, randomness: Randomness, *, ledger: PrivacyLedger | None, sample_rate: float = 1.0
+    x: torch.Tensor,
+    noise_multiplier: float,
+    randomness: Randomness,
+    *,
+    ledger: PrivacyLedger | None,
+    sample_rate: float = 1.0,
 ) -> tuple[torch.Tensor, PrivacyEvent]:
     """DP-PCA's release: AᵀA + E (float64, exactly symmetric) for the normalised rows A of
     ``x`` (Poisson-sampled at ``sample_rate``). Checked against the ledger's budget first and

@@ -20,6 +20,7 @@ Two modes:
 Both expose the same small interface: :meth:`normal` for noise, :meth:`uniform` for
 sampling, and :meth:`spawn` for independent child streams (one per rank and purpose).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,7 +34,7 @@ import torch
 
 from .errors import DPConfigError, SeededRandomnessWarning
 
-_TWO_POW_M53 = 2.0 ** -53
+_TWO_POW_M53 = 2.0**-53
 
 
 class Randomness:
@@ -57,7 +58,7 @@ class Randomness:
         magnitude = -torch.log1p(-u[n:])
         return (sign * magnitude * float(scale)).to(dtype=dtype, device=device).reshape(shape)
 
-    def spawn(self, *key: Any) -> "Randomness":
+    def spawn(self, *key: Any) -> Randomness:
         raise NotImplementedError
 
     def state_dict(self) -> dict:
@@ -161,7 +162,7 @@ class SecureRandomness(Randomness):
         torch.sin(theta, out=z[m:]).mul_(r)
         return z[:n].to(dtype=dtype, device=device).reshape(shape)
 
-    def spawn(self, *key: Any) -> "SecureRandomness":
+    def spawn(self, *key: Any) -> SecureRandomness:
         return SecureRandomness()
 
     def state_dict(self) -> dict:
@@ -225,7 +226,7 @@ class SeededRandomness(Randomness):
             z.mul_(float(std))
         return z.to(device) if device is not None else z
 
-    def spawn(self, *key: Any) -> "SeededRandomness":
+    def spawn(self, *key: Any) -> SeededRandomness:
         return SeededRandomness(self.seed, _spawn_key=self._spawn_key + key, _quiet=True)
 
     def state_dict(self) -> dict:

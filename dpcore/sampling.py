@@ -9,6 +9,7 @@ at rate q — the sample the accountant is told about.
 A lot may be empty; the training step still happens (noise only). Lots are never padded,
 truncated or resampled: any of those would change the sampling distribution.
 """
+
 from __future__ import annotations
 
 import torch

@@ -3,6 +3,7 @@
 Every check raises before any noise is drawn or any budget is spent, and every message
 names the bad value and the fix.
 """
+
 from __future__ import annotations
 
 import math
@@ -144,7 +145,9 @@ def validate_model(model: nn.Module) -> None:
         raise UnsupportedModuleError(
             "The model cannot be trained with per-example differential privacy:\n" + "\n".join(problems)
         )
-    low = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype not in (torch.float32, torch.float64)})
+    low = sorted(
+        {str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype not in (torch.float32, torch.float64)}
+    )
     if low:
         raise UnsupportedModuleError(
             f"trainable parameters of dtype {', '.join(low)} are not supported: per-example clipping keeps "

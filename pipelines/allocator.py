@@ -13,6 +13,7 @@ training workers, ``dp-platform bench`` for every mode alike), never on import. 
 ``DP_MALLOC_TUNE=0`` to keep glibc's defaults. It costs resident memory: the process keeps
 its high-water mark instead of returning it between steps.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -50,7 +51,11 @@ def keep_freed_memory() -> bool:
     mallopt.restype = ctypes.c_int
     ok = all(
         mallopt(param, value) == 1
-        for param, value in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD))
+        for param, value in (
+            (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+            (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+            (M_TOP_PAD, TOP_PAD),
+        )
     )
     _applied = ok
     return ok

@@ -38,6 +38,7 @@ The scores go to :func:`dpcore.audit.distinguishing_epsilon_lower_bound`, and th
 of one release is the ledger's. A correct mechanism gives ε_lb ≤ ε; noise too small by √2
 gives ε_lb > ε at the sizes the tests use.
 """
+
 from __future__ import annotations
 
 import math
@@ -100,9 +101,19 @@ def _optimizer_scores(mechanism, dim, canaries, reps, sigma, q, clip, seed, rank
         if mechanism == "bam":
             options = {"method": "bam", "ascent": 0.05}
         opt = dpcore.DPOptimizer(
-            base, model=model, loss_fn=_linear_loss, noise_multiplier=sigma, clip_norm=clip, sample_rate=q, dataset_size=dim,
-            randomness=rng.spawn("noise", r, rank), ledger=ledger, physical_batch_size=512,
-            add_noise=(rank == 0), reduce_fn=reduce_fn, **options,
+            base,
+            model=model,
+            loss_fn=_linear_loss,
+            noise_multiplier=sigma,
+            clip_norm=clip,
+            sample_rate=q,
+            dataset_size=dim,
+            randomness=rng.spawn("noise", r, rank),
+            ledger=ledger,
+            physical_batch_size=512,
+            add_noise=(rank == 0),
+            reduce_fn=reduce_fn,
+            **options,
         )
         mine = shard[inc[shard]]  # this rank's canaries that are in the dataset
         lot = dpcore.PoissonSampler(mine, q, rng.spawn("sampling", r, rank), steps=1).sample()
@@ -128,7 +139,10 @@ def _gloo_worker(rank, world, port, mechanisms, dim, canaries, reps, sigma, q, c
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
     try:
-        out = {m: _optimizer_scores(m, dim, canaries, reps, sigma, q, clip, seed, rank, world, all_reduce) for m in mechanisms}
+        out = {
+            m: _optimizer_scores(m, dim, canaries, reps, sigma, q, clip, seed, rank, world, all_reduce)
+            for m in mechanisms
+        }
         if rank == 0:
             torch.save(out, out_path)
     finally:
@@ -182,24 +196,50 @@ def _pca_scores(dim, canaries, reps, sigma, q, seed):
     return torch.cat(scores), torch.cat(inside)
 
 
-def mechanism_scores(mechanism, *, dim: int, canaries: int, repetitions: int, noise_multiplier: float, sample_rate: float = 1.0,
-                     clip_norm: float = 1.0, seed: int = 0, workers: int = 1):
+def mechanism_scores(
+    mechanism,
+    *,
+    dim: int,
+    canaries: int,
+    repetitions: int,
+    noise_multiplier: float,
+    sample_rate: float = 1.0,
+    clip_norm: float = 1.0,
+    seed: int = 0,
+    workers: int = 1,
+):
     """The coordinates' scores and canary membership over ``repetitions`` independent releases.
     ``mechanism`` may be a list of optimizer mechanisms: with 2 workers they then share one
     pair of gloo processes, and a dict {mechanism: (scores, membership)} is returned."""
     if not (0 < canaries <= dim):
-        raise dpcore.DPConfigError(f"canaries={canaries} must lie in [1, dim={dim}]: each canary has a coordinate of its own.")
+        raise dpcore.DPConfigError(
+            f"canaries={canaries} must lie in [1, dim={dim}]: each canary has a coordinate of its own."
+        )
     many = isinstance(mechanism, (list, tuple))
-    for m in (mechanism if many else [mechanism]):
+    for m in mechanism if many else [mechanism]:
         if m not in MECHANISMS:
             raise dpcore.DPConfigError(f"mechanism={m!r} is unknown; use one of {', '.join(MECHANISMS)}.")
     if workers not in (1, 2):
         raise dpcore.DPConfigError(f"workers={workers}: the mechanism audit runs with 1 or 2 workers.")
     if many:
         if workers == 2 and all(m in ("dpsgd", "bam", "dpadam-laplace") for m in mechanism):
-            return _spawn_two(list(mechanism), dim, canaries, repetitions, noise_multiplier, sample_rate, clip_norm, seed)
-        return {m: mechanism_scores(m, dim=dim, canaries=canaries, repetitions=repetitions, noise_multiplier=noise_multiplier,
-                                    sample_rate=sample_rate, clip_norm=clip_norm, seed=seed, workers=workers) for m in mechanism}
+            return _spawn_two(
+                list(mechanism), dim, canaries, repetitions, noise_multiplier, sample_rate, clip_norm, seed
+            )
+        return {
+            m: mechanism_scores(
+                m,
+                dim=dim,
+                canaries=canaries,
+                repetitions=repetitions,
+                noise_multiplier=noise_multiplier,
+                sample_rate=sample_rate,
+                clip_norm=clip_norm,
+                seed=seed,
+                workers=workers,
+            )
+            for m in mechanism
+        }
     if mechanism == "fedavg":
         return _fedavg_scores(dim, canaries, repetitions, noise_multiplier, sample_rate, clip_norm, seed, workers)
     if mechanism == "pca":
@@ -208,7 +248,9 @@ def mechanism_scores(mechanism, *, dim: int, canaries: int, repetitions: int, no
         return _pca_scores(dim, canaries, repetitions, noise_multiplier, sample_rate, seed)
     if workers == 1:
         return _optimizer_scores(mechanism, dim, canaries, repetitions, noise_multiplier, sample_rate, clip_norm, seed)
-    return _spawn_two([mechanism], dim, canaries, repetitions, noise_multiplier, sample_rate, clip_norm, seed)[mechanism]
+    return _spawn_two([mechanism], dim, canaries, repetitions, noise_multiplier, sample_rate, clip_norm, seed)[
+        mechanism
+    ]
 
 
 def _spawn_two(mechanisms, dim, canaries, repetitions, noise_multiplier, sample_rate, clip_norm, seed) -> dict:
@@ -216,8 +258,24 @@ def _spawn_two(mechanisms, dim, canaries, repetitions, noise_multiplier, sample_
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "scores.pt")
-        mp.spawn(_gloo_worker, args=(2, _free_port(), mechanisms, dim, canaries, repetitions, noise_multiplier, sample_rate, clip_norm, seed, out),
-                 nprocs=2, join=True)
+        mp.spawn(
+            _gloo_worker,
+            args=(
+                2,
+                _free_port(),
+                mechanisms,
+                dim,
+                canaries,
+                repetitions,
+                noise_multiplier,
+                sample_rate,
+                clip_norm,
+                seed,
+                out,
+            ),
+            nprocs=2,
+            join=True,
+        )
         return torch.load(out)
 
 
@@ -246,24 +304,59 @@ def mechanism_audits(mechanisms, *, noise_multipliers: dict | None = None, **kw)
         args = {**kw, "noise_multiplier": sigma}
         scores = mechanism_scores(ms, **{k: v for k, v in args.items() if k not in ("delta", "confidence")})
         for m in ms:
-            out[m] = _bound(m, *scores[m], sigma, args.get("sample_rate", 1.0), args.get("delta", 1e-3),
-                            args.get("confidence", 0.95), args.get("seed", 0), args.get("workers", 1))
+            out[m] = _bound(
+                m,
+                *scores[m],
+                sigma,
+                args.get("sample_rate", 1.0),
+                args.get("delta", 1e-3),
+                args.get("confidence", 0.95),
+                args.get("seed", 0),
+                args.get("workers", 1),
+            )
     return [out[m] for m in mechanisms]
 
 
 def _bound(mechanism, s, inc, sigma, q, delta, confidence, seed, workers) -> MechanismAudit:
     res = distinguishing_epsilon_lower_bound(s[inc].numpy(), s[~inc].numpy(), delta, confidence, seed=seed)
     eps = claimed_epsilon(mechanism, sigma, q, delta)
-    return MechanismAudit(mechanism, workers, eps, res.epsilon_lower_bound, delta, confidence, res.samples_in, res.samples_out,
-                          res.threshold if math.isfinite(res.threshold) else float("nan"))
+    return MechanismAudit(
+        mechanism,
+        workers,
+        eps,
+        res.epsilon_lower_bound,
+        delta,
+        confidence,
+        res.samples_in,
+        res.samples_out,
+        res.threshold if math.isfinite(res.threshold) else float("nan"),
+    )
 
 
-def mechanism_audit(mechanism: str, *, dim: int = 2000, canaries: int = 400, repetitions: int = 500, noise_multiplier: float = 1.5,
-                    sample_rate: float = 1.0, delta: float = 1e-3, confidence: float = 0.95, seed: int = 0,
-                    workers: int = 1) -> MechanismAudit:
+def mechanism_audit(
+    mechanism: str,
+    *,
+    dim: int = 2000,
+    canaries: int = 400,
+    repetitions: int = 500,
+    noise_multiplier: float = 1.5,
+    sample_rate: float = 1.0,
+    delta: float = 1e-3,
+    confidence: float = 0.95,
+    seed: int = 0,
+    workers: int = 1,
+) -> MechanismAudit:
     """Run the mechanism audit and return ε_lb beside the ledger's ε (see the module doc)."""
-    s, inc = mechanism_scores(mechanism, dim=dim, canaries=canaries, repetitions=repetitions, noise_multiplier=noise_multiplier,
-                              sample_rate=sample_rate, seed=seed, workers=workers)
+    s, inc = mechanism_scores(
+        mechanism,
+        dim=dim,
+        canaries=canaries,
+        repetitions=repetitions,
+        noise_multiplier=noise_multiplier,
+        sample_rate=sample_rate,
+        seed=seed,
+        workers=workers,
+    )
     return _bound(mechanism, s, inc, noise_multiplier, sample_rate, delta, confidence, seed, workers)
 
 
@@ -280,8 +373,12 @@ def main(argv: list[str] | None = None, prog: str = "dp-platform audit") -> int:
         "release of a mechanism, repeated, against its ledger ε.",
     )
     p.add_argument("config", nargs="?", help="YAML training config (one-run audit)")
-    p.add_argument("--mechanism", choices=MECHANISMS, help="audit one release of this mechanism instead of a training run")
-    p.add_argument("--workers", type=int, default=1, help="mechanism audit: 1, or 2 (gloo processes / two partial sums)")
+    p.add_argument(
+        "--mechanism", choices=MECHANISMS, help="audit one release of this mechanism instead of a training run"
+    )
+    p.add_argument(
+        "--workers", type=int, default=1, help="mechanism audit: 1, or 2 (gloo processes / two partial sums)"
+    )
     p.add_argument("--repetitions", type=int, default=500, help="mechanism audit: independent releases")
     p.add_argument("--dim", type=int, default=2000, help="mechanism audit: coordinates per release")
     p.add_argument("--canaries", type=int, default=400, help="mechanism audit: canary coordinates per release")
@@ -293,19 +390,34 @@ def main(argv: list[str] | None = None, prog: str = "dp-platform audit") -> int:
     add_config_arguments(p)
     args = vars(p.parse_args(argv))
     mechanism = args.pop("mechanism")
-    mech_args = {k: args.pop(k) for k in ("workers", "repetitions", "dim", "canaries", "sigma", "sample_rate", "delta") if k in args}
+    mech_args = {
+        k: args.pop(k)
+        for k in ("workers", "repetitions", "dim", "canaries", "sigma", "sample_rate", "delta")
+        if k in args
+    }
     config_path = args.pop("config")
     try:
         if mechanism is not None:
             if config_path:
                 raise dpcore.DPConfigError("give a training config (one-run audit) or --mechanism, not both.")
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore", dpcore.SeededRandomnessWarning)  # the mechanism audit is seeded on purpose
-                res = mechanism_audit(mechanism, dim=mech_args["dim"], canaries=mech_args["canaries"], repetitions=mech_args["repetitions"],
-                                      noise_multiplier=mech_args["sigma"], sample_rate=mech_args["sample_rate"],
-                                      delta=mech_args["delta"], workers=mech_args["workers"])
-            print(f"{res.mechanism} ({res.workers} worker(s)): ε_lb = {res.epsilon_lower_bound:.3f} at {res.confidence:.0%} confidence, "
-                  f"ledger ε = {res.epsilon:.3f} at δ={res.delta:g}; {res.samples_in} 'in' and {res.samples_out} 'out' scores")
+                warnings.simplefilter(
+                    "ignore", dpcore.SeededRandomnessWarning
+                )  # the mechanism audit is seeded on purpose
+                res = mechanism_audit(
+                    mechanism,
+                    dim=mech_args["dim"],
+                    canaries=mech_args["canaries"],
+                    repetitions=mech_args["repetitions"],
+                    noise_multiplier=mech_args["sigma"],
+                    sample_rate=mech_args["sample_rate"],
+                    delta=mech_args["delta"],
+                    workers=mech_args["workers"],
+                )
+            print(
+                f"{res.mechanism} ({res.workers} worker(s)): ε_lb = {res.epsilon_lower_bound:.3f} at {res.confidence:.0%} confidence, "
+                f"ledger ε = {res.epsilon:.3f} at δ={res.delta:g}; {res.samples_in} 'in' and {res.samples_out} 'out' scores"
+            )
             print("ok: ε_lb ≤ ε" if res.epsilon_lower_bound <= res.epsilon else "AUDIT FAILED: ε_lb > ε")
             return 0 if res.epsilon_lower_bound <= res.epsilon else 3
         from .config import load_config

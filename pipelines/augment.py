@@ -8,6 +8,7 @@ batch). The randomness is public (a seeded generator per worker): augmentation i
 data-independent, and each example's K gradients are averaged before clipping, so the
 example's contribution is still bounded by C whatever the augmentations are.
 """
+
 from __future__ import annotations
 
 import torch

@@ -18,6 +18,7 @@ Modes:
 * ``ours-vmap``: the same with the reference vmap per-example path;
 * ``opacus-hooks``, ``opacus-ew``, ``opacus-ghost``: Opacus 1.6 with that ``grad_sample_mode``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,8 +100,14 @@ def _opacus(make, x, y, mode):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         made = engine.make_private(
-            module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
-            poisson_sampling=False, grad_sample_mode=mode, criterion=torch.nn.CrossEntropyLoss(),
+            module=model,
+            optimizer=opt,
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+            grad_sample_mode=mode,
+            criterion=torch.nn.CrossEntropyLoss(),
         )
     if mode == "ghost":
         model, opt, criterion, _ = made
@@ -180,9 +187,16 @@ def memory_child(model_name: str, lot: int, physical: int) -> int:
     x, y = _data(shape, lot)
     model = make()
     opt = dpcore.DPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01), model=model, loss_fn=F.cross_entropy, noise_multiplier=1.0,
-        clip_norm=1.0, sample_rate=0.01, dataset_size=100 * lot, randomness=dpcore.SecureRandomness(),
-        ledger=dpcore.PrivacyLedger(None, 1e-5, epsilon_every=10**9), physical_batch_size=physical,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        model=model,
+        loss_fn=F.cross_entropy,
+        noise_multiplier=1.0,
+        clip_norm=1.0,
+        sample_rate=0.01,
+        dataset_size=100 * lot,
+        randomness=dpcore.SecureRandomness(),
+        ledger=dpcore.PrivacyLedger(None, 1e-5, epsilon_every=10**9),
+        physical_batch_size=physical,
     )
     for _ in range(2):
         opt.accumulate(x, y)
@@ -194,10 +208,29 @@ def memory_rows(model_name: str, lots=(128, 4096), physical: int = 128, threads:
     rows = []
     for lot in lots:
         out = subprocess.run(
-            [sys.executable, "-m", "pipelines.bench", "--memory-child", model_name, str(lot), str(physical), "--threads", str(threads)],
-            capture_output=True, text=True, check=True,
+            [
+                sys.executable,
+                "-m",
+                "pipelines.bench",
+                "--memory-child",
+                model_name,
+                str(lot),
+                str(physical),
+                "--threads",
+                str(threads),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
         )
-        rows.append({"model": model_name, "lot": lot, "physical_batch": physical, "peak_rss_mib": int(out.stdout.strip()) / 1024})
+        rows.append(
+            {
+                "model": model_name,
+                "lot": lot,
+                "physical_batch": physical,
+                "peak_rss_mib": int(out.stdout.strip()) / 1024,
+            }
+        )
     base = rows[0]["peak_rss_mib"]
     for r in rows:
         r["x_smallest_lot"] = r["peak_rss_mib"] / base
@@ -241,16 +274,24 @@ def accounting_rows(eps: float = 2.0, delta: float = 1e-5, q: float = 4096 / 500
     e_long = accounting.epsilon([(accounting.PrivacyEvent.dpsgd_step(ours, q), 100_000)], delta, "pld")
     t_long = time.perf_counter() - t0
     return [
-        {"what": f"calibrate σ for ε={eps:g}, δ={delta:g}, q={q:.5g}, T={steps} (ours, PLD)", "value": ours, "seconds": t_ours},
+        {
+            "what": f"calibrate σ for ε={eps:g}, δ={delta:g}, q={q:.5g}, T={steps} (ours, PLD)",
+            "value": ours,
+            "seconds": t_ours,
+        },
         {"what": "plain bisection over dp_accounting PLDAccountant (σ to 0.1%)", "value": ref, "seconds": t_ref},
         {"what": "ours ÷ plain bisection σ", "value": ours / ref, "seconds": float("nan")},
         {"what": "ε after 10⁵ steps at that σ (PLD, cold cache)", "value": e_long, "seconds": t_long},
     ]
 
 
-def print_tables(step_rows: list[dict], mem_rows: list[dict], threads: int, rounds: int, acc_rows: list[dict] | None = None) -> None:
-    print(f"\nPrivate step time: {rounds} interleaved rounds, median; torch {torch.__version__}, {threads} thread(s), "
-          f"{platform.processor() or platform.machine()}, {allocator.describe()}, {time.strftime('%Y-%m-%d')}")
+def print_tables(
+    step_rows: list[dict], mem_rows: list[dict], threads: int, rounds: int, acc_rows: list[dict] | None = None
+) -> None:
+    print(
+        f"\nPrivate step time: {rounds} interleaved rounds, median; torch {torch.__version__}, {threads} thread(s), "
+        f"{platform.processor() or platform.machine()}, {allocator.describe()}, {time.strftime('%Y-%m-%d')}"
+    )
     print("| model (batch) | mode | ms/step | samples/s | × non-private | throughput ÷ Opacus best | note |")
     print("|---|---|---|---|---|---|---|")
     for r in step_rows:
@@ -273,12 +314,22 @@ def print_tables(step_rows: list[dict], mem_rows: list[dict], threads: int, roun
         print("| model | lot | physical batch | peak RSS (MiB) | × lot 128 |")
         print("|---|---|---|---|---|")
         for r in mem_rows:
-            print(f"| {r['model']} | {r['lot']} | {r['physical_batch']} | {r['peak_rss_mib']:.0f} | {r['x_smallest_lot']:.2f} |")
+            print(
+                f"| {r['model']} | {r['lot']} | {r['physical_batch']} | {r['peak_rss_mib']:.0f} | {r['x_smallest_lot']:.2f} |"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dp-platform bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS), help="models to time (none: skip step timing)")
+    p = argparse.ArgumentParser(
+        prog="dp-platform bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--models",
+        nargs="*",
+        default=list(MODELS),
+        choices=list(MODELS),
+        help="models to time (none: skip step timing)",
+    )
     p.add_argument("--rounds", type=int, default=15, help="interleaved timed rounds (after 3 warm-up rounds)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (the same for every mode)")
     p.add_argument("--memory", action="store_true", help="also measure peak RSS for lot 128 and 4096 (mnist_cnn)")
@@ -286,11 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-opacus", action="store_true", help="skip Opacus even if installed")
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument(
-        "--malloc-defaults", action="store_true",
+        "--malloc-defaults",
+        action="store_true",
         help="keep glibc's malloc defaults (by default freed memory is kept for reuse, for every mode alike)",
     )
     p.add_argument(
-        "--no-native", action="store_true",
+        "--no-native",
+        action="store_true",
         help="do not use the compiled per-example convolution kernel (dpcore.native): torch's path instead",
     )
     p.add_argument("--memory-child", nargs=3, metavar=("MODEL", "LOT", "PHYSICAL"), help=argparse.SUPPRESS)

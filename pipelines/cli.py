@@ -1,19 +1,20 @@
 """``dp-platform``: one command for the platform.
 
-    dp-platform train [CONFIG.yaml] [--flags]     train with DP on Ray; ledger and model to MLflow
-    dp-platform sweep [CONFIG.yaml] [--flags]     Optuna sweep at a fixed (ε, δ); trials on Ray, runs in MLflow
-    dp-platform federated [CONFIG.yaml] [--flags] client-level DP federated averaging on Ray actors
-    dp-platform audit [CONFIG.yaml] [--flags]     privacy audit: one training run with canaries, or --mechanism
-    dp-platform ingest DATASET OUT_DIR            write a dataset once as Parquet shards
-    dp-platform ledger RUN_ID                     print a run's privacy ledger from MLflow
-    dp-platform ui                                the MLflow UI on 127.0.0.1, on the same store
-    dp-platform bench                             private step time and memory, beside Opacus
-    dp-platform stack up|add-node|status|down     PostgreSQL, MLflow (basic auth), a Ray head (token auth), on loopback
-    dp-platform submit [--sweep] CONFIG [-- ARGS] a training run or a sweep as a Ray job; follows its logs
-    dp-platform status [JOB_ID]                   a job's status (with the reason when it failed), or all jobs
-    dp-platform logs JOB_ID [--follow]            a job's logs
-    dp-platform stop JOB_ID                       stop a job
+dp-platform train [CONFIG.yaml] [--flags]     train with DP on Ray; ledger and model to MLflow
+dp-platform sweep [CONFIG.yaml] [--flags]     Optuna sweep at a fixed (ε, δ); trials on Ray, runs in MLflow
+dp-platform federated [CONFIG.yaml] [--flags] client-level DP federated averaging on Ray actors
+dp-platform audit [CONFIG.yaml] [--flags]     privacy audit: one training run with canaries, or --mechanism
+dp-platform ingest DATASET OUT_DIR            write a dataset once as Parquet shards
+dp-platform ledger RUN_ID                     print a run's privacy ledger from MLflow
+dp-platform ui                                the MLflow UI on 127.0.0.1, on the same store
+dp-platform bench                             private step time and memory, beside Opacus
+dp-platform stack up|add-node|status|down     PostgreSQL, MLflow (basic auth), a Ray head (token auth), on loopback
+dp-platform submit [--sweep] CONFIG [-- ARGS] a training run or a sweep as a Ray job; follows its logs
+dp-platform status [JOB_ID]                   a job's status (with the reason when it failed), or all jobs
+dp-platform logs JOB_ID [--follow]            a job's logs
+dp-platform stop JOB_ID                       stop a job
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,14 +44,26 @@ def _ingest(argv: list[str]) -> int:
     )
     p.add_argument("dataset", help=f"one of {', '.join(DATASETS)}; with --verify, the ingested folder to check")
     p.add_argument("out_dir", nargs="?", help="folder to write (manifest.json, train-*.arrow, val.arrow, test.arrow)")
-    p.add_argument("--verify", action="store_true", help="re-hash every file of the ingested folder DATASET against its manifest")
-    p.add_argument("--num-shards", type=int, default=2, help="training shards; use a multiple of the number of workers (default 2)")
-    p.add_argument("--data-dir", help="where the raw dataset is (IDX files, torchvision's layout or an ImageFolder tree)")
+    p.add_argument(
+        "--verify", action="store_true", help="re-hash every file of the ingested folder DATASET against its manifest"
+    )
+    p.add_argument(
+        "--num-shards", type=int, default=2, help="training shards; use a multiple of the number of workers (default 2)"
+    )
+    p.add_argument(
+        "--data-dir", help="where the raw dataset is (IDX files, torchvision's layout or an ImageFolder tree)"
+    )
     p.add_argument("--download", action="store_true", help="download the torchvision dataset into --data-dir")
-    p.add_argument("--image-size", type=int, help="resize ImageFolder images (or size generated ones) to this square size")
+    p.add_argument(
+        "--image-size", type=int, help="resize ImageFolder images (or size generated ones) to this square size"
+    )
     p.add_argument("--generated-size", type=int, default=10_000, help="examples of the 'generated' dataset")
-    p.add_argument("--generated-channels", type=int, default=1, help="channels of the 'generated' images (with --image-size)")
-    p.add_argument("--val-fraction", type=float, default=0.1, help="validation fraction carved out of the training data")
+    p.add_argument(
+        "--generated-channels", type=int, default=1, help="channels of the 'generated' images (with --image-size)"
+    )
+    p.add_argument(
+        "--val-fraction", type=float, default=0.1, help="validation fraction carved out of the training data"
+    )
     p.add_argument("--test-fraction", type=float, default=0.2, help="test fraction, for datasets without a test set")
     p.add_argument("--split-seed", type=int, default=0, help="seed of the public split permutation")
     a = p.parse_args(argv)
@@ -60,14 +73,24 @@ def _ingest(argv: list[str]) -> int:
             manifest = verify(a.dataset, full=True)
             rows = sum(e["rows"] for e in manifest["files"])
             size = sum(e.get("bytes", 0) for e in manifest["files"])
-            print(f"ok: {a.dataset}: {len(manifest['files'])} files, {rows} rows, {size / 2**20:.1f} MiB, every SHA-256 matches ({time.monotonic() - t0:.1f}s)")
+            print(
+                f"ok: {a.dataset}: {len(manifest['files'])} files, {rows} rows, {size / 2**20:.1f} MiB, every SHA-256 "
+                f"matches ({time.monotonic() - t0:.1f}s)"
+            )
             return 0
         if a.out_dir is None:
             p.error("OUT_DIR is required (or --verify FOLDER)")
         load_config(overrides={"dataset": a.dataset, "data_dir": a.data_dir}).validate()
         ds = load_dataset(
-            a.dataset, data_dir=a.data_dir, download=a.download, image_size=a.image_size, generated_size=a.generated_size,
-            generated_channels=a.generated_channels, val_fraction=a.val_fraction, test_fraction=a.test_fraction, split_seed=a.split_seed,
+            a.dataset,
+            data_dir=a.data_dir,
+            download=a.download,
+            image_size=a.image_size,
+            generated_size=a.generated_size,
+            generated_channels=a.generated_channels,
+            val_fraction=a.val_fraction,
+            test_fraction=a.test_fraction,
+            split_seed=a.split_seed,
         )
         t1 = time.monotonic()
         out = ingest(ds, a.out_dir, num_shards=a.num_shards)
@@ -91,7 +114,9 @@ def fetch_ledger(run_id: str, tracking_uri: str):
     import pyarrow.parquet as pq
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="ledger/ledger.parquet", tracking_uri=tracking_uri)
+    path = mlflow.artifacts.download_artifacts(
+        run_id=run_id, artifact_path="ledger/ledger.parquet", tracking_uri=tracking_uri
+    )
     return pq.read_table(path)
 
 
@@ -100,9 +125,16 @@ def _ledger(argv: list[str]) -> int:
 
     from .tracking import resolve_tracking_uri
 
-    p = argparse.ArgumentParser(prog=f"{PROG} ledger", description="Print a run's privacy ledger (every noisy release, with the cumulative ε) from MLflow.")
+    p = argparse.ArgumentParser(
+        prog=f"{PROG} ledger",
+        description="Print a run's privacy ledger (every noisy release, with the cumulative ε) from MLflow.",
+    )
     p.add_argument("run_id", help="MLflow run id (printed by train)")
-    p.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    p.add_argument(
+        "--tracking-uri",
+        default=os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db",
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)",
+    )
     p.add_argument("--all", action="store_true", help="print every entry (default: the first and last 10)")
     p.add_argument("--csv", action="store_true", help="print CSV instead of a table")
     a = p.parse_args(argv)
@@ -144,14 +176,31 @@ def _ledger(argv: list[str]) -> int:
 
 
 def ui_argv(tracking_uri: str, host: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri, "--host", host, "--port", str(port)]
+    return [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "ui",
+        "--backend-store-uri",
+        tracking_uri,
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
 
 
 def _ui(argv: list[str]) -> int:
     from .tracking import resolve_tracking_uri
 
-    p = argparse.ArgumentParser(prog=f"{PROG} ui", description="Start the MLflow UI on 127.0.0.1 against the same tracking store as train.")
-    p.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    p = argparse.ArgumentParser(
+        prog=f"{PROG} ui", description="Start the MLflow UI on 127.0.0.1 against the same tracking store as train."
+    )
+    p.add_argument(
+        "--tracking-uri",
+        default=os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db",
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)",
+    )
     p.add_argument("--port", type=int, default=5000, help="port (default 5000)")
     p.add_argument("--host", default="127.0.0.1", help="interface (default 127.0.0.1: this machine only)")
     a = p.parse_args(argv)
@@ -166,8 +215,21 @@ def _ui(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     trace("cli main")
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": None, "sweep": None, "federated": None, "audit": None, "ingest": _ingest, "ledger": _ledger, "ui": _ui, "bench": None,
-                "stack": None, "submit": None, "status": None, "logs": None, "stop": None}
+    commands = {
+        "train": None,
+        "sweep": None,
+        "federated": None,
+        "audit": None,
+        "ingest": _ingest,
+        "ledger": _ledger,
+        "ui": _ui,
+        "bench": None,
+        "stack": None,
+        "submit": None,
+        "status": None,
+        "logs": None,
+        "stop": None,
+    }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):

@@ -16,6 +16,7 @@ A split is held as CSR arrays: ``order`` (example indices, client by client) and
 the sum of their clipped updates (and, for adaptive clipping, the count of updates under S).
 The same class runs in the driver's process (``executor: local``) or as a Ray actor.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,7 +33,9 @@ from .models import build_model
 SPLITS = ("noniid", "iid")
 
 
-def split_clients(labels: torch.Tensor, num_clients: int, split: str = "noniid", shards_per_client: int = 2, seed: int = 0):
+def split_clients(
+    labels: torch.Tensor, num_clients: int, split: str = "noniid", shards_per_client: int = 2, seed: int = 0
+):
     """``(order, offsets)``: client k holds examples ``order[offsets[k]:offsets[k+1]]``.
 
     Raises DPConfigError, naming the numbers, when a client would get no data."""
@@ -52,7 +55,9 @@ def split_clients(labels: torch.Tensor, num_clients: int, split: str = "noniid",
         parts = torch.tensor_split(perm, num_clients)
     else:
         if isinstance(shards_per_client, bool) or not isinstance(shards_per_client, int) or shards_per_client < 1:
-            raise DPConfigError(f"shards_per_client={shards_per_client!r} is invalid: it must be a positive integer (Geyer et al.: 2).")
+            raise DPConfigError(
+                f"shards_per_client={shards_per_client!r} is invalid: it must be a positive integer (Geyer et al.: 2)."
+            )
         shards = num_clients * shards_per_client
         if shards > n:
             raise DPConfigError(
@@ -63,7 +68,10 @@ def split_clients(labels: torch.Tensor, num_clients: int, split: str = "noniid",
         by_label = perm[torch.sort(labels[perm], stable=True).indices]
         pieces = torch.tensor_split(by_label, shards)
         assign = torch.randperm(shards, generator=g)
-        parts = [torch.cat([pieces[int(j)] for j in assign[k * shards_per_client : (k + 1) * shards_per_client]]) for k in range(num_clients)]
+        parts = [
+            torch.cat([pieces[int(j)] for j in assign[k * shards_per_client : (k + 1) * shards_per_client]])
+            for k in range(num_clients)
+        ]
     sizes = torch.tensor([len(p) for p in parts], dtype=torch.long)
     empty = (sizes == 0).nonzero().flatten()
     if len(empty):
@@ -101,8 +109,21 @@ class ClientRunner:
         threads: torch threads of this process (None: leave them as they are).
     """
 
-    def __init__(self, x, y, order, offsets, model_name, input_shape, num_classes, local_epochs, local_batch_size, local_lr,
-                 shuffle_seed: int = 0, threads: int | None = 1):
+    def __init__(
+        self,
+        x,
+        y,
+        order,
+        offsets,
+        model_name,
+        input_shape,
+        num_classes,
+        local_epochs,
+        local_batch_size,
+        local_lr,
+        shuffle_seed: int = 0,
+        threads: int | None = 1,
+    ):
         if threads is not None:
             torch.set_num_threads(max(1, int(threads)))
         self.x, self.y, self.order, self.offsets = x, y, order, offsets
@@ -130,8 +151,15 @@ class ClientRunner:
         with torch.no_grad():
             return torch.nn.utils.parameters_to_vector(self.params) - global_flat
 
-    def run(self, round_: int, global_flat: torch.Tensor, clients: list[int], clip_norm: float, want_norms: bool = False,
-            die_after: int | None = None) -> dict:
+    def run(
+        self,
+        round_: int,
+        global_flat: torch.Tensor,
+        clients: list[int],
+        clip_norm: float,
+        want_norms: bool = False,
+        die_after: int | None = None,
+    ) -> dict:
         """Train each client in ``clients`` from ``global_flat``; return the sum of the clipped
         updates (float64), the number of updates with ‖Δ‖ ≤ S (for adaptive clipping), the
         clients included, and (only when ``want_norms``, a NON-PRIVATE diagnostic) the norms.

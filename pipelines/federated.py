@@ -21,6 +21,7 @@ clipping, the ledger) is :mod:`dpcore.federated`; this module runs it:
 * the run, its ledger, metrics (ε, δ at the fixed ε, accuracy, S, communication) and model go
   to MLflow with ``dp.level=client``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,16 +55,24 @@ BYTES_PER_FLOAT = 4
 @dataclass(frozen=True)
 class FederatedConfig:
     # data and clients
-    dataset: str = _f("digits", f"dataset: {', '.join(DATASETS)} (its training split is divided among the clients)", "data")
+    dataset: str = _f(
+        "digits", f"dataset: {', '.join(DATASETS)} (its training split is divided among the clients)", "data"
+    )
     data_dir: str | None = _f(None, "folder holding the dataset (torchvision layout or an ImageFolder tree)", "data")
     download: bool = _f(False, "download the torchvision dataset into data_dir (needs a network)", "data")
     image_size: int | None = _f(None, "size of 'generated' images / resize of ImageFolder images", "data")
-    generated_size: int = _f(10_000, "examples of the 'generated' dataset (a generated client population for scale tests)", "data")
-    val_fraction: float = _f(0.1, "fraction of the data held out for validation (on the server, not on clients)", "data")
+    generated_size: int = _f(
+        10_000, "examples of the 'generated' dataset (a generated client population for scale tests)", "data"
+    )
+    val_fraction: float = _f(
+        0.1, "fraction of the data held out for validation (on the server, not on clients)", "data"
+    )
     test_fraction: float = _f(0.2, "fraction held out for testing, for datasets without their own test set", "data")
     split_seed: int = _f(0, "seed of the public train/val/test split and of the client split", "data")
     num_clients: int = _f(100, "K: clients; the guarantee protects any one client's whole dataset", "data")
-    split: str = _f("noniid", f"how the training data is divided: {', '.join(SPLITS)} (noniid: sorted by label, shards)", "data")
+    split: str = _f(
+        "noniid", f"how the training data is divided: {', '.join(SPLITS)} (noniid: sorted by label, shards)", "data"
+    )
     shards_per_client: int = _f(2, "noniid: label-sorted shards per client (Geyer et al.: 2)", "data")
     # model and training
     model: str = _f("mlp", f"model: {', '.join(MODELS)}", "model")
@@ -74,25 +83,50 @@ class FederatedConfig:
     server_lr: float = _f(1.0, "server learning rate applied to the noised average update", "model")
     server_momentum: float = _f(0.0, "server momentum (FedAvgM; 0: plain DP-FedAvg)", "model")
     # privacy
-    clients_per_round: float = _f(30.0, "m: expected clients per round; each client joins with probability m/K (Poisson)", "privacy")
-    clip_norm: float = _f(1.0, "S: every client's update is clipped to L2 norm ≤ S (the initial S with adaptive clipping)", "privacy")
+    clients_per_round: float = _f(
+        30.0, "m: expected clients per round; each client joins with probability m/K (Poisson)", "privacy"
+    )
+    clip_norm: float = _f(
+        1.0, "S: every client's update is clipped to L2 norm ≤ S (the initial S with adaptive clipping)", "privacy"
+    )
     clip_policy: str = _f(
-        "fixed", "fixed S; adaptive (DP quantile estimate of Andrew et al. 2021, ledgered); median_nonprivate (Geyer et al.'s S: NOT PRIVATE, diagnostics only)", "privacy"
+        "fixed",
+        "fixed S; adaptive (DP quantile estimate of Andrew et al. 2021, ledgered); median_nonprivate (Geyer et al.'s "
+        "S: NOT PRIVATE, diagnostics only)",
+        "privacy",
     )
     target_quantile: float = _f(0.5, "adaptive: the quantile γ of update norms that S tracks", "privacy")
     quantile_lr: float = _f(0.2, "adaptive: η of the geometric update S ← S·exp(−η(b̄ − γ))", "privacy")
-    quantile_noise: float | None = _f(None, "adaptive: σ_b, the noise on the count of updates under S (default m/20)", "privacy")
-    noise_multiplier: float | None = _f(None, "z: noise multiplier of a round. Default: calibrated to (ε, δ) for --rounds", "privacy")
-    rounds: int = _f(50, "rounds to run (σ is calibrated for them); 0: until the budget is spent (needs --noise-multiplier)", "privacy")
+    quantile_noise: float | None = _f(
+        None, "adaptive: σ_b, the noise on the count of updates under S (default m/20)", "privacy"
+    )
+    noise_multiplier: float | None = _f(
+        None, "z: noise multiplier of a round. Default: calibrated to (ε, δ) for --rounds", "privacy"
+    )
+    rounds: int = _f(
+        50,
+        "rounds to run (σ is calibrated for them); 0: until the budget is spent (needs --noise-multiplier)",
+        "privacy",
+    )
     target_epsilon: float = _f(8.0, "ε of the budget (client-level, add/remove one client)", "privacy")
     target_delta: float = _f(1e-3, "δ of the budget; with --stopping delta it is Geyer et al.'s bound Q", "privacy")
-    stopping: str = _f("epsilon", "epsilon: stop before ε at δ passes the target; delta: Geyer et al.'s rule, stop before δ at the fixed ε passes Q", "privacy")
+    stopping: str = _f(
+        "epsilon",
+        "epsilon: stop before ε at δ passes the target; delta: Geyer et al.'s rule, stop before δ at the fixed ε passes Q",
+        "privacy",
+    )
     accountant: str = _f("pld", f"accountant: {', '.join(dpcore.ACCOUNTANTS)}", "privacy")
-    seed: int | None = _f(None, "seed for client sampling and noise: tests and research only (default: secure, OS entropy)", "privacy")
+    seed: int | None = _f(
+        None, "seed for client sampling and noise: tests and research only (default: secure, OS entropy)", "privacy"
+    )
     # audit (Steinke et al. 2023, one run): canary clients whose update is a fixed direction
-    audit_canaries: int = _f(0, "one-run audit: m canary clients, each owning one parameter coordinate (0: off)", "audit")
+    audit_canaries: int = _f(
+        0, "one-run audit: m canary clients, each owning one parameter coordinate (0: off)", "audit"
+    )
     audit_canary_rate: float = _f(0.5, "probability that each canary client is in the population", "audit")
-    audit_guesses: int | None = _f(None, "guesses r: 'in' for the r/2 highest scores, 'out' for the r/2 lowest (default min(200, m))", "audit")
+    audit_guesses: int | None = _f(
+        None, "guesses r: 'in' for the r/2 highest scores, 'out' for the r/2 lowest (default min(200, m))", "audit"
+    )
     # cluster
     num_actors: int = _f(2, "Ray actors that simulate the clients (each serves many clients)", "cluster")
     cpus_per_actor: float = _f(1.0, "CPUs reserved per actor", "cluster")
@@ -104,10 +138,16 @@ class FederatedConfig:
     tracking_uri: str = _f("sqlite:///mlflow.db", "MLflow tracking URI", "tracking")
     experiment: str = _f("dp-federated", "MLflow experiment", "tracking")
     run_name: str | None = _f(None, "MLflow run name (default: fedavg-dataset-K-time)", "tracking")
-    registered_model: str | None = _f(None, "name in the model registry (default: dp-fedavg-<dataset>-<model>; 'none' to skip)", "tracking")
+    registered_model: str | None = _f(
+        None, "name in the model registry (default: dp-fedavg-<dataset>-<model>; 'none' to skip)", "tracking"
+    )
     log_model: bool = _f(True, "log and register the final model", "tracking")
     eval_every: int = _f(0, "rounds between evaluations and ε reports (0: about 20 per run)", "tracking")
-    diagnostics: bool = _f(False, "NON-PRIVATE: also log realised clients and bytes per round and update norms; tags dp.diagnostics=non-private", "tracking")
+    diagnostics: bool = _f(
+        False,
+        "NON-PRIVATE: also log realised clients and bytes per round and update norms; tags dp.diagnostics=non-private",
+        "tracking",
+    )
     quiet: bool = _f(False, "no progress output", "tracking")
     # testing only
     fault_at_round: int | None = _f(None, "fault injection for tests: one actor dies once, in this round", "testing")
@@ -116,10 +156,22 @@ class FederatedConfig:
     def validate(self) -> None:
         err = dpcore.DPConfigError
         check_dataset_and_model(self)
-        for name, choices in (("split", SPLITS), ("clip_policy", CLIP_POLICIES), ("stopping", STOPPING), ("executor", EXECUTORS)):
+        for name, choices in (
+            ("split", SPLITS),
+            ("clip_policy", CLIP_POLICIES),
+            ("stopping", STOPPING),
+            ("executor", EXECUTORS),
+        ):
             if getattr(self, name) not in choices:
                 raise err(f"{name}={getattr(self, name)!r} is unknown; use one of {', '.join(choices)}.")
-        for name in ("num_clients", "shards_per_client", "local_epochs", "local_batch_size", "num_actors", "generated_size"):
+        for name in (
+            "num_clients",
+            "shards_per_client",
+            "local_epochs",
+            "local_batch_size",
+            "num_actors",
+            "generated_size",
+        ):
             dpcore.validation.check_positive_int(getattr(self, name), name)
         m = self.clients_per_round
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or m <= 0:
@@ -132,8 +184,16 @@ class FederatedConfig:
         dpcore.validation.check_clip_norm(self.clip_norm, "clip_norm")
         for name in ("local_lr", "server_lr", "cpus_per_actor"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (v == 0 and name != "local_lr"):
-                raise err(f"{name}={v!r} is invalid: it must be a finite number > 0{' (or 0)' if name == 'local_lr' else ''}.")
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not math.isfinite(v)
+                or v < 0
+                or (v == 0 and name != "local_lr")
+            ):
+                raise err(
+                    f"{name}={v!r} is invalid: it must be a finite number > 0{' (or 0)' if name == 'local_lr' else ''}."
+                )
         if not (0 <= self.server_momentum < 1):
             raise err(f"server_momentum={self.server_momentum!r} must lie in [0, 1).")
         dpcore.validation.check_epsilon(self.target_epsilon)
@@ -142,13 +202,20 @@ class FederatedConfig:
         if self.noise_multiplier is not None:
             dpcore.validation.check_noise_multiplier(self.noise_multiplier)
         if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 0:
-            raise err(f"rounds={self.rounds!r} is invalid: it must be an integer ≥ 1, or 0 to run until the budget is spent.")
+            raise err(
+                f"rounds={self.rounds!r} is invalid: it must be an integer ≥ 1, or 0 to run until the budget is spent."
+            )
         if self.noise_multiplier is None and self.rounds == 0:
-            raise err("rounds=0 runs until the budget is spent, which needs a given --noise-multiplier; or give --rounds and σ is calibrated to (ε, δ).")
+            raise err(
+                "rounds=0 runs until the budget is spent, which needs a given --noise-multiplier; or give --rounds and "
+                "σ is calibrated to (ε, δ)."
+            )
         if self.clip_policy == "adaptive":
             AdaptiveClipping(self.clip_norm, self.target_quantile, self.quantile_lr, self.resolved_quantile_noise())
         elif self.quantile_noise is not None:
-            raise err(f"quantile_noise={self.quantile_noise} has no effect with clip_policy={self.clip_policy!r}; set --clip-policy adaptive.")
+            raise err(
+                f"quantile_noise={self.quantile_noise} has no effect with clip_policy={self.clip_policy!r}; set --clip-policy adaptive."
+            )
         if self.clip_policy == "median_nonprivate" and not self.diagnostics:
             raise err(
                 "clip_policy='median_nonprivate' sets S to the median of the sampled clients' update norms without noise "
@@ -237,9 +304,14 @@ class RayPool:
                     break
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
                     if self.restarts >= self.max_restarts:
-                        raise RuntimeError(f"client actor {i} died {self.restarts + 1} times (last: {type(e).__name__}); giving up") from e
+                        raise RuntimeError(
+                            f"client actor {i} died {self.restarts + 1} times (last: {type(e).__name__}); giving up"
+                        ) from e
                     self.restarts += 1
-                    print(f"client actor {i} died in round {round_}; replacing it and redoing its {len(share)} clients", file=sys.stderr)
+                    print(
+                        f"client actor {i} died in round {round_}; replacing it and redoing its {len(share)} clients",
+                        file=sys.stderr,
+                    )
                     with contextlib.suppress(Exception):
                         ray.kill(self.actors[i])
                     self.actors[i] = self._start()
@@ -269,11 +341,21 @@ def load_data(cfg: FederatedConfig):
         for s in ("train", "val", "test"):
             m = open_split(path, s)
             splits[s] = Split(m.batch(torch.arange(len(m))), m.y.clone())
-        return SimpleNamespace(name=manifest.get("name", cfg.dataset), num_classes=manifest["num_classes"],
-                               input_shape=tuple(manifest["input_shape"]), **splits)
+        return SimpleNamespace(
+            name=manifest.get("name", cfg.dataset),
+            num_classes=manifest["num_classes"],
+            input_shape=tuple(manifest["input_shape"]),
+            **splits,
+        )
     ds = load_dataset(
-        cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, image_size=cfg.image_size, generated_size=cfg.generated_size,
-        val_fraction=cfg.val_fraction, test_fraction=cfg.test_fraction, split_seed=cfg.split_seed,
+        cfg.dataset,
+        data_dir=cfg.data_dir,
+        download=cfg.download,
+        image_size=cfg.image_size,
+        generated_size=cfg.generated_size,
+        val_fraction=cfg.val_fraction,
+        test_fraction=cfg.test_fraction,
+        split_seed=cfg.split_seed,
     )
     splits = {s: Split(ds.inputs(s), getattr(ds, s).y) for s in ("train", "val", "test")}
     return SimpleNamespace(name=ds.name, num_classes=ds.num_classes, input_shape=ds.input_shape, **splits)
@@ -298,13 +380,16 @@ def plan_federated(cfg: FederatedConfig) -> dict:
     q = cfg.clients_per_round / cfg.num_clients
     dpcore.validation.check_delta(cfg.target_delta, dataset_size=cfg.num_clients)
     if cfg.noise_multiplier is None:
-        z = dpcore.calibrate_noise_multiplier(cfg.target_epsilon, cfg.target_delta, q, cfg.rounds, accountant=cfg.accountant)
+        z = dpcore.calibrate_noise_multiplier(
+            cfg.target_epsilon, cfg.target_delta, q, cfg.rounds, accountant=cfg.accountant
+        )
     else:
         z = float(cfg.noise_multiplier)
     event = dpcore.PrivacyEvent.dpsgd_step(z, q)
     if cfg.stopping == "delta":
-        fit = dpcore.accounting.max_steps_by_delta(event, cfg.target_epsilon, cfg.target_delta, cfg.accountant,
-                                                   limit=cfg.rounds or 10**6)
+        fit = dpcore.accounting.max_steps_by_delta(
+            event, cfg.target_epsilon, cfg.target_delta, cfg.accountant, limit=cfg.rounds or 10**6
+        )
     else:
         fit = dpcore.max_steps(z, q, cfg.target_epsilon, cfg.target_delta, cfg.accountant, limit=cfg.rounds or 10**6)
     if fit == 0:
@@ -317,10 +402,18 @@ def plan_federated(cfg: FederatedConfig) -> dict:
         dpcore.federated.split_noise_multiplier(z, cfg.resolved_quantile_noise())
     name = cfg.run_name or f"fedavg-{cfg.dataset}-K{cfg.num_clients}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.storage_path).resolve() / f"{name}-{uuid.uuid4().hex[:6]}"
-    sizes = (offsets[1:] - offsets[:-1])
+    sizes = offsets[1:] - offsets[:-1]
     return {
-        "data": data, "order": order, "offsets": offsets, "sample_rate": q, "noise_multiplier": z,
-        "rounds": rounds, "rounds_that_fit": fit, "tracking_uri": tracking_uri, "run_name": name, "run_dir": run_dir,
+        "data": data,
+        "order": order,
+        "offsets": offsets,
+        "sample_rate": q,
+        "noise_multiplier": z,
+        "rounds": rounds,
+        "rounds_that_fit": fit,
+        "tracking_uri": tracking_uri,
+        "run_name": name,
+        "run_dir": run_dir,
         "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "client_sizes": (int(sizes.min()), float(sizes.float().mean()), int(sizes.max())),
     }
@@ -342,12 +435,15 @@ def _tags(cfg: FederatedConfig, plan: dict, update_z: float) -> dict[str, str]:
         "dp.randomness": "secure" if cfg.seed is None else f"seeded (seed={cfg.seed}; not for production)",
         "dp.method": "dp-fedavg" + ("m" if cfg.server_momentum else ""),
         "dp.run_dir": str(plan["run_dir"]),
-        "dp.guarantee": "covers the clients' training data only; the server's validation/test splits and the initial weights are not covered",
+        "dp.guarantee": "covers the clients' training data only; the server's validation/test splits and the initial "
+        "weights are not covered",
     }
     if cfg.diagnostics:
         tags["dp.diagnostics"] = "non-private"
     if cfg.clip_policy == "median_nonprivate":
-        tags["dp.guarantee"] = "NONE: S is the non-private median of update norms (Geyer et al.); the ledger's ε does not hold"
+        tags["dp.guarantee"] = (
+            "NONE: S is the non-private median of update norms (Geyer et al.); the ledger's ε does not hold"
+        )
     return tags
 
 
@@ -378,34 +474,62 @@ def run_federated(cfg: FederatedConfig | None = None) -> dict:
     d = weights.numel()
 
     plan["run_dir"].mkdir(parents=True, exist_ok=True)
-    ledger = dpcore.PrivacyLedger(cfg.target_epsilon, cfg.target_delta, cfg.accountant, epsilon_every=max(1, rounds // 20),
-                                  journal=plan["run_dir"] / "ledger.journal.jsonl")
+    ledger = dpcore.PrivacyLedger(
+        cfg.target_epsilon,
+        cfg.target_delta,
+        cfg.accountant,
+        epsilon_every=max(1, rounds // 20),
+        journal=plan["run_dir"] / "ledger.journal.jsonl",
+    )
     randomness = dpcore.make_randomness(cfg.seed)
-    adaptive = (AdaptiveClipping(cfg.clip_norm, cfg.target_quantile, cfg.quantile_lr, cfg.resolved_quantile_noise())
-                if cfg.clip_policy == "adaptive" else None)
-    dp = ClientLevelDP(cfg.num_clients, cfg.clients_per_round, plan["noise_multiplier"], cfg.clip_norm, ledger, randomness, adaptive)
+    adaptive = (
+        AdaptiveClipping(cfg.clip_norm, cfg.target_quantile, cfg.quantile_lr, cfg.resolved_quantile_noise())
+        if cfg.clip_policy == "adaptive"
+        else None
+    )
+    dp = ClientLevelDP(
+        cfg.num_clients, cfg.clients_per_round, plan["noise_multiplier"], cfg.clip_norm, ledger, randomness, adaptive
+    )
     server_opt = torch.optim.SGD(params, lr=cfg.server_lr, momentum=cfg.server_momentum)
 
     client = MlflowClient(plan["tracking_uri"])
     mlflow.set_tracking_uri(plan["tracking_uri"])
     exp = client.get_experiment_by_name(cfg.experiment)
     exp_id = exp.experiment_id if exp is not None else client.create_experiment(cfg.experiment)
-    run_id = client.create_run(exp_id, run_name=plan["run_name"], tags=_tags(cfg, plan, dp.update_noise_multiplier)).info.run_id
+    run_id = client.create_run(
+        exp_id, run_name=plan["run_name"], tags=_tags(cfg, plan, dp.update_noise_multiplier)
+    ).info.run_id
     params_logged = {k: ("None" if v is None else str(v)) for k, v in cfg.to_dict().items()}
-    params_logged.update({
-        "plan.noise_multiplier": f"{plan['noise_multiplier']:.8g}", "plan.update_noise_multiplier": f"{dp.update_noise_multiplier:.8g}",
-        "plan.sample_rate": f"{plan['sample_rate']:.8g}", "plan.rounds": str(rounds), "plan.rounds_that_fit_budget": str(plan["rounds_that_fit"]),
-        "plan.parameters": str(d), "plan.client_examples_min_mean_max": "%d / %.1f / %d" % plan["client_sizes"],
-    })
+    params_logged.update(
+        {
+            "plan.noise_multiplier": f"{plan['noise_multiplier']:.8g}",
+            "plan.update_noise_multiplier": f"{dp.update_noise_multiplier:.8g}",
+            "plan.sample_rate": f"{plan['sample_rate']:.8g}",
+            "plan.rounds": str(rounds),
+            "plan.rounds_that_fit_budget": str(plan["rounds_that_fit"]),
+            "plan.parameters": str(d),
+            "plan.client_examples_min_mean_max": "{} / {:.1f} / {}".format(*plan["client_sizes"]),
+        }
+    )
     client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in params_logged.items()])
     tracking.write_json_artifact(client, run_id, "config.json", cfg.to_dict())
 
     every = cfg.eval_every or max(1, rounds // 20)
     expected_down = cfg.clients_per_round * d * BYTES_PER_FLOAT
     expected_up = cfg.clients_per_round * (d * BYTES_PER_FLOAT + (1 if adaptive else 0))
-    runner_args = dict(x=data.train.x, y=data.train.y, order=plan["order"], offsets=plan["offsets"], model_name=cfg.model,
-                       input_shape=tuple(data.input_shape), num_classes=data.num_classes, local_epochs=cfg.local_epochs,
-                       local_batch_size=cfg.local_batch_size, local_lr=cfg.local_lr, shuffle_seed=cfg.split_seed)
+    runner_args = dict(
+        x=data.train.x,
+        y=data.train.y,
+        order=plan["order"],
+        offsets=plan["offsets"],
+        model_name=cfg.model,
+        input_shape=tuple(data.input_shape),
+        num_classes=data.num_classes,
+        local_epochs=cfg.local_epochs,
+        local_batch_size=cfg.local_batch_size,
+        local_lr=cfg.local_lr,
+        shuffle_seed=cfg.split_seed,
+    )
     status, t0 = "FAILED", time.monotonic()
     realised = {"clients": 0, "bytes_down": 0, "bytes_up": 0}
     history, round_seconds = [], []
@@ -414,13 +538,21 @@ def run_federated(cfg: FederatedConfig | None = None) -> dict:
     if cfg.audit_canaries:  # canary clients, simulated on the server: their clipped update is S(1 − 1e-6)·e_j
         coords = torch.randperm(d, generator=torch.Generator().manual_seed(cfg.init_seed + 7919))[: cfg.audit_canaries]
         member = randomness.spawn("audit-membership").uniform(cfg.audit_canaries) < cfg.audit_canary_rate
-        audit = {"coords": coords, "membership": member, "in": coords[member], "scores": torch.zeros(cfg.audit_canaries, dtype=torch.float64),
-                 "sampling": randomness.spawn("audit-sampling")}
+        audit = {
+            "coords": coords,
+            "membership": member,
+            "in": coords[member],
+            "scores": torch.zeros(cfg.audit_canaries, dtype=torch.float64),
+            "sampling": randomness.spawn("audit-sampling"),
+        }
     try:
         with _cluster(cfg):
             fault = (cfg.fault_at_round, cfg.fault_actor) if cfg.fault_at_round is not None else None
-            pool = (RayPool(runner_args, cfg.num_actors, cfg.cpus_per_actor, cfg.max_actor_restarts, fault)
-                    if cfg.executor == "ray" else LocalPool(runner_args, int(cfg.cpus_per_actor)))
+            pool = (
+                RayPool(runner_args, cfg.num_actors, cfg.cpus_per_actor, cfg.max_actor_restarts, fault)
+                if cfg.executor == "ray"
+                else LocalPool(runner_args, int(cfg.cpus_per_actor))
+            )
             t_rounds = time.monotonic()
             for r in range(1, rounds + 1):
                 try:
@@ -431,10 +563,14 @@ def run_federated(cfg: FederatedConfig | None = None) -> dict:
                 ids = [int(k) for k in sampled]
                 shares = [ids[i :: cfg.num_actors] for i in range(cfg.num_actors)]
                 s = dp.clip_norm
-                results = pool.run_round(r, weights, shares, s, cfg.clip_policy == "median_nonprivate" or cfg.diagnostics)
+                results = pool.run_round(
+                    r, weights, shares, s, cfg.clip_policy == "median_nonprivate" or cfg.diagnostics
+                )
                 included = [k for res in results for k in res["clients"]]
                 if sorted(included) != ids:
-                    raise RuntimeError(f"round {r}: the clients' results do not match the sampled clients (lost or duplicated updates)")
+                    raise RuntimeError(
+                        f"round {r}: the clients' results do not match the sampled clients (lost or duplicated updates)"
+                    )
                 total = torch.zeros(d, dtype=torch.float64)
                 for res in results:  # actor order: the same sum whichever actor died
                     total += res["sum"]
@@ -442,7 +578,11 @@ def run_federated(cfg: FederatedConfig | None = None) -> dict:
                 count = len(ids)
                 if audit is not None:  # present canary clients join at rate q, like every client
                     joined = audit["in"][audit["sampling"].uniform(len(audit["in"])) < dp.sample_rate]
-                    total.index_add_(0, joined, torch.full((len(joined),), s * (1.0 - dpcore.clipping.CLIP_MARGIN), dtype=torch.float64))
+                    total.index_add_(
+                        0,
+                        joined,
+                        torch.full((len(joined),), s * (1.0 - dpcore.clipping.CLIP_MARGIN), dtype=torch.float64),
+                    )
                     count += len(joined)
                     bits = None if bits is None else bits + len(joined)  # ‖S(1 − 1e-6)e_j‖ ≤ S
                 noised = dp.release(total, count=count, bits_sum=bits, step=r)
@@ -465,22 +605,44 @@ def run_federated(cfg: FederatedConfig | None = None) -> dict:
                 realised["bytes_up"] += len(ids) * (d * BYTES_PER_FLOAT + (1 if adaptive else 0))
                 metrics = {"clip_norm": s, "comm_expected_bytes_total": r * (expected_down + expected_up)}
                 if cfg.diagnostics:
-                    metrics.update({"diag_clients": len(ids), "diag_bytes_down": len(ids) * d * BYTES_PER_FLOAT,
-                                    "diag_bytes_up": len(ids) * (d * BYTES_PER_FLOAT + (1 if adaptive else 0))})
+                    metrics.update(
+                        {
+                            "diag_clients": len(ids),
+                            "diag_bytes_down": len(ids) * d * BYTES_PER_FLOAT,
+                            "diag_bytes_up": len(ids) * (d * BYTES_PER_FLOAT + (1 if adaptive else 0)),
+                        }
+                    )
                 if r % every == 0 or r == rounds:
                     eps = ledger.epsilon()
                     dlt = dpcore.accounting.delta(ledger.groups(), cfg.target_epsilon, cfg.accountant)
                     test_acc, test_loss = _evaluate(model, data.test)
                     val_acc, _ = _evaluate(model, data.val) if len(data.val) else (float("nan"), None)
                     elapsed = time.monotonic() - t_rounds
-                    metrics.update({"epsilon": eps, "delta_at_target_epsilon": dlt, "test_accuracy": test_acc, "test_loss": test_loss,
-                                    "val_accuracy": val_acc, "rounds_per_second": r / max(elapsed, 1e-9)})
+                    metrics.update(
+                        {
+                            "epsilon": eps,
+                            "delta_at_target_epsilon": dlt,
+                            "test_accuracy": test_acc,
+                            "test_loss": test_loss,
+                            "val_accuracy": val_acc,
+                            "rounds_per_second": r / max(elapsed, 1e-9),
+                        }
+                    )
                     history.append({"round": r, "epsilon": eps, "delta": dlt, "test_accuracy": test_acc})
                     if not cfg.quiet:
                         eta = (rounds - r) * elapsed / r
-                        print(f"[{'#' * int(24 * r / rounds):.<24}] round {r}/{rounds}  ε={eps:.3f}  δ(ε={cfg.target_epsilon:g})={dlt:.3g}  "
-                              f"S={s:.3g}  test acc={test_acc:.4f}  {elapsed:6.1f}s  ETA {eta:6.1f}s", file=sys.stderr, flush=True)
-                client.log_batch(run_id, metrics=[mlflow.entities.Metric(k, float(v), int(time.time() * 1000), r) for k, v in metrics.items()])
+                        print(
+                            f"[{'#' * int(24 * r / rounds):.<24}] round {r}/{rounds}  ε={eps:.3f}  δ(ε={cfg.target_epsilon:g})={dlt:.3g}  "
+                            f"S={s:.3g}  test acc={test_acc:.4f}  {elapsed:6.1f}s  ETA {eta:6.1f}s",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                client.log_batch(
+                    run_id,
+                    metrics=[
+                        mlflow.entities.Metric(k, float(v), int(time.time() * 1000), r) for k, v in metrics.items()
+                    ],
+                )
             seconds_rounds = time.monotonic() - t_rounds
         epsilon = ledger.epsilon()
         dlt = dpcore.accounting.delta(ledger.groups(), cfg.target_epsilon, cfg.accountant) if len(ledger) else 0.0
@@ -494,30 +656,66 @@ def run_federated(cfg: FederatedConfig | None = None) -> dict:
         audit_out = None
         if audit is not None:
             r = cfg.resolved_audit_guesses()
-            res = dpcore.audit.one_run_audit(audit["scores"].numpy(), audit["membership"].numpy(), r - r // 2, r // 2,
-                                             delta=cfg.target_delta)
-            audit_out = {"canaries": res.canaries, "guesses": res.guesses, "correct": res.correct, "epsilon_lower_bound": res.epsilon_lower_bound,
-                         "confidence": res.confidence, "included": int(audit["membership"].sum()), "scores": audit["scores"],
-                         "coords": audit["coords"], "membership": audit["membership"]}
+            res = dpcore.audit.one_run_audit(
+                audit["scores"].numpy(), audit["membership"].numpy(), r - r // 2, r // 2, delta=cfg.target_delta
+            )
+            audit_out = {
+                "canaries": res.canaries,
+                "guesses": res.guesses,
+                "correct": res.correct,
+                "epsilon_lower_bound": res.epsilon_lower_bound,
+                "confidence": res.confidence,
+                "included": int(audit["membership"].sum()),
+                "scores": audit["scores"],
+                "coords": audit["coords"],
+                "membership": audit["membership"],
+            }
             tracking.log_audit(client, run_id, audit_out, epsilon)
         _plot(client, run_id, ledger, history, cfg)
         version = None
         if cfg.log_model:
             reg = cfg.registered_model or f"dp-fedavg-{cfg.dataset}-{cfg.model.replace(':', '_')}"
             example = data.test.x[:4].numpy().astype("float32")
-            version = tracking.log_model(run_id, model, example, None if reg.lower() == "none" else reg, epsilon, cfg.target_delta, cfg.accountant)
+            version = tracking.log_model(
+                run_id,
+                model,
+                example,
+                None if reg.lower() == "none" else reg,
+                epsilon,
+                cfg.target_delta,
+                cfg.accountant,
+            )
         status = "FINISHED"
         return {
-            "run_id": run_id, "tracking_uri": plan["tracking_uri"], "dataset": data.name, "num_clients": cfg.num_clients,
-            "clients_per_round": cfg.clients_per_round, "rounds": done, "planned_rounds": rounds, "epsilon": epsilon,
-            "delta_at_target_epsilon": dlt, "target_epsilon": cfg.target_epsilon, "target_delta": cfg.target_delta,
-            "noise_multiplier": plan["noise_multiplier"], "update_noise_multiplier": dp.update_noise_multiplier,
-            "sample_rate": plan["sample_rate"], "test_accuracy": test_acc, "final_clip_norm": dp.clip_norm,
-            "comm_expected_bytes": done * (expected_down + expected_up), "comm_realised": realised,
-            "actor_restarts": pool.restarts if pool is not None else 0, "seconds": time.monotonic() - t0,
-            "seconds_rounds": seconds_rounds, "round_seconds": round_seconds, "seconds_plan": t0 - t_plan, "parameters": d,
+            "run_id": run_id,
+            "tracking_uri": plan["tracking_uri"],
+            "dataset": data.name,
+            "num_clients": cfg.num_clients,
+            "clients_per_round": cfg.clients_per_round,
+            "rounds": done,
+            "planned_rounds": rounds,
+            "epsilon": epsilon,
+            "delta_at_target_epsilon": dlt,
+            "target_epsilon": cfg.target_epsilon,
+            "target_delta": cfg.target_delta,
+            "noise_multiplier": plan["noise_multiplier"],
+            "update_noise_multiplier": dp.update_noise_multiplier,
+            "sample_rate": plan["sample_rate"],
+            "test_accuracy": test_acc,
+            "final_clip_norm": dp.clip_norm,
+            "comm_expected_bytes": done * (expected_down + expected_up),
+            "comm_realised": realised,
+            "actor_restarts": pool.restarts if pool is not None else 0,
+            "seconds": time.monotonic() - t0,
+            "seconds_rounds": seconds_rounds,
+            "round_seconds": round_seconds,
+            "seconds_plan": t0 - t_plan,
+            "parameters": d,
             "registered_model": None if version is None else f"{version.name} v{version.version}",
-            "ledger": ledger, "model": model, "history": history, "audit": audit_out,
+            "ledger": ledger,
+            "model": model,
+            "history": history,
+            "audit": audit_out,
         }
     finally:
         if pool is not None:
@@ -566,7 +764,14 @@ def _plot(client, run_id: str, ledger, history: list[dict], cfg: FederatedConfig
         axes[0].plot(rounds, [h["epsilon"] for h in history], marker=".", label=f"ε at δ={cfg.target_delta:g}")
         axes[0].axhline(cfg.target_epsilon, color="red", ls="--", lw=1)
         ax2 = axes[0].twinx()
-        ax2.semilogy(rounds, [max(h["delta"], 1e-300) for h in history], color="gray", marker="x", lw=1, label=f"δ at ε={cfg.target_epsilon:g}")
+        ax2.semilogy(
+            rounds,
+            [max(h["delta"], 1e-300) for h in history],
+            color="gray",
+            marker="x",
+            lw=1,
+            label=f"δ at ε={cfg.target_epsilon:g}",
+        )
         ax2.axhline(cfg.target_delta, color="gray", ls=":", lw=1)
         axes[0].set(xlabel="round", ylabel="ε", title="Client-level privacy spent")
         axes[0].grid(alpha=0.3)
@@ -610,19 +815,32 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.federat
         print(f"error: federated training failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print(
-        f"run {out['run_id']}  dataset={out['dataset']}  K={out['num_clients']} clients, m={out['clients_per_round']:g} expected per round  "
+        f"run {out['run_id']}  dataset={out['dataset']}  K={out['num_clients']} clients, "
+        f"m={out['clients_per_round']:g} expected per round  "
         f"rounds={out['rounds']}/{out['planned_rounds']}  z={out['noise_multiplier']:.4f}"
-        + (f" (update noise {out['update_noise_multiplier']:.4f})" if out["update_noise_multiplier"] != out["noise_multiplier"] else "")
+        + (
+            f" (update noise {out['update_noise_multiplier']:.4f})"
+            if out["update_noise_multiplier"] != out["noise_multiplier"]
+            else ""
+        )
     )
     print(f"test accuracy: {out['test_accuracy']:.4f}")
-    print(f"ε spent: {out['epsilon']:.4f} at δ={out['target_delta']:g}; δ at ε={out['target_epsilon']:g}: {out['delta_at_target_epsilon']:.3g} "
-          "(client-level, add/remove one client, Poisson sampling of clients)")
-    print(f"communication (expected): {out['comm_expected_bytes'] / 1e6:.1f} MB  actor restarts: {out['actor_restarts']}  "
-          f"time: {out['seconds']:.1f}s ({out['rounds'] / max(out['seconds_rounds'], 1e-9):.2f} rounds/s)")
+    print(
+        f"ε spent: {out['epsilon']:.4f} at δ={out['target_delta']:g}; δ at ε={out['target_epsilon']:g}: "
+        f"{out['delta_at_target_epsilon']:.3g} "
+        "(client-level, add/remove one client, Poisson sampling of clients)"
+    )
+    print(
+        f"communication (expected): {out['comm_expected_bytes'] / 1e6:.1f} MB  actor restarts: {out['actor_restarts']}  "
+        f"time: {out['seconds']:.1f}s ({out['rounds'] / max(out['seconds_rounds'], 1e-9):.2f} rounds/s)"
+    )
     if out["audit"]:
         a = out["audit"]
-        print(f"audit (one run, {a['canaries']} canary clients, {a['guesses']} guesses): {a['correct']} correct -> "
-              f"ε_lb = {a['epsilon_lower_bound']:.3f} ({'≤' if a['epsilon_lower_bound'] <= out['epsilon'] else 'ABOVE'} ε = {out['epsilon']:.3f})")
+        print(
+            f"audit (one run, {a['canaries']} canary clients, {a['guesses']} guesses): {a['correct']} correct -> "
+            f"ε_lb = {a['epsilon_lower_bound']:.3f} ({'≤' if a['epsilon_lower_bound'] <= out['epsilon'] else 'ABOVE'} "
+            f"ε = {out['epsilon']:.3f})"
+        )
     if out["registered_model"]:
         print(f"model: {out['registered_model']} in the MLflow registry")
     from .train import ui_command

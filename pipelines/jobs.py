@@ -15,6 +15,7 @@ else the stack's token file. Credentials never travel with the job: a job reads 
 PostgreSQL credentials from its node's environment (the stack starts its nodes with them; on
 Kubernetes they come from a Secret).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,18 @@ from .stack import StackError, default_dir, load_state, read_env_file
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 # never uploaded with a job: environments, local stores and outputs (.gitignore is honoured too)
-EXCLUDES = [".git", ".venv", "venv", "dp_runs", "mlruns", "mlartifacts", "*.db", ".dp-stack", "test-artifacts", "__pycache__"]
+EXCLUDES = [
+    ".git",
+    ".venv",
+    "venv",
+    "dp_runs",
+    "mlruns",
+    "mlartifacts",
+    "*.db",
+    ".dp-stack",
+    "test-artifacts",
+    "__pycache__",
+]
 
 
 class JobError(dpcore.DPConfigError):
@@ -55,11 +67,17 @@ def resolve_cluster(address: str | None = None, stack_dir: Path | None = None) -
         address = f"http://{address}"
     if address.startswith("ray://"):
         raise JobError(f"--address {address} is a Ray Client address; jobs go to the Jobs API, http://HEAD:8265.")
-    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")) and stack.get("RAY_AUTH_TOKEN_PATH"):
+    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")) and stack.get(
+        "RAY_AUTH_TOKEN_PATH"
+    ):
         same = lambda a: a.rstrip("/").replace("://localhost:", "://127.0.0.1:")  # noqa: E731
         if same(stack.get("DP_RAY_JOBS_ADDRESS", "")) == same(address):
             os.environ["RAY_AUTH_TOKEN_PATH"] = stack["RAY_AUTH_TOKEN_PATH"]
-    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or Path("~/.ray/auth_token").expanduser().exists():
+    if (
+        os.environ.get("RAY_AUTH_TOKEN")
+        or os.environ.get("RAY_AUTH_TOKEN_PATH")
+        or Path("~/.ray/auth_token").expanduser().exists()
+    ):
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     return address
 
@@ -112,14 +130,25 @@ def check_locally(config: str | None, sweep: bool, args: list[str]) -> None:
         load_config(path, ns).validate()
 
 
-def submit(config: str | None, args: list[str], sweep: bool = False, address: str | None = None, working_dir: str = ".", stack_dir=None, check: bool = True, job_id: str | None = None) -> tuple[object, str]:
+def submit(
+    config: str | None,
+    args: list[str],
+    sweep: bool = False,
+    address: str | None = None,
+    working_dir: str = ".",
+    stack_dir=None,
+    check: bool = True,
+    job_id: str | None = None,
+) -> tuple[object, str]:
     if config is not None and not Path(working_dir, config).is_file() and not Path(config).is_file():
         raise JobError(f"config file {config!r} does not exist.")
     if check:
         local = str(Path(working_dir, config)) if config is not None and Path(working_dir, config).is_file() else config
         check_locally(local, sweep, args)
     if config is not None and Path(config).is_absolute():
-        raise JobError(f"give the config as a path inside --working-dir ({working_dir}), not {config}: the job runs in its own copy of that folder.")
+        raise JobError(
+            f"give the config as a path inside --working-dir ({working_dir}), not {config}: the job runs in its own copy of that folder."
+        )
     address = resolve_cluster(address, stack_dir)
     c = client(address)
     cmd = shlex.join(entrypoint(config, sweep, args))
@@ -142,7 +171,9 @@ def follow(c, job_id: str) -> str:
     try:
         asyncio.run(_follow(c, job_id))
     except KeyboardInterrupt:
-        print(f"\nstopped following; the job keeps running. `dp-platform logs {job_id} --follow`, or `dp-platform stop {job_id}`.")
+        print(
+            f"\nstopped following; the job keeps running. `dp-platform logs {job_id} --follow`, or `dp-platform stop {job_id}`."
+        )
         return "RUNNING"
     for _ in range(100):  # the log stream can close a moment before the status is final
         info = c.get_job_info(job_id)
@@ -166,8 +197,12 @@ def describe(info) -> str:
 
 # ------------------------------------------------------------------------------------ CLI
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", help="the cluster's Jobs API, http://HEAD:8265 (default: RAY_ADDRESS, else the local stack's)")
-    p.add_argument("--stack-dir", type=Path, help="the local stack's folder (default: $DP_STACK_DIR or ~/.dp-platform/stack)")
+    p.add_argument(
+        "--address", help="the cluster's Jobs API, http://HEAD:8265 (default: RAY_ADDRESS, else the local stack's)"
+    )
+    p.add_argument(
+        "--stack-dir", type=Path, help="the local stack's folder (default: $DP_STACK_DIR or ~/.dp-platform/stack)"
+    )
 
 
 def main_submit(argv: list[str], prog: str = "dp-platform submit") -> int:
@@ -181,7 +216,9 @@ def main_submit(argv: list[str], prog: str = "dp-platform submit") -> int:
         "python -m pipelines.train configs/digits.yaml",
     )
     p.add_argument("config", nargs="?", help="YAML config, relative to --working-dir")
-    p.add_argument("--sweep", action="store_true", help="submit a sweep (dp-platform sweep) instead of one training run")
+    p.add_argument(
+        "--sweep", action="store_true", help="submit a sweep (dp-platform sweep) instead of one training run"
+    )
     p.add_argument("--working-dir", default=".", help="the folder uploaded as the job's working directory (default: .)")
     p.add_argument("--job-id", help="the submission id (default: Ray's raysubmit_...)")
     p.add_argument("--no-wait", action="store_true", help="print the job id and return; do not follow the logs")
@@ -192,11 +229,22 @@ def main_submit(argv: list[str], prog: str = "dp-platform submit") -> int:
     a = p.parse_args(argv[:cut])
     args = argv[cut + 1 :]  # the job's own options: everything after --
     try:
-        c, jid = submit(a.config, args, a.sweep, a.address, a.working_dir, a.stack_dir, check=not a.no_check, job_id=a.job_id)
-    except (JobError, StackError, dpcore.DPError, RuntimeError) as e:  # RuntimeError: the Jobs API refused (e.g. a duplicate --job-id)
+        c, jid = submit(
+            a.config, args, a.sweep, a.address, a.working_dir, a.stack_dir, check=not a.no_check, job_id=a.job_id
+        )
+    except (
+        JobError,
+        StackError,
+        dpcore.DPError,
+        RuntimeError,
+    ) as e:  # RuntimeError: the Jobs API refused (e.g. a duplicate --job-id)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"submitted job {jid}\n  status: dp-platform status {jid}\n  logs:   dp-platform logs {jid} --follow\n  stop:   dp-platform stop {jid}", flush=True)
+    print(
+        f"submitted job {jid}\n  status: dp-platform status {jid}\n  logs:   dp-platform logs {jid} --follow\n  stop:  "
+        f" dp-platform stop {jid}",
+        flush=True,
+    )
     if a.no_wait:
         return 0
     status = follow(c, jid)
@@ -206,7 +254,9 @@ def main_submit(argv: list[str], prog: str = "dp-platform submit") -> int:
 
 
 def main_status(argv: list[str], prog: str = "dp-platform status") -> int:
-    p = argparse.ArgumentParser(prog=prog, description="The status of one Ray job (with the reason when it failed), or of all jobs.")
+    p = argparse.ArgumentParser(
+        prog=prog, description="The status of one Ray job (with the reason when it failed), or of all jobs."
+    )
     p.add_argument("job_id", nargs="?", help="submission id (default: list all jobs)")
     _common(p)
     a = p.parse_args(argv)
@@ -218,7 +268,11 @@ def main_status(argv: list[str], prog: str = "dp-platform status") -> int:
             return {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 1}.get(str(info.status), 0)
         for info in sorted(c.list_jobs(), key=lambda i: i.start_time or 0):
             print(describe(info).splitlines()[0])
-    except (JobError, StackError, RuntimeError) as e:  # RuntimeError: the SDK's "Request failed with status code 404: Job ... does not exist."
+    except (
+        JobError,
+        StackError,
+        RuntimeError,
+    ) as e:  # RuntimeError: the SDK's "Request failed with status code 404: Job ... does not exist."
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
@@ -243,7 +297,10 @@ def main_logs(argv: list[str], prog: str = "dp-platform logs") -> int:
 
 
 def main_stop(argv: list[str], prog: str = "dp-platform stop") -> int:
-    p = argparse.ArgumentParser(prog=prog, description="Stop a running Ray job. A stopped training run keeps its ledger; --resume RUN_ID continues it.")
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Stop a running Ray job. A stopped training run keeps its ledger; --resume RUN_ID continues it.",
+    )
     p.add_argument("job_id", help="submission id")
     _common(p)
     a = p.parse_args(argv)

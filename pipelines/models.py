@@ -20,6 +20,7 @@ Options for ``mlp``, ``small_cnn`` and ``cnn`` (recipes from the DP literature, 
 s·sigmoid(T·x) − o of Papernot et al. 2021; tanh is s=2, T=2, o=1), ``groupnorm`` (GroupNorm after
 each convolution) and ``weight_standardization`` (weight-standardised convolutions, De et al. 2022).
 """
+
 from __future__ import annotations
 
 import math
@@ -66,18 +67,26 @@ def make_activation(name: str) -> nn.Module:
         try:
             s, t, o = (float(v) for v in name[len("tempered:") :].split(","))
         except ValueError:
-            raise DPConfigError(f"activation={name!r} is invalid: write tempered:SCALE,TEMPERATURE,OFFSET, e.g. tempered:2,2,1 (tanh).") from None
+            raise DPConfigError(
+                f"activation={name!r} is invalid: write tempered:SCALE,TEMPERATURE,OFFSET, e.g. tempered:2,2,1 (tanh)."
+            ) from None
         if not all(math.isfinite(v) for v in (s, t, o)) or s <= 0 or t <= 0:
-            raise DPConfigError(f"activation={name!r} is invalid: the scale and the temperature must be finite numbers > 0.")
+            raise DPConfigError(
+                f"activation={name!r} is invalid: the scale and the temperature must be finite numbers > 0."
+            )
         return TemperedSigmoid(s, t, o)
-    raise DPConfigError(f"activation={name!r} is unknown; use relu, tanh, elu or tempered:s,T,o (Papernot et al. 2021).")
+    raise DPConfigError(
+        f"activation={name!r} is unknown; use relu, tanh, elu or tempered:s,T,o (Papernot et al. 2021)."
+    )
 
 
 def _conv(cin: int, cout: int, k: int, ws: bool, **kw) -> nn.Conv2d:
     return (WSConv2d if ws else nn.Conv2d)(cin, cout, k, **kw)
 
 
-def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 128, depth: int = 2, activation: str = "relu", **_) -> nn.Module:
+def mlp(
+    input_shape: tuple[int, ...], num_classes: int, hidden: int = 128, depth: int = 2, activation: str = "relu", **_
+) -> nn.Module:
     """``depth`` linear layers with ``activation`` in between (depth 2 = one hidden layer)."""
     d = math.prod(input_shape)
     layers: list[nn.Module] = [nn.Flatten()]
@@ -93,7 +102,12 @@ def _conv_act(cin: int, cout: int, k: int, activation: str, groupnorm: bool, ws:
 
 
 def small_cnn(
-    input_shape: tuple[int, ...], num_classes: int, activation: str = "tanh", groupnorm: bool = False, weight_standardization: bool = False, **_
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    activation: str = "tanh",
+    groupnorm: bool = False,
+    weight_standardization: bool = False,
+    **_,
 ) -> nn.Module:
     """Two 3×3 conv layers (16, 32 channels) with tanh and 2×2 max-pooling, then a linear head.
 
@@ -111,7 +125,12 @@ def small_cnn(
 
 
 def mnist_cnn(
-    input_shape: tuple[int, ...], num_classes: int, activation: str = "relu", groupnorm: bool = False, weight_standardization: bool = False, **_
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    activation: str = "relu",
+    groupnorm: bool = False,
+    weight_standardization: bool = False,
+    **_,
 ) -> nn.Module:
     """The 2-conv model of Abadi et al. / Opacus's MNIST example (ReLU, as Opacus; Tramèr &
     Boneh's and Papernot et al.'s end-to-end CNN is this model with tanh)."""
@@ -153,7 +172,9 @@ class ScatterNet(PublicFeatures):
 
         c, h, w = input_shape
         if h % (2**J) or w % (2**J):
-            raise DPConfigError(f"the scattering transform (J={J}) needs image sides divisible by {2**J}, not {h}×{w}; resize with --image-size.")
+            raise DPConfigError(
+                f"the scattering transform (J={J}) needs image sides divisible by {2**J}, not {h}×{w}; resize with --image-size."
+            )
         self.J, self.L, self.input_shape = J, L, tuple(input_shape)
         self.scattering = ScatteringTorch2D(J=J, shape=(h, w), L=L)
         self.out_channels = c * (1 + J * L + L * L * J * (J - 1) // 2)
@@ -303,10 +324,19 @@ def build_model(
 ) -> nn.Module:
     """Build ``name`` for ``input_shape`` [C, H, W] and ``num_classes`` (see module doc)."""
     builders = {
-        "mlp": mlp, "small_cnn": small_cnn, "cnn": mnist_cnn, "resnet9": resnet9, "wrn16_4": wide_resnet,
-        "scatter_linear": scatter_linear, "scatter_cnn": scatter_cnn,
+        "mlp": mlp,
+        "small_cnn": small_cnn,
+        "cnn": mnist_cnn,
+        "resnet9": resnet9,
+        "wrn16_4": wide_resnet,
+        "scatter_linear": scatter_linear,
+        "scatter_cnn": scatter_cnn,
     }
-    given = {"activation": activation, "groupnorm": groupnorm or None, "weight_standardization": weight_standardization or None}
+    given = {
+        "activation": activation,
+        "groupnorm": groupnorm or None,
+        "weight_standardization": weight_standardization or None,
+    }
     unused = [k for k, v in given.items() if v is not None and k not in ARCHITECTURE_OPTIONS.get(name, ())]
     if unused:
         takers = sorted(m for m, opts in ARCHITECTURE_OPTIONS.items() if unused[0] in opts)
@@ -336,4 +366,6 @@ def build_run_model(cfg, input_shape: tuple[int, ...], num_classes: int, pca_com
 
     k, d = cfg.pca_components, math.prod(input_shape)
     comps = torch.zeros(k, d) if pca_components is None else pca_components
-    return nn.Sequential(PCAProjection(comps), build_model(cfg.model, (k,), num_classes, cfg.replace_batchnorm, **options))
+    return nn.Sequential(
+        PCAProjection(comps), build_model(cfg.model, (k,), num_classes, cfg.replace_batchnorm, **options)
+    )

@@ -23,6 +23,7 @@ Ray nodes are started with the job credentials in their environment, so a job su
 through the Jobs API inherits them from the node: no credential travels in a job's
 runtime_env, its entrypoint, or MLflow's params and tags.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,9 @@ import hashlib
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
-import shlex
 import socket
 import stat
 import subprocess
@@ -79,7 +80,9 @@ def _private_dir(path: Path) -> None:
     except FileExistsError:
         st = os.lstat(path)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-            raise StackError(f"{path} exists but is not a folder owned by this user (uid {os.geteuid()}); refusing to keep secrets or Ray's files there.") from None
+            raise StackError(
+                f"{path} exists but is not a folder owned by this user (uid {os.geteuid()}); refusing to keep secrets or Ray's files there."
+            ) from None
     os.chmod(path, 0o700)
 
 
@@ -117,7 +120,14 @@ def _tail(path: Path, lines: int = 12) -> str:
     return "\n".join("    " + t for t in text[-lines:])
 
 
-def _http(url: str, auth: tuple[str, str] | None = None, bearer: str | None = None, data: dict | None = None, timeout: float = 5.0, method: str | None = None):
+def _http(
+    url: str,
+    auth: tuple[str, str] | None = None,
+    bearer: str | None = None,
+    data: dict | None = None,
+    timeout: float = 5.0,
+    method: str | None = None,
+):
     """(status, body) of a GET, or of a POST (or ``method``) of ``data`` as JSON. Raises OSError when nothing answers."""
     method = method or ("GET" if data is None else "POST")
     req = urllib.request.Request(url, data=None if data is None else json.dumps(data).encode(), method=method)
@@ -146,7 +156,10 @@ def find_postgres_bindir() -> Path | None:
     found = shutil.which("initdb")
     if found and shutil.which("pg_ctl"):
         return Path(found).resolve().parent
-    versions = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0)
+    versions = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/initdb"),
+        key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0,
+    )
     return versions[-1].parent if versions else None
 
 
@@ -159,18 +172,33 @@ def ensure_postgres(install: bool = True) -> Path:
     if not install:
         raise StackError(f"PostgreSQL is not installed (no initdb found). Install it ({how}) or drop --no-install.")
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise StackError(f"PostgreSQL is not installed, and this command installs it only as root on Debian or Ubuntu. Run: sudo sh -c '{how}'")
-    print("PostgreSQL is not installed: installing Debian's postgresql package (apt-get update; apt-get install -y postgresql) ...", flush=True)
+        raise StackError(
+            f"PostgreSQL is not installed, and this command installs it only as root on Debian or Ubuntu. Run: sudo sh -c '{how}'"
+        )
+    print(
+        "PostgreSQL is not installed: installing Debian's postgresql package (apt-get update; apt-get install -y postgresql) ...",
+        flush=True,
+    )
     # No default cluster: the stack makes its own, on loopback; Debian's would listen on 5432.
     drop_in = Path("/etc/postgresql-common/createcluster.d/dp-platform.conf")
     drop_in.parent.mkdir(parents=True, exist_ok=True)
     drop_in.write_text("create_main_cluster = false\n")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "--no-install-recommends", "-o", "Dpkg::Options::=--force-confold", "postgresql"]
+    install = [
+        "apt-get",
+        "install",
+        "-y",
+        "--no-install-recommends",
+        "-o",
+        "Dpkg::Options::=--force-confold",
+        "postgresql",
+    ]
     for cmd in (["apt-get", "update"], install):
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if r.returncode != 0:
-            raise StackError(f"installing PostgreSQL failed: {' '.join(cmd)} exited {r.returncode}:\n{r.stderr[-2000:]}")
+            raise StackError(
+                f"installing PostgreSQL failed: {' '.join(cmd)} exited {r.returncode}:\n{r.stderr[-2000:]}"
+            )
     bindir = find_postgres_bindir()
     if bindir is None:
         raise StackError("apt-get installed postgresql but no initdb was found under /usr/lib/postgresql.")
@@ -186,7 +214,9 @@ def _as_postgres_user(cmd: list[str]) -> list[str]:
 
         pwd.getpwnam("postgres")
     except KeyError:
-        raise StackError("running as root, PostgreSQL needs a 'postgres' system user (Debian's package creates it): useradd --system postgres") from None
+        raise StackError(
+            "running as root, PostgreSQL needs a 'postgres' system user (Debian's package creates it): useradd --system postgres"
+        ) from None
     return ["runuser", "-u", "postgres", "--", *cmd]
 
 
@@ -210,7 +240,12 @@ def _pg_connect(state: dict, admin: dict, dbname: str = "postgres", timeout: int
     import psycopg2
 
     return psycopg2.connect(
-        host=state["host"], port=state["ports"]["postgres"], user="dpadmin", password=admin["PG_ADMIN_PASSWORD"], dbname=dbname, connect_timeout=timeout
+        host=state["host"],
+        port=state["ports"]["postgres"],
+        user="dpadmin",
+        password=admin["PG_ADMIN_PASSWORD"],
+        dbname=dbname,
+        connect_timeout=timeout,
     )
 
 
@@ -226,8 +261,22 @@ def _start_postgres(state: dict, admin: dict, bindir: Path) -> None:
         _chown_to_postgres(pwfile)
         try:
             r = subprocess.run(
-                _as_postgres_user([str(bindir / "initdb"), "-D", str(data), "-U", "dpadmin", f"--pwfile={pwfile}", "--auth=scram-sha-256", "-E", "UTF8", "--locale=C"]),
-                capture_output=True, text=True,
+                _as_postgres_user(
+                    [
+                        str(bindir / "initdb"),
+                        "-D",
+                        str(data),
+                        "-U",
+                        "dpadmin",
+                        f"--pwfile={pwfile}",
+                        "--auth=scram-sha-256",
+                        "-E",
+                        "UTF8",
+                        "--locale=C",
+                    ]
+                ),
+                capture_output=True,
+                text=True,
             )
         finally:
             pwfile.unlink(missing_ok=True)
@@ -236,10 +285,16 @@ def _start_postgres(state: dict, admin: dict, bindir: Path) -> None:
     # listen on the stack's interface only; the unix socket sits in the private folder
     opts = f"-c listen_addresses={host} -p {port} -c unix_socket_directories={base}"
     r = subprocess.run(
-        _as_postgres_user([str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", opts, "-w", "-t", "30", "start"]), capture_output=True, text=True
+        _as_postgres_user(
+            [str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", opts, "-w", "-t", "30", "start"]
+        ),
+        capture_output=True,
+        text=True,
     )
     if r.returncode != 0:
-        raise StackError(f"PostgreSQL did not start on {host}:{port} (pg_ctl exited {r.returncode}). Its log, {log}:\n{_tail(log)}")
+        raise StackError(
+            f"PostgreSQL did not start on {host}:{port} (pg_ctl exited {r.returncode}). Its log, {log}:\n{_tail(log)}"
+        )
 
 
 def _pg_is_up(state: dict, admin: dict) -> str | None:
@@ -307,13 +362,17 @@ def _start_mlflow(state: dict, admin: dict, root: Path) -> int:
         "--workers", "1",
     ]  # fmt: skip
     with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     url = f"http://{host}:{port}"
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise StackError(f"the MLflow server exited ({proc.returncode}) while starting. Its log, {log}:\n{_tail(log)}")
+                raise StackError(
+                    f"the MLflow server exited ({proc.returncode}) while starting. Its log, {log}:\n{_tail(log)}"
+                )
             try:
                 if _http(url + "/health", timeout=2)[0] == 200:
                     return proc.pid
@@ -355,10 +414,23 @@ def _ray_start(args: list[str], env: dict, what: str) -> None:
         raise StackError(f"{what} did not start (`ray start` exited {r.returncode}):\n{(r.stdout + r.stderr)[-3000:]}")
 
 
-def _ray_common_args(state: dict, num_cpus: int | None, resources: dict | None, temp_dir: str | None = None) -> list[str]:
+def _ray_common_args(
+    state: dict, num_cpus: int | None, resources: dict | None, temp_dir: str | None = None
+) -> list[str]:
     # Ray makes its temp folder world-writable (0777); it sits inside the stack's private one (0700)
-    args = ["--node-ip-address", state["host"], "--temp-dir", temp_dir or f"{state['ray_temp']}/head", "--disable-usage-stats"]
-    args += ["--dashboard-agent-listen-port", str(free_port(state["host"])), "--metrics-export-port", str(free_port(state["host"]))]
+    args = [
+        "--node-ip-address",
+        state["host"],
+        "--temp-dir",
+        temp_dir or f"{state['ray_temp']}/head",
+        "--disable-usage-stats",
+    ]
+    args += [
+        "--dashboard-agent-listen-port",
+        str(free_port(state["host"])),
+        "--metrics-export-port",
+        str(free_port(state["host"])),
+    ]
     if num_cpus is not None:
         args += ["--num-cpus", str(num_cpus)]
     args += ["--num-gpus", "0"] if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "" else []
@@ -369,7 +441,15 @@ def _ray_common_args(state: dict, num_cpus: int | None, resources: dict | None, 
 
 def _start_ray_head(root: Path, state: dict, num_cpus: int | None, resources: dict | None) -> None:
     p = state["ports"]
-    args = ["--head", "--port", str(p["gcs"]), "--dashboard-host", state["host"], "--dashboard-port", str(p["dashboard"])]
+    args = [
+        "--head",
+        "--port",
+        str(p["gcs"]),
+        "--dashboard-host",
+        state["host"],
+        "--dashboard-port",
+        str(p["dashboard"]),
+    ]
     args += ["--ray-client-server-port", str(p["client"]), "--include-dashboard", "true"]
     _ray_start(args + _ray_common_args(state, num_cpus, resources), node_env(root), "the Ray head")
 
@@ -384,7 +464,11 @@ def add_node(root: Path | None = None, num_cpus: int | None = None, resources: d
     # one would unpack a job's package into the same place, and one node's re-extraction pulls
     # the working directory from under a job driver on another.
     temp = f"{state['ray_temp']}/node-{secrets.token_hex(3)}"
-    _ray_start(["--address", gcs] + _ray_common_args(state, num_cpus, resources, temp), node_env(root), f"the Ray node joining {gcs}")
+    _ray_start(
+        ["--address", gcs] + _ray_common_args(state, num_cpus, resources, temp),
+        node_env(root),
+        f"the Ray node joining {gcs}",
+    )
     return gcs
 
 
@@ -454,21 +538,31 @@ def _kill_group(pid: int, timeout: float = 15.0) -> bool:
 def load_state(root: Path) -> dict:
     f = Path(root) / "stack.json"
     if not f.is_file():
-        raise StackError(f"no stack in {root}: start one with `{PROG} up`" + ("" if Path(root) == default_dir() else f" --dir {root}") + ".")
+        raise StackError(
+            f"no stack in {root}: start one with `{PROG} up`"
+            + ("" if Path(root) == default_dir() else f" --dir {root}")
+            + "."
+        )
     return json.loads(f.read_text())
 
 
 def _secrets(root: Path, state: dict) -> tuple[dict, dict]:
     """admin.env and credentials.env: read if they exist, else generated (mode 0600)."""
     admin_f, creds_f = root / "admin.env", root / "credentials.env"
-    admin = read_env_file(admin_f) if admin_f.exists() else {
-        "PG_ADMIN_PASSWORD": secrets.token_urlsafe(24),
-        "PG_MLFLOW_PASSWORD": secrets.token_urlsafe(24),
-        "PG_OPTUNA_PASSWORD": secrets.token_urlsafe(24),
-        "MLFLOW_ADMIN_PASSWORD": secrets.token_urlsafe(24),
-        "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32),
-    }
-    _write_secret(admin_f, _env_text(admin, "dp-platform stack: administrator secrets (read by `dp-platform stack` only)"))
+    admin = (
+        read_env_file(admin_f)
+        if admin_f.exists()
+        else {
+            "PG_ADMIN_PASSWORD": secrets.token_urlsafe(24),
+            "PG_MLFLOW_PASSWORD": secrets.token_urlsafe(24),
+            "PG_OPTUNA_PASSWORD": secrets.token_urlsafe(24),
+            "MLFLOW_ADMIN_PASSWORD": secrets.token_urlsafe(24),
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32),
+        }
+    )
+    _write_secret(
+        admin_f, _env_text(admin, "dp-platform stack: administrator secrets (read by `dp-platform stack` only)")
+    )
     old = read_env_file(creds_f) if creds_f.exists() else {}
     host, p = state["host"], state["ports"]
     token = root / "ray_auth_token"
@@ -484,7 +578,9 @@ def _secrets(root: Path, state: dict) -> tuple[dict, dict]:
         "DP_OPTUNA_STORAGE": f"postgresql+psycopg2://optuna@{host}:{p['postgres']}/optuna",
         "DP_STORAGE_PATH": str(root / "runs"),
     }
-    _write_secret(creds_f, _env_text(creds, "dp-platform stack: job credentials. Load with: set -a; . THIS_FILE; set +a"))
+    _write_secret(
+        creds_f, _env_text(creds, "dp-platform stack: job credentials. Load with: set -a; . THIS_FILE; set +a")
+    )
     # libpq reads passwords from these (mode 0600), so no URL carries one
     _write_secret(root / "pgpass", f"{host}:{p['postgres']}:optuna:optuna:{admin['PG_OPTUNA_PASSWORD']}\n")
     _write_secret(root / "pgpass.server", f"{host}:{p['postgres']}:*:mlflow:{admin['PG_MLFLOW_PASSWORD']}\n")
@@ -544,12 +640,16 @@ def up(
         try:
             _provision_databases(state, admin)
         except Exception as e:  # psycopg2's errors: a damaged or foreign database cluster
-            raise StackError(f"PostgreSQL on {host}:{ports['postgres']} refused the stack's set-up: {str(e).strip()}") from None
+            raise StackError(
+                f"PostgreSQL on {host}:{ports['postgres']} refused the stack's set-up: {str(e).strip()}"
+            ) from None
         log(f"MLflow       starting on http://{host}:{ports['mlflow']} (PostgreSQL backend, basic auth) ...")
         state["mlflow_pid"] = _start_mlflow(state, admin, root)
         started.append("mlflow")
         _ensure_jobs_user(state, admin, creds)
-        log(f"Ray head     starting on {host}:{ports['gcs']} (token auth; Jobs API http://{host}:{ports['dashboard']}) ...")
+        log(
+            f"Ray head     starting on {host}:{ports['gcs']} (token auth; Jobs API http://{host}:{ports['dashboard']}) ..."
+        )
         (root / "stack.json").write_text(json.dumps(state, indent=2))
         started.append("ray")
         _start_ray_head(root, state, num_cpus, resources)
@@ -576,7 +676,11 @@ def _stop(state: dict, which=("ray", "mlflow", "postgres")) -> list[str]:
         shutil.rmtree(state["ray_temp"], ignore_errors=True)
     if "postgres" in which:
         data = Path(state["pg_base"]) / "data"
-        r = subprocess.run(_as_postgres_user([str(Path(state["pg_bindir"]) / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"]), capture_output=True, text=True)
+        r = subprocess.run(
+            _as_postgres_user([str(Path(state["pg_bindir"]) / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"]),
+            capture_output=True,
+            text=True,
+        )
         said.append("PostgreSQL: stopped" if r.returncode == 0 else "PostgreSQL: was not running")
     return said
 
@@ -599,7 +703,9 @@ def check(root: Path | None = None) -> dict[str, dict]:
     state = load_state(root)
     missing = [f for f in ("admin.env", "ray_auth_token") if not (root / f).is_file()]
     if missing:
-        raise StackError(f"the stack in {root} is missing {', '.join(missing)}; stop it (`{PROG} down`) and start it again.")
+        raise StackError(
+            f"the stack in {root} is missing {', '.join(missing)}; stop it (`{PROG} down`) and start it again."
+        )
     admin = read_env_file(root / "admin.env")
     host, p = state["host"], state["ports"]
     out = {}
@@ -613,7 +719,11 @@ def check(root: Path | None = None) -> dict[str, dict]:
     token = (root / "ray_auth_token").read_text().strip()
     try:
         code, body = _http(f"http://{host}:{p['dashboard']}/api/cluster_status", bearer=token, timeout=3)
-        out["ray"] = {"ok": code == 200, "where": f"{host}:{p['gcs']} (Jobs API http://{host}:{p['dashboard']})", "detail": f"HTTP {code}"}
+        out["ray"] = {
+            "ok": code == 200,
+            "where": f"{host}:{p['gcs']} (Jobs API http://{host}:{p['dashboard']})",
+            "detail": f"HTTP {code}",
+        }
     except OSError as e:
         out["ray"] = {"ok": False, "where": f"{host}:{p['gcs']}", "detail": str(getattr(e, "reason", e))}
     return out
@@ -623,7 +733,11 @@ def stack_processes(state: dict) -> dict[str, list]:
     """The stack's processes by service (psutil.Process objects)."""
     import psutil
 
-    out: dict[str, list] = {"postgres": [], "mlflow": [], "ray": _ray_processes(state["ray_temp"], state["ports"]["client"])}
+    out: dict[str, list] = {
+        "postgres": [],
+        "mlflow": [],
+        "ray": _ray_processes(state["ray_temp"], state["ports"]["client"]),
+    }
     pidfile = Path(state["pg_base"]) / "data" / "postmaster.pid"
     try:
         master = psutil.Process(int(pidfile.read_text().split()[0]))
@@ -634,7 +748,9 @@ def stack_processes(state: dict) -> dict[str, list]:
         for proc in psutil.process_iter(["pid", "cmdline"]):
             try:
                 # the server's process group, and only processes that are MLflow's (a reused pid is not)
-                if os.getpgid(proc.pid) == state["mlflow_pid"] and any("mlflow" in part or "uvicorn" in part or "gunicorn" in part for part in proc.info["cmdline"] or []):
+                if os.getpgid(proc.pid) == state["mlflow_pid"] and any(
+                    "mlflow" in part or "uvicorn" in part or "gunicorn" in part for part in proc.info["cmdline"] or []
+                ):
                     out["mlflow"].append(proc)
             except (ProcessLookupError, psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
@@ -657,7 +773,9 @@ def listening_sockets(root: Path | None = None) -> list[dict]:
                 continue
             for c in conns:
                 if c.status == psutil.CONN_LISTEN:
-                    rows.append({"service": service, "process": name, "pid": proc.pid, "ip": c.laddr.ip, "port": c.laddr.port})
+                    rows.append(
+                        {"service": service, "process": name, "pid": proc.pid, "ip": c.laddr.ip, "port": c.laddr.port}
+                    )
     return sorted(rows, key=lambda r: (r["service"], r["port"], r["ip"]))
 
 
@@ -667,24 +785,42 @@ def _ports_from(a) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=PROG, description="The platform's services on this machine: PostgreSQL, MLflow (basic auth) and a Ray head (token auth), on 127.0.0.1 (Ray's internal ports excepted: see status --ports).")
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="The platform's services on this machine: PostgreSQL, MLflow (basic auth) and a Ray head (token "
+        "auth), on 127.0.0.1 (Ray's internal ports excepted: see status --ports).",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
-    dir_help = f"the stack's folder: state, secrets (mode 0600), artifacts, logs (default: $DP_STACK_DIR or {default_dir()})"
+    dir_help = (
+        f"the stack's folder: state, secrets (mode 0600), artifacts, logs (default: $DP_STACK_DIR or {default_dir()})"
+    )
     u = sub.add_parser("up", help="start PostgreSQL, MLflow and the Ray head")
     u.add_argument("--dir", type=Path, help=dir_help)
-    u.add_argument("--host", default="127.0.0.1", help="the interface every service binds (default 127.0.0.1: this machine only)")
+    u.add_argument(
+        "--host", default="127.0.0.1", help="the interface every service binds (default 127.0.0.1: this machine only)"
+    )
     for k, v in DEFAULT_PORTS.items():
         u.add_argument(f"--{k}-port", type=int, help=f"port of {k} (default {v})")
     u.add_argument("--num-cpus", type=int, help="CPUs the Ray head offers (default: all)")
-    u.add_argument("--resources", type=json.loads, help='custom Ray resources of the head, as JSON, e.g. \'{"head_node": 1}\'')
+    u.add_argument(
+        "--resources", type=json.loads, help="custom Ray resources of the head, as JSON, e.g. '{\"head_node\": 1}'"
+    )
     u.add_argument("--no-install", action="store_true", help="do not install PostgreSQL if it is missing")
-    n = sub.add_parser("add-node", help="start one more Ray node on this machine that joins the head (ray start --address)")
+    n = sub.add_parser(
+        "add-node", help="start one more Ray node on this machine that joins the head (ray start --address)"
+    )
     n.add_argument("--dir", type=Path, help=dir_help)
     n.add_argument("--num-cpus", type=int, help="CPUs this node offers")
-    n.add_argument("--resources", type=json.loads, help='custom Ray resources of this node, as JSON, e.g. \'{"worker_node": 1}\'')
+    n.add_argument(
+        "--resources", type=json.loads, help="custom Ray resources of this node, as JSON, e.g. '{\"worker_node\": 1}'"
+    )
     s = sub.add_parser("status", help="is each service up, and where")
     s.add_argument("--dir", type=Path, help=dir_help)
-    s.add_argument("--ports", action="store_true", help="also list every TCP port the stack's processes listen on, and on which address")
+    s.add_argument(
+        "--ports",
+        action="store_true",
+        help="also list every TCP port the stack's processes listen on, and on which address",
+    )
     d = sub.add_parser("down", help="stop the services (data stays)")
     d.add_argument("--dir", type=Path, help=dir_help)
     d.add_argument("--purge", action="store_true", help="also delete the databases, artifacts and secrets")
@@ -692,7 +828,14 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(a.dir or default_dir()).expanduser().resolve()
     try:
         if a.cmd == "up":
-            state = up(root, host=a.host, ports=_ports_from(a), num_cpus=a.num_cpus, resources=a.resources, install=not a.no_install)
+            state = up(
+                root,
+                host=a.host,
+                ports=_ports_from(a),
+                num_cpus=a.num_cpus,
+                resources=a.resources,
+                install=not a.no_install,
+            )
             _print_up(root, state)
         elif a.cmd == "add-node":
             gcs = add_node(root, num_cpus=a.num_cpus, resources=a.resources)

@@ -13,6 +13,7 @@ What a run holds:
   ``plots/accuracy_vs_epsilon.png``, and the model (signature + input example), registered
   with ``dp.epsilon``/``dp.delta`` on its version.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,6 +30,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 import dpcore
+
 
 class TrackingError(dpcore.DPConfigError):
     """The MLflow tracking store cannot be used."""
@@ -71,7 +73,7 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
             with urllib.request.urlopen(url, timeout=timeout) as r:
                 if r.status != 200:
                     raise OSError(f"HTTP {r.status}")
-        except (urllib.error.URLError, OSError, socket.timeout) as e:
+        except (TimeoutError, urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise TrackingError(
                 f"the MLflow tracking server {redact(uri)} is unreachable ({reason}). Start it (dp-platform ui, or "
@@ -96,7 +98,7 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
                     f"the MLflow tracking server {redact(uri)} refused the request {who} (HTTP {e.code}). Set MLFLOW_TRACKING_USERNAME "
                     "and MLFLOW_TRACKING_PASSWORD (never in the URI); for the local stack they are in its credentials.env."
                 ) from None
-        except (urllib.error.URLError, OSError, socket.timeout):
+        except (TimeoutError, urllib.error.URLError, OSError):
             pass  # reachable a moment ago; MLflow's own client reports anything else
     elif parsed.scheme == "sqlite":
         path = Path(uri[len("sqlite:///") :])
@@ -109,11 +111,16 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
         if not os.access(existing, os.W_OK):
             raise TrackingError(f"cannot write the MLflow file store {path}: {existing} is not writable.")
     elif parsed.scheme in ("postgresql", "mysql", "mssql") or parsed.scheme.startswith(("postgresql+", "mysql+")):
-        host, port = parsed.hostname or "localhost", parsed.port or {"postgresql": 5432, "mysql": 3306}.get(parsed.scheme.split("+")[0], 1433)
+        host, port = (
+            parsed.hostname or "localhost",
+            parsed.port or {"postgresql": 5432, "mysql": 3306}.get(parsed.scheme.split("+")[0], 1433),
+        )
         try:
             socket.create_connection((host, port), timeout=timeout).close()
         except OSError as e:
-            raise TrackingError(f"the MLflow database {host}:{port} of {parsed.scheme} is unreachable ({e}); fix --tracking-uri.") from None
+            raise TrackingError(
+                f"the MLflow database {host}:{port} of {parsed.scheme} is unreachable ({e}); fix --tracking-uri."
+            ) from None
 
 
 def dp_tags(cfg, spec: dict) -> dict[str, str]:
@@ -129,14 +136,17 @@ def dp_tags(cfg, spec: dict) -> dict[str, str]:
         "dp.sample_rate": f"{spec['sample_rate']:.6g}",
         "dp.run_dir": spec["run_dir"],
         "dp.ray_run_name": spec["ray_run_name"],
-        "dp.guarantee": "covers the training split only; validation/test splits, initial weights and hyperparameter selection are not covered",
+        "dp.guarantee": "covers the training split only; validation/test splits, initial weights and hyperparameter "
+        "selection are not covered",
         "dp.method": cfg.method + (f"-{cfg.bam_variant}" if cfg.method == "bam" else ""),
         "dp.noise": f"{cfg.noise} ({cfg.clip_norm_type} clipping)",
     }
     if cfg.method != "dpsgd":
         tags["dp.ascent"] = f"{cfg.resolved_ascent():g} ({cfg.ascent_schedule})"
     if cfg.pca_components:
-        tags["dp.pca"] = f"k={cfg.pca_components}, σ={cfg.pca_noise_multiplier:g}, q={cfg.pca_sample_rate:g} (ledgered at step 0)"
+        tags["dp.pca"] = (
+            f"k={cfg.pca_components}, σ={cfg.pca_noise_multiplier:g}, q={cfg.pca_sample_rate:g} (ledgered at step 0)"
+        )
     if cfg.diagnostics:
         tags["dp.diagnostics"] = "non-private"
     return tags
@@ -223,8 +233,11 @@ def plot_run(client, run_id: str, ledger: dpcore.PrivacyLedger) -> None:
             fig, axes = plt.subplots(1, 2, figsize=(10, 4))
             axes[0].plot([s for s, _ in bias], [v for _, v in bias], lw=1)
             axes[0].set(xlabel="step", ylabel="‖ĝ_clip − ĝ‖", title="Clipping bias (non-private diagnostic)")
-            for key, label in (("diag_magnitude_error_a", "magnitude error a"), ("diag_cos_per_example_ascent", "cos(g_i, ĝ), mean"),
-                               ("diag_cos_previous_private", "cos(previous ĝ_priv, ĝ)")):
+            for key, label in (
+                ("diag_magnitude_error_a", "magnitude error a"),
+                ("diag_cos_per_example_ascent", "cos(g_i, ĝ), mean"),
+                ("diag_cos_previous_private", "cos(previous ĝ_priv, ĝ)"),
+            ):
                 hist = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
                 axes[1].plot([s for s, _ in hist], [v for _, v in hist], lw=1, label=label)
             axes[1].set(xlabel="step", title="Appendix C and ascent directions")
@@ -237,7 +250,9 @@ def plot_run(client, run_id: str, ledger: dpcore.PrivacyLedger) -> None:
         client.log_artifacts(run_id, tmp, artifact_path="plots")
 
 
-def log_model(run_id: str, model, example: np.ndarray, registered_name: str | None, epsilon: float, delta: float, accountant: str):
+def log_model(
+    run_id: str, model, example: np.ndarray, registered_name: str | None, epsilon: float, delta: float, accountant: str
+):
     """Log the model (signature + input example) in ``run_id`` and register it; ε and δ go on
     the model version. Returns the ModelVersion (or None when not registered)."""
     import mlflow
@@ -260,8 +275,16 @@ def log_model(run_id: str, model, example: np.ndarray, registered_name: str | No
     if not registered_name:
         return None
     client = mlflow.MlflowClient()
-    version = mlflow.register_model(info.model_uri, registered_name, tags={"dp.epsilon": f"{epsilon:.6g}", "dp.delta": f"{delta:g}", "dp.accountant": accountant})
-    client.update_model_version(registered_name, version.version, description=f"Trained with (ε={epsilon:.4g}, δ={delta:g})-DP ({accountant}), run {run_id}.")
+    version = mlflow.register_model(
+        info.model_uri,
+        registered_name,
+        tags={"dp.epsilon": f"{epsilon:.6g}", "dp.delta": f"{delta:g}", "dp.accountant": accountant},
+    )
+    client.update_model_version(
+        registered_name,
+        version.version,
+        description=f"Trained with (ε={epsilon:.4g}, δ={delta:g})-DP ({accountant}), run {run_id}.",
+    )
     return version
 
 
@@ -281,13 +304,29 @@ def log_audit(client, run_id: str, audit: dict, epsilon: float) -> None:
     ts = int(time.time() * 1000)
     metrics = {k: float(audit[k]) for k in ("epsilon_lower_bound", "canaries", "guesses", "correct")}
     client.log_batch(run_id, metrics=[Metric(f"audit.{k}", v, ts, 0) for k, v in metrics.items()])
-    kind = ("white-box gradient canaries" if audit.get("kind", "gradient") == "gradient"
-            else "black-box input canaries (out-of-distribution, random labels), scored by loss")
+    kind = (
+        "white-box gradient canaries"
+        if audit.get("kind", "gradient") == "gradient"
+        else "black-box input canaries (out-of-distribution, random labels), scored by loss"
+    )
     client.set_tag(run_id, "audit.method", f"one training run, {kind} (Steinke, Nasr, Jagielski 2023)")
     client.set_tag(run_id, "audit.confidence", f"{audit['confidence']:g}")
     ok = audit["epsilon_lower_bound"] <= epsilon
-    client.set_tag(run_id, "audit.check", "ε_lb ≤ ε" if ok else "FAILED: ε_lb > ε (a bug, or a 1-in-20 chance at 95 % confidence)")
-    write_json_artifact(client, run_id, "canaries.json", {
-        "coordinates": audit["coords"].tolist(), "included": audit["membership"].tolist(), "scores": audit["scores"].tolist(),
-        "guesses": audit["guesses"], "correct": audit["correct"], "epsilon_lower_bound": audit["epsilon_lower_bound"], "epsilon": epsilon,
-    }, artifact_path="audit")
+    client.set_tag(
+        run_id, "audit.check", "ε_lb ≤ ε" if ok else "FAILED: ε_lb > ε (a bug, or a 1-in-20 chance at 95 % confidence)"
+    )
+    write_json_artifact(
+        client,
+        run_id,
+        "canaries.json",
+        {
+            "coordinates": audit["coords"].tolist(),
+            "included": audit["membership"].tolist(),
+            "scores": audit["scores"].tolist(),
+            "guesses": audit["guesses"],
+            "correct": audit["correct"],
+            "epsilon_lower_bound": audit["epsilon_lower_bound"],
+            "epsilon": epsilon,
+        },
+        artifact_path="audit",
+    )

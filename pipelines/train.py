@@ -12,6 +12,7 @@ and the epochs. Then it starts (or joins) a Ray cluster, runs a ``TorchTrainer``
 run :func:`pipelines.worker.train_loop_per_worker`, and finally computes ε from the run's
 ledger alone and logs the ledger, plots and model to MLflow.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,9 +48,15 @@ def _source_fingerprint(cfg: TrainConfig) -> dict:
     from .data import IDX_DATASETS, find_idx_files
 
     fingerprint = {
-        "name": cfg.dataset, "format": FORMAT_VERSION, "data_dir": cfg.data_dir, "image_size": cfg.image_size,
-        "generated_size": cfg.generated_size, "val_fraction": cfg.val_fraction, "test_fraction": cfg.test_fraction,
-        "split_seed": cfg.split_seed, "train_subset": cfg.train_subset,
+        "name": cfg.dataset,
+        "format": FORMAT_VERSION,
+        "data_dir": cfg.data_dir,
+        "image_size": cfg.image_size,
+        "generated_size": cfg.generated_size,
+        "val_fraction": cfg.val_fraction,
+        "test_fraction": cfg.test_fraction,
+        "split_seed": cfg.split_seed,
+        "train_subset": cfg.train_subset,
     }
     files: list[Path] = []
     if cfg.dataset in IDX_DATASETS and not cfg.download:
@@ -85,8 +92,14 @@ def prepare_data(cfg: TrainConfig) -> tuple[Path, dict]:
         except CorruptShardError:
             pass  # our own cache: rewrite it
     dataset = load_dataset(
-        cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, image_size=cfg.image_size, generated_size=cfg.generated_size,
-        val_fraction=cfg.val_fraction, test_fraction=cfg.test_fraction, split_seed=cfg.split_seed,
+        cfg.dataset,
+        data_dir=cfg.data_dir,
+        download=cfg.download,
+        image_size=cfg.image_size,
+        generated_size=cfg.generated_size,
+        val_fraction=cfg.val_fraction,
+        test_fraction=cfg.test_fraction,
+        split_seed=cfg.split_seed,
     ).with_train_subset(cfg.train_subset)
     ingest(dataset, out, num_shards=cfg.num_workers)
     return out, verify(out)
@@ -101,7 +114,9 @@ def prepare_features(cfg: TrainConfig, data_dir: Path, manifest: dict, model) ->
     front, _ = split_public_front(model)
     if front is None or cfg.augmentation_multiplicity > 1:
         return None
-    return ensure_features(data_dir, manifest, front, front.cache_key(), cfg.storage_path, stream=None if cfg.quiet else sys.stderr)
+    return ensure_features(
+        data_dir, manifest, front, front.cache_key(), cfg.storage_path, stream=None if cfg.quiet else sys.stderr
+    )
 
 
 def plan_run(cfg: TrainConfig) -> dict:
@@ -161,10 +176,17 @@ def plan_run(cfg: TrainConfig) -> dict:
     # How many steps the budget allows at this σ (≥ the planned steps): computed once here, so
     # that the workers' budget check starts from it instead of searching again.
     max_releases = dpcore.max_steps(
-        sigma, q, cfg.target_epsilon, cfg.target_delta, cfg.accountant, prior_groups=prior,
+        sigma,
+        q,
+        cfg.target_epsilon,
+        cfg.target_delta,
+        cfg.accountant,
+        prior_groups=prior,
         event=dpcore.PrivacyEvent(event_kind, sigma, q),
     )
-    features = prepare_features(cfg, data_dir, manifest, model)  # last: everything that can fail cheaply has been checked
+    features = prepare_features(
+        cfg, data_dir, manifest, model
+    )  # last: everything that can fail cheaply has been checked
     every = cfg.checkpoint_every or max(1, math.ceil(steps / 10))
     name = cfg.run_name or f"{cfg.dataset}-{cfg.model.replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
     ray_run_name = f"{name}-{uuid.uuid4().hex[:6]}"
@@ -333,7 +355,9 @@ def _fit(spec: dict, cfg: TrainConfig):
             logging.getLogger(name).setLevel(logging.WARNING)  # "Running in local mode", "Reported metrics: ..."
         scaling = ScalingConfig(num_workers=0)
     else:
-        scaling = ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=None if cfg.use_gpu else {"CPU": 1})
+        scaling = ScalingConfig(
+            num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=None if cfg.use_gpu else {"CPU": 1}
+        )
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=spec,
@@ -386,8 +410,12 @@ def ensure_pca(spec: dict, cfg: TrainConfig, client, run_id: str) -> None:
     ledger = open_run_ledger(spec)
     train = open_split(spec["data_dir"], "train")
     result = dpcore.dp_pca(
-        train.batch(torch.arange(len(train))), cfg.pca_components, cfg.pca_noise_multiplier, dpcore.make_randomness(cfg.seed).spawn("pca"),
-        sample_rate=cfg.pca_sample_rate, ledger=ledger,
+        train.batch(torch.arange(len(train))),
+        cfg.pca_components,
+        cfg.pca_noise_multiplier,
+        dpcore.make_randomness(cfg.seed).spawn("pca"),
+        sample_rate=cfg.pca_sample_rate,
+        ledger=ledger,
     )
     tmp = Path(spec["pca_path"] + ".tmp")
     torch.save({"components": result.components, "eigenvalues": result.eigenvalues}, tmp)
@@ -405,10 +433,18 @@ def ensure_audit(spec: dict, cfg: TrainConfig) -> None:
         return
     import torch
 
-    included = dpcore.make_randomness(cfg.seed).spawn("audit-membership").uniform(cfg.audit_canaries) < cfg.audit_canary_rate
-    g = torch.Generator().manual_seed(cfg.init_seed + 7919)  # public: the canaries themselves are not secret, their membership is
+    included = (
+        dpcore.make_randomness(cfg.seed).spawn("audit-membership").uniform(cfg.audit_canaries) < cfg.audit_canary_rate
+    )
+    g = torch.Generator().manual_seed(
+        cfg.init_seed + 7919
+    )  # public: the canaries themselves are not secret, their membership is
     if cfg.audit_kind == "gradient":
-        state = {"kind": "gradient", "coords": torch.randperm(spec["parameters"], generator=g)[: cfg.audit_canaries], "included": included}
+        state = {
+            "kind": "gradient",
+            "coords": torch.randperm(spec["parameters"], generator=g)[: cfg.audit_canaries],
+            "included": included,
+        }
     else:  # out-of-distribution images (Gaussian noise, scaled like the data) with random labels
         x = 3.0 * torch.randn((cfg.audit_canaries, *spec["input_shape"]), generator=g)
         y = torch.randint(0, spec["num_classes"], (cfg.audit_canaries,), generator=g)
@@ -433,18 +469,33 @@ def audit_result(spec: dict, cfg: TrainConfig, checkpoint: str) -> dict:
         with torch.no_grad():
             scores = -F.cross_entropy(model(canaries["x"]), canaries["y"], reduction="none").double()
     r = cfg.resolved_audit_guesses()
-    res = dpcore.audit.one_run_audit(scores.numpy(), canaries["included"].numpy(), r - r // 2, r // 2, delta=cfg.target_delta)
+    res = dpcore.audit.one_run_audit(
+        scores.numpy(), canaries["included"].numpy(), r - r // 2, r // 2, delta=cfg.target_delta
+    )
     return {
-        "canaries": res.canaries, "guesses": res.guesses, "correct": res.correct, "epsilon_lower_bound": res.epsilon_lower_bound,
-        "confidence": res.confidence, "included": int(canaries["included"].sum()), "scores": scores, "kind": canaries["kind"],
-        "coords": canaries.get("coords", torch.arange(len(scores))), "membership": canaries["included"],
+        "canaries": res.canaries,
+        "guesses": res.guesses,
+        "correct": res.correct,
+        "epsilon_lower_bound": res.epsilon_lower_bound,
+        "confidence": res.confidence,
+        "included": int(canaries["included"].sum()),
+        "scores": scores,
+        "kind": canaries["kind"],
+        "coords": canaries.get("coords", torch.arange(len(scores))),
+        "membership": canaries["included"],
     }
 
 
 def open_run_ledger(spec: dict) -> dpcore.PrivacyLedger:
     """The run's ledger, from its journal (every release, committed or rolled back)."""
     cfg = spec["config"]
-    return dpcore.PrivacyLedger(cfg["target_epsilon"], cfg["target_delta"], cfg["accountant"], epsilon_every=spec["epsilon_every"], journal=spec["journal"])
+    return dpcore.PrivacyLedger(
+        cfg["target_epsilon"],
+        cfg["target_delta"],
+        cfg["accountant"],
+        epsilon_every=spec["epsilon_every"],
+        journal=spec["journal"],
+    )
 
 
 def run(
@@ -493,14 +544,19 @@ def run(
         if resume is None:
             Path(spec["run_dir"]).mkdir(parents=True, exist_ok=True)
             open_run_ledger(spec)  # creates the journal (its header): workers refuse to train without it
-            client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in tracking.params_of(cfg, spec).items()])
+            client.log_batch(
+                run_id, params=[mlflow.entities.Param(k, v) for k, v in tracking.params_of(cfg, spec).items()]
+            )
             tracking.write_json_artifact(client, run_id, "config.json", cfg.to_dict())
             tracking.write_json_artifact(client, run_id, "split.json", spec["split_info"])
             tracking.write_json_artifact(client, run_id, "spec.json", spec)
         ensure_pca(spec, cfg, client, run_id)
         ensure_audit(spec, cfg)
         trace("mlflow run set up")
-        with (contextlib.nullcontext() if cfg.in_process else ray_cluster(cfg)), JournalProgress(spec, enabled=not cfg.quiet):
+        with (
+            contextlib.nullcontext() if cfg.in_process else ray_cluster(cfg),
+            JournalProgress(spec, enabled=not cfg.quiet),
+        ):
             trace("cluster ready")
             result = _fit(spec, cfg)
         if result.error is not None:
@@ -512,7 +568,9 @@ def run(
         committed = ledger.committed_steps()
         meta = json.loads((Path(checkpoint) / "meta.json").read_text())
         if meta["releases"] != len(ledger) or meta["step"] != len(committed):
-            raise RuntimeError(f"the last checkpoint ({checkpoint}: step {meta['step']}) is not the end of the ledger ({len(committed)} committed steps)")
+            raise RuntimeError(
+                f"the last checkpoint ({checkpoint}: step {meta['step']}) is not the end of the ledger ({len(committed)} committed steps)"
+            )
         model = load_final_model(spec, checkpoint)
         client.set_tag(run_id, "dp.epsilon", f"{epsilon:.6g}")
         from .worker import read_placement
@@ -527,7 +585,6 @@ def run(
         if audit is not None:
             tracking.log_audit(client, run_id, audit, epsilon)
         tracking.plot_run(client, run_id, ledger)
-        import numpy as np
 
         from .data import model_example
 
@@ -535,7 +592,15 @@ def run(
         reg = cfg.registered_model or f"dp-{cfg.dataset}-{cfg.model.replace(':', '_')}"
         version = None
         if cfg.log_model:
-            version = tracking.log_model(run_id, model, example, None if reg.lower() == "none" else reg, epsilon, cfg.target_delta, cfg.accountant)
+            version = tracking.log_model(
+                run_id,
+                model,
+                example,
+                None if reg.lower() == "none" else reg,
+                epsilon,
+                cfg.target_delta,
+                cfg.accountant,
+            )
         status = "FINISHED"
         return {
             "run_id": run_id,
@@ -612,7 +677,9 @@ def _resume_spec(run_id: str, tracking_uri: str, changes: dict) -> tuple[dict, T
     path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="spec.json", tracking_uri=uri)
     spec = json.loads(Path(path).read_text())
     if not Path(spec["journal"]).is_file():
-        raise dpcore.DPConfigError(f"run {run_id}'s ledger journal {spec['journal']} is missing; without it the releases cannot be accounted for.")
+        raise dpcore.DPConfigError(
+            f"run {run_id}'s ledger journal {spec['journal']} is missing; without it the releases cannot be accounted for."
+        )
     from .worker import journal_is_locked
 
     if journal_is_locked(spec["journal"]):
@@ -633,7 +700,11 @@ def build_parser(prog: str = "python -m pipelines.train") -> argparse.ArgumentPa
         epilog="Options come from the defaults, then the YAML CONFIG file, then these flags.",
     )
     p.add_argument("config", nargs="?", help="YAML file of options (keys as the flags, with _ or -)")
-    p.add_argument("--resume", metavar="RUN_ID", help="continue an unfinished MLflow run from its last checkpoint and ledger journal")
+    p.add_argument(
+        "--resume",
+        metavar="RUN_ID",
+        help="continue an unfinished MLflow run from its last checkpoint and ledger journal",
+    )
     add_config_arguments(p)
     return p
 
@@ -671,7 +742,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.train")
 
 def print_summary(out: dict) -> None:
     print(
-        f"run {out['run_id']}  dataset={out['dataset']} (N_train={out['train_examples']})  workers={out['num_workers']} on {out.get('nodes', '?')} node(s)  "
+        f"run {out['run_id']}  dataset={out['dataset']} (N_train={out['train_examples']})  "
+        f"workers={out['num_workers']} on {out.get('nodes', '?')} node(s)  "
         f"steps={out['steps']}/{out['planned_steps']}  q={out['sample_rate']:.4f}  σ={out['noise_multiplier']:.4f}  "
         f"randomness={out['randomness']}"
     )

@@ -20,6 +20,7 @@ Every worker (rank r of W):
 Nothing computed on training data leaves the worker except through the noised update, unless
 ``diagnostics`` is on.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,7 +52,9 @@ PCA_FILE = "pca.pt"
 
 def step_event(spec: dict) -> dpcore.PrivacyEvent:
     """The privacy event of one training step of the run (Gaussian or Laplace)."""
-    return dpcore.PrivacyEvent(spec.get("event_kind", "poisson_gaussian"), spec["noise_multiplier"], spec["sample_rate"])
+    return dpcore.PrivacyEvent(
+        spec.get("event_kind", "poisson_gaussian"), spec["noise_multiplier"], spec["sample_rate"]
+    )
 
 
 def method_options(cfg: TrainConfig, spec: dict, rank: int) -> dict:
@@ -60,10 +63,14 @@ def method_options(cfg: TrainConfig, spec: dict, rank: int) -> dict:
     if cfg.augmentation_multiplicity > 1:
         from .augment import CropFlipMultiplicity
 
-        augment = CropFlipMultiplicity(cfg.augmentation_multiplicity, cfg.augment_padding, cfg.augment_flip, seed=cfg.init_seed * 1000 + rank)
+        augment = CropFlipMultiplicity(
+            cfg.augmentation_multiplicity, cfg.augment_padding, cfg.augment_flip, seed=cfg.init_seed * 1000 + rank
+        )
     return {
         "method": cfg.method,
-        "ascent": dpcore.ascent_schedule(cfg.resolved_ascent(), cfg.ascent_schedule, spec["steps"], cfg.ascent_warmup_fraction),
+        "ascent": dpcore.ascent_schedule(
+            cfg.resolved_ascent(), cfg.ascent_schedule, spec["steps"], cfg.ascent_warmup_fraction
+        ),
         "bam_variant": cfg.bam_variant,
         "noise": cfg.noise,
         "clip_norm_type": cfg.clip_norm_type,
@@ -211,7 +218,9 @@ def journal_is_locked(journal: str) -> bool:
         return False
 
 
-def open_ledger(spec: dict, checkpoint_meta: dict | None, checkpoint_ledger: dict | None, rank: int, world: int) -> tuple[dpcore.PrivacyLedger, int]:
+def open_ledger(
+    spec: dict, checkpoint_meta: dict | None, checkpoint_ledger: dict | None, rank: int, world: int
+) -> tuple[dpcore.PrivacyLedger, int]:
     """Open the run's ledger and decide how many more steps fit. Returns (ledger, allowance).
 
     Rank 0 is the only budget authority: it locks and opens the journal that the driver
@@ -231,7 +240,11 @@ def open_ledger(spec: dict, checkpoint_meta: dict | None, checkpoint_ledger: dic
             )
         lock_journal(journal)
         ledger = dpcore.PrivacyLedger(
-            cfg["target_epsilon"], cfg["target_delta"], cfg["accountant"], epsilon_every=spec["epsilon_every"], journal=journal
+            cfg["target_epsilon"],
+            cfg["target_delta"],
+            cfg["accountant"],
+            epsilon_every=spec["epsilon_every"],
+            journal=journal,
         )
         if checkpoint_ledger is not None and len(ledger) < len(checkpoint_ledger["entries"]):
             raise dpcore.DPConfigError(
@@ -245,7 +258,11 @@ def open_ledger(spec: dict, checkpoint_meta: dict | None, checkpoint_ledger: dic
                 "Refusing to train on a projection that is not accounted for."
             )
         if spec.get("max_releases") is not None:  # the driver's plan: the budget check need not search again
-            prior = [(dpcore.pca.pca_event(cfg["pca_noise_multiplier"], cfg["pca_sample_rate"]), 1)] if spec.get("pca_path") else []
+            prior = (
+                [(dpcore.pca.pca_event(cfg["pca_noise_multiplier"], cfg["pca_sample_rate"]), 1)]
+                if spec.get("pca_path")
+                else []
+            )
             ledger.prime_allowance(step_event(spec), prior, spec["max_releases"])
         after = checkpoint_meta["step"] if checkpoint_meta is not None else 0
         if any(e.status == COMMITTED and e.step > after for e in ledger.entries):
@@ -429,7 +446,9 @@ def train_loop_per_worker(spec: dict) -> None:
     extra = None
     if rank == 0 and spec.get("audit_path"):
         canaries = torch.load(spec["audit_path"])
-        if canaries["kind"] == "input":  # black-box canaries in the data: rank 0's shard holds them, sampled like any example
+        if (
+            canaries["kind"] == "input"
+        ):  # black-box canaries in the data: rank 0's shard holds them, sampled like any example
             keep = canaries["included"]
             x_extra = canaries["x"][keep].to(device)
             if front is not None:
@@ -490,7 +509,9 @@ def train_loop_per_worker(spec: dict) -> None:
     if cfg.memory_budget_mb > 0:  # probes on random data shaped like this shard's; nothing is released
         n_probe = min(len(train), cfg.physical_batch_size)  # (each rank fits its own; rank 0's is tagged)
         probe = torch.arange(n_probe)
-        fitted = private.optimizer.fit_physical_batch_size(train.batch(probe), y_train[probe], int(cfg.memory_budget_mb * 2**20))
+        fitted = private.optimizer.fit_physical_batch_size(
+            train.batch(probe), y_train[probe], int(cfg.memory_budget_mb * 2**20)
+        )
     ema = dpcore.ParameterEMA(model, cfg.ema_decay) if cfg.ema_decay is not None else None
     if checkpoint is not None:
         private.optimizer.load_state_dict({**shared["optimizer"], "randomness": rank_state["noise"]})
@@ -500,11 +521,20 @@ def train_loop_per_worker(spec: dict) -> None:
         if private.optimizer.augment is not None and "augment" in rank_state:
             private.optimizer.augment.load_state_dict(rank_state["augment"])
     if private.sampler.step != start_step or private.optimizer.steps_taken != start_step:
-        raise RuntimeError(f"inconsistent checkpoint: sampler at {private.sampler.step}, optimizer at {private.optimizer.steps_taken}, meta at {start_step}")
+        raise RuntimeError(
+            f"inconsistent checkpoint: sampler at {private.sampler.step}, optimizer at "
+            f"{private.optimizer.steps_taken}, meta at {start_step}"
+        )
 
     audit = None
-    if rank == 0 and spec.get("audit_path") and canaries["kind"] == "gradient":  # white-box canaries live in rank 0's shard
-        audit = {"coords": canaries["coords"], "in": canaries["coords"][canaries["included"]], "scores": torch.zeros(len(canaries["coords"]), dtype=torch.float64)}
+    if (
+        rank == 0 and spec.get("audit_path") and canaries["kind"] == "gradient"
+    ):  # white-box canaries live in rank 0's shard
+        audit = {
+            "coords": canaries["coords"],
+            "in": canaries["coords"][canaries["included"]],
+            "scores": torch.zeros(len(canaries["coords"]), dtype=torch.float64),
+        }
         if checkpoint is not None:
             with checkpoint.as_directory() as d:
                 audit["scores"] = torch.load(Path(d) / AUDIT_FILE)
@@ -526,7 +556,25 @@ def train_loop_per_worker(spec: dict) -> None:
     t_last, step_last = time.monotonic(), start_step
     step = start_step
     reported_releases = meta["releases"] if meta is not None else -1
-    report = lambda rate: _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, tracker, held_out if rank == 0 else None, train, audit)  # noqa: E731
+
+    def report(rate):  # reads the loop's current ``step``
+        return _report(
+            spec,
+            cfg,
+            private,
+            model,
+            ema,
+            rank,
+            world,
+            step,
+            last_step,
+            rate,
+            tracker,
+            held_out if rank == 0 else None,
+            train,
+            audit,
+        )
+
     trace("loop start")
     peak_anon = 0.0  # the largest anonymous resident set seen at a report (Linux keeps no peak of it)
     while step < last_step:
@@ -535,7 +583,9 @@ def train_loop_per_worker(spec: dict) -> None:
         lot = private.sampler.sample()
         private.optimizer.accumulate(train.batch(lot), y_train[lot])
         if audit is not None:  # canaries in the data join the lot at rate q, like every example
-            sampled = audit["in"][audit_root.spawn("audit-sampling", step).uniform(len(audit["in"])) < spec["sample_rate"]]
+            sampled = audit["in"][
+                audit_root.spawn("audit-sampling", step).uniform(len(audit["in"])) < spec["sample_rate"]
+            ]
             private.optimizer.add_coordinate_examples(sampled, canary_value)
         private.optimizer.step()
         if audit is not None:  # white-box score: the released (noised) gradient along each canary
@@ -572,7 +622,9 @@ def train_loop_per_worker(spec: dict) -> None:
         report(float("nan"))
 
 
-def _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, tracker, held_out, train, audit=None) -> int:
+def _report(
+    spec, cfg, private, model, ema, rank, world, step, last_step, rate, tracker, held_out, train, audit=None
+) -> int:
     """Metrics (rank 0) and a checkpoint (every rank's part) in one ``ray.train.report``.
     Returns the number of ledger releases the checkpoint holds (rank 0; -1 elsewhere)."""
     import ray.train
@@ -644,8 +696,13 @@ def _report(spec, cfg, private, model, ema, rank, world, step, last_step, rate, 
                 names += (AUDIT_FILE,)
             files = {n: sha256_file(d / n) for n in names}
             meta = {
-                "step": step, "releases": len(private.ledger), "world_size": world, "final": final or pruned,
-                "pruned": pruned, "run_id": spec["run_id"], "files": files,
+                "step": step,
+                "releases": len(private.ledger),
+                "world_size": world,
+                "final": final or pruned,
+                "pruned": pruned,
+                "run_id": spec["run_id"],
+                "files": files,
             }
             (d / "meta.json").write_text(json.dumps(meta))
         if cfg.in_process:  # Ray Train's local mode keeps no checkpoint: keep it in the run folder ourselves
@@ -704,7 +761,9 @@ class _Tracker:
 
             storage = optuna.storages.RDBStorage(self.optuna["storage"])
             median = self.optuna.get("median_pruner", {})  # the sweep's pruner (not kept in the storage)
-            study = optuna.load_study(study_name=self.optuna["study"], storage=storage, pruner=optuna.pruners.MedianPruner(**median))
+            study = optuna.load_study(
+                study_name=self.optuna["study"], storage=storage, pruner=optuna.pruners.MedianPruner(**median)
+            )
             self._trial = optuna.trial.Trial(study, self.optuna["trial_id"])
         self._trial.report(float(value), int(step))
         return bool(self._trial.should_prune())
@@ -724,6 +783,11 @@ class _Tracker:
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        batch = [Metric(f"diag_{k}", float(v), ts, int(r["step"])) for r in records for k, v in r.items() if k != "step" and v == v]
+        batch = [
+            Metric(f"diag_{k}", float(v), ts, int(r["step"]))
+            for r in records
+            for k, v in r.items()
+            if k != "step" and v == v
+        ]
         for i in range(0, len(batch), 1000):
             self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])

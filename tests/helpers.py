@@ -1,4 +1,5 @@
 """Small shared helpers for tests: tiny models and an explicit per-example reference."""
+
 from __future__ import annotations
 
 import torch

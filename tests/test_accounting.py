@@ -1,6 +1,7 @@
 """Invariants 6 and 8: ε from the ledger alone, equal to dp_accounting's own value; the
 moments accountant reproduces Abadi et al.; calibration; the budget; state_dict round trips
 and rolled-back steps."""
+
 import io
 import math
 
@@ -44,12 +45,16 @@ def test_independent_moments_implementation_matches_dp_accounting_rdp(q, sigma):
     ε = min_α RDP(α) + log(1/δ)/(α−1)."""
     delta, steps = 1e-5, 500
     orders = list(range(2, 65))
-    ev = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    ev = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+    )
     acc = dp_accounting.rdp.RdpAccountant(orders=[float(o) for o in orders])
     acc.compose(ev)
     rdp = np.asarray(acc._rdp)  # dp_accounting keeps the composed RDP curve here (no public getter)
     classic_dpa = float(np.min(rdp + math.log(1 / delta) / (np.asarray(orders) - 1)))
-    ours = dpcore.moments_epsilon([(PrivacyEvent(POISSON_GAUSSIAN, sigma, q), steps)], delta, orders=[o - 1 for o in orders])
+    ours = dpcore.moments_epsilon(
+        [(PrivacyEvent(POISSON_GAUSSIAN, sigma, q), steps)], delta, orders=[o - 1 for o in orders]
+    )
     assert ours == pytest.approx(classic_dpa, rel=1e-8)
 
 
@@ -62,11 +67,17 @@ def test_ledger_epsilon_equals_dp_accountings_own_value(accountant):
     for step in range(122, 152):
         ledger.append(PrivacyEvent.dpsgd_step(0.9, 0.05), step=step, clip_norm=1.0)
     ours = ledger.epsilon()
-    independent = dp_accounting.ComposedDpEvent([
-        dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(1.1)), 120),
-        dp_accounting.GaussianDpEvent(6.0),
-        dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(0.05, dp_accounting.GaussianDpEvent(0.9)), 30),
-    ])
+    independent = dp_accounting.ComposedDpEvent(
+        [
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(1.1)), 120
+            ),
+            dp_accounting.GaussianDpEvent(6.0),
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(0.05, dp_accounting.GaussianDpEvent(0.9)), 30
+            ),
+        ]
+    )
     ref = _dpa_pld(independent, 1e-6) if accountant == "pld" else _dpa_rdp(independent, 1e-6)
     assert ours == pytest.approx(ref, rel=1e-9)
     assert ledger.entries[-1].epsilon == ours
@@ -150,7 +161,9 @@ def test_the_readable_ledger_has_one_row_per_run_of_identical_releases():
 )
 def test_calibrated_sigma_meets_target_within_one_percent(eps, q, steps):
     sigma = dpcore.calibrate_noise_multiplier(eps, 1e-5, q, steps)
-    ev = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    ev = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+    )
     got = _dpa_pld(ev, 1e-5)
     assert got <= eps
     assert got >= 0.99 * eps
@@ -165,7 +178,12 @@ def test_max_steps_is_the_exact_inverse():
     sigma, q, eps, delta = 1.0, 0.05, 3.0, 1e-5
     t = dpcore.max_steps(sigma, q, eps, delta)
     assert t > 0
-    mk = lambda n: dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), n)
+
+    def mk(n):
+        return dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), n
+        )
+
     assert _dpa_pld(mk(t), delta) <= eps < _dpa_pld(mk(t + 1), delta)
 
 
@@ -309,5 +327,7 @@ def test_max_steps_on_the_fine_grid_equals_a_fine_only_search():
 
     for sigma, q, eps in [(0.6457, 0.0095, 3.0), (1.1, 0.02, 1.0), (4.05, 0.1365, 3.0)]:
         ev = PrivacyEvent.dpsgd_step(sigma, q)
-        fine = _largest_count(lambda t: epsilon([(ev, t)], 1e-5, "pld", PLD_VALUE_DISCRETIZATION) <= eps, 10**6)
+        fine = _largest_count(
+            lambda t, ev=ev, eps=eps: epsilon([(ev, t)], 1e-5, "pld", PLD_VALUE_DISCRETIZATION) <= eps, 10**6
+        )
         assert dpcore.max_steps(sigma, q, eps, 1e-5) == fine

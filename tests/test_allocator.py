@@ -1,5 +1,6 @@
 """pipelines.allocator: freed memory is kept for reuse, so steady-state private steps stop
 taking page faults (measured by the kernel's own minor-fault count, in fresh processes)."""
+
 import os
 import subprocess
 import sys

@@ -8,6 +8,7 @@ The privacy curve is checked at δ = 1e-3, a point these sample sizes resolve (a
 audit would need the 1e-5 tails): one release claims ε = 1.91 (Gaussian) or 1.0 (Laplace);
 the correct mechanisms measure ε_lb ≈ 1.6–1.7 and 0.98, the broken ones 2.5–2.8 and 1.39.
 """
+
 import math
 
 import numpy as np
@@ -40,10 +41,14 @@ def test_one_run_p_value_is_the_binomial_tail_plus_the_delta_term_and_saturates_
     assert audit.one_run_p_value(m, r, v, 1.0, 0.0) == pytest.approx(stats.binom.sf(v - 1, r, q), rel=1e-9)
     # δ > 0 only adds: the α·2mδ term, with α = max_i P[v > B ≥ v − i]/i computed here with scipy.
     alpha = max(sum(stats.binom.pmf(v - j, r, q) for j in range(1, i + 1)) / i for i in range(1, v + 1))
-    assert audit.one_run_p_value(m, r, v, 1.0, 1e-6) == pytest.approx(stats.binom.sf(v - 1, r, q) + alpha * 2 * m * 1e-6, rel=1e-9)
+    assert audit.one_run_p_value(m, r, v, 1.0, 1e-6) == pytest.approx(
+        stats.binom.sf(v - 1, r, q) + alpha * 2 * m * 1e-6, rel=1e-9
+    )
     # All of 1,000 guesses right: ε_lb = log(q/(1−q)) with q = 0.05^(1/1000), about 5.8.
     q95 = 0.05 ** (1 / 1000)
-    assert audit.one_run_epsilon_lower_bound(1000, 1000, 1000, 0.0) == pytest.approx(math.log(q95 / (1 - q95)), rel=1e-6)
+    assert audit.one_run_epsilon_lower_bound(1000, 1000, 1000, 0.0) == pytest.approx(
+        math.log(q95 / (1 - q95)), rel=1e-6
+    )
     assert 5.7 < audit.one_run_epsilon_lower_bound(1000, 1000, 1000, 1e-5) < 5.82
 
 
@@ -67,8 +72,12 @@ def test_distinguishing_bound_holds_for_an_exact_gaussian_mechanism():
     rng = np.random.default_rng(1)
     sigma = 1.5
     eps = claimed_epsilon("pca", sigma, 1.0, 1e-5)  # a plain Gaussian release of sensitivity 1
-    found = [audit.distinguishing_epsilon_lower_bound(1 + sigma * rng.standard_normal(200_000), sigma * rng.standard_normal(2_000_000),
-                                                      1e-5, seed=s).epsilon_lower_bound for s in range(3)]
+    found = [
+        audit.distinguishing_epsilon_lower_bound(
+            1 + sigma * rng.standard_normal(200_000), sigma * rng.standard_normal(2_000_000), 1e-5, seed=s
+        ).epsilon_lower_bound
+        for s in range(3)
+    ]
     assert max(found) <= eps and min(found) > 0.5 * eps
 
 
@@ -101,14 +110,18 @@ def test_audits_with_two_gloo_workers_never_exceed_the_ledger_epsilon():
     """DP-SGD, BAM and the Laplace form with the clipped sum split over two processes, rank 0
     alone adding the noise, and a real gloo all-reduce (one pair of processes for the three)."""
     mechanisms = ["dpsgd", "bam", "dpadam-laplace"]
-    results = mechanism_audits(mechanisms, noise_multipliers={m: _sigma(m) for m in mechanisms}, workers=2, seed=3, **_sizes("dpsgd"))
+    results = mechanism_audits(
+        mechanisms, noise_multipliers={m: _sigma(m) for m in mechanisms}, workers=2, seed=3, **_sizes("dpsgd")
+    )
     for res in results:
         assert res.workers == 2 and res.epsilon_lower_bound <= res.epsilon, res
         assert res.epsilon_lower_bound > 0.7 * res.epsilon, res
 
 
 def test_audit_of_a_subsampled_step_stays_below_its_epsilon():
-    res = mechanism_audit("dpsgd", noise_multiplier=1.0, sample_rate=0.5, seed=4, dim=2000, canaries=400, repetitions=500, delta=DELTA)
+    res = mechanism_audit(
+        "dpsgd", noise_multiplier=1.0, sample_rate=0.5, seed=4, dim=2000, canaries=400, repetitions=500, delta=DELTA
+    )
     assert 0 < res.epsilon_lower_bound <= res.epsilon
 
 
@@ -167,10 +180,19 @@ def test_one_run_audit_bad_input(tmp_path):
 
 def test_canary_gradients_are_within_the_clip_bound():
     model = torch.nn.Linear(5, 2)
-    opt = dpcore.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model=model, loss_fn=torch.nn.functional.cross_entropy,
-                             noise_multiplier=1.0, clip_norm=0.5, sample_rate=0.1, dataset_size=100,
-                             randomness=dpcore.SeededRandomness(0), ledger=dpcore.PrivacyLedger(None, 1e-5), add_noise=False,
-                             reduce_fn=lambda tensors: None)
+    opt = dpcore.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        model=model,
+        loss_fn=torch.nn.functional.cross_entropy,
+        noise_multiplier=1.0,
+        clip_norm=0.5,
+        sample_rate=0.1,
+        dataset_size=100,
+        randomness=dpcore.SeededRandomness(0),
+        ledger=dpcore.PrivacyLedger(None, 1e-5),
+        add_noise=False,
+        reduce_fn=lambda tensors: None,
+    )
     with pytest.raises(dpcore.DPConfigError, match="exceeds clip_norm"):
         opt.add_coordinate_examples(torch.tensor([0]), 0.6)
     opt.add_coordinate_examples(torch.tensor([0, 11, 11]), 0.5)  # weight[0,0]; bias[1] twice
@@ -184,14 +206,27 @@ def test_one_run_audit_of_a_federated_run(tmp_path):
 
     from pipelines.federated import FederatedConfig, plan_federated, run_federated
 
-    base = dict(executor="local", seed=0, rounds=30, noise_multiplier=1.0, target_delta=1e-4, eval_every=30, log_model=False, quiet=True,
-                tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", storage_path=str(tmp_path / "runs"))
+    base = dict(
+        executor="local",
+        seed=0,
+        rounds=30,
+        noise_multiplier=1.0,
+        target_delta=1e-4,
+        eval_every=30,
+        log_model=False,
+        quiet=True,
+        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+        storage_path=str(tmp_path / "runs"),
+    )
     out = run_federated(FederatedConfig(audit_canaries=1000, audit_guesses=200, **base))
     a = out["audit"]
     assert 1.0 < a["epsilon_lower_bound"] <= out["epsilon"]
     assert a["scores"][a["membership"]].mean() > a["scores"][~a["membership"]].mean()
     r = mlflow.MlflowClient(out["tracking_uri"]).get_run(out["run_id"])
-    assert r.data.metrics["audit.epsilon_lower_bound"] == pytest.approx(a["epsilon_lower_bound"]) and r.data.tags["dp.level"] == "client"
+    assert (
+        r.data.metrics["audit.epsilon_lower_bound"] == pytest.approx(a["epsilon_lower_bound"])
+        and r.data.tags["dp.level"] == "client"
+    )
     with pytest.raises(dpcore.DPConfigError, match="do not fit"):
         plan_federated(FederatedConfig(audit_canaries=10_000, **base))
     with pytest.raises(dpcore.DPConfigError, match="audit_canary_rate"):

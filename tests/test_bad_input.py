@@ -1,4 +1,5 @@
 """Bad input gets an error that names the value and the fix, before any step is taken."""
+
 import warnings
 
 import pytest
@@ -46,7 +47,9 @@ def test_bad_run_parameters_are_rejected_with_value_and_fix(over, pattern):
 
 @pytest.mark.parametrize("q", [0.0, -0.1, 1.5, float("nan")])
 def test_sample_rate_outside_unit_interval_is_rejected(q):
-    with pytest.raises(dpcore.DPConfigError, match=r"sample_rate=.* is invalid: the Poisson sample rate q must lie in \(0, 1\]"):
+    with pytest.raises(
+        dpcore.DPConfigError, match=r"sample_rate=.* is invalid: the Poisson sample rate q must lie in \(0, 1\]"
+    ):
         dpcore.PoissonSampler(100, q, dpcore.SeededRandomness(0), steps=1)
     with pytest.raises(dpcore.DPConfigError, match="sample_rate"):
         dpcore.calibrate_noise_multiplier(1.0, 1e-5, q, 10)
@@ -68,7 +71,9 @@ def test_delta_at_least_one_over_n_gets_a_loud_warning():
 def test_unreachable_target_is_an_error_before_training():
     # With σ calibrated, any ε>0 is reachable; with a fixed σ too small, it is not.
     with pytest.raises(dpcore.DPConfigError, match="cannot take even one step"):
-        dpcore.plan(dataset_size=100, lot_size=100, epochs=1, target_epsilon=0.01, target_delta=1e-5, noise_multiplier=0.5)
+        dpcore.plan(
+            dataset_size=100, lot_size=100, epochs=1, target_epsilon=0.01, target_delta=1e-5, noise_multiplier=0.5
+        )
 
 
 def test_a_bad_config_spends_nothing_even_with_a_journal(tmp_path):
@@ -77,6 +82,12 @@ def test_a_bad_config_spends_nothing_even_with_a_journal(tmp_path):
     torch.manual_seed(0)
     model = tiny_mlp()
     with pytest.raises(dpcore.DPConfigError, match="lot_size=5000"):
-        dpcore.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, seed=0,
-                            journal=str(journal), **{**GOOD, "lot_size": 5000})
+        dpcore.make_private(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            F.cross_entropy,
+            seed=0,
+            journal=str(journal),
+            **{**GOOD, "lot_size": 5000},
+        )
     assert not journal.exists()

@@ -1,5 +1,6 @@
 """Invariant 1 (each example's contribution has L2 norm ≤ C), per-sample gradients against an
 explicit per-example loop, frozen parameters and buffers, and the non-finite policy."""
+
 import math
 
 import pytest
@@ -69,7 +70,7 @@ def test_vmap_clipped_sum_equals_explicit_loop(make, clip):
     y = torch.randint(0, 3, (16,))
     sums, _ = clipped_sum(PerSampleGradients(model, ce)(x, y), clip)
     ref = loop_clipped_sum(model, ce, x, y, clip)
-    for (name, p), r in zip(model.named_parameters(), ref):
+    for (name, _p), r in zip(model.named_parameters(), ref):
         assert torch.allclose(sums[name].double(), r, atol=1e-5, rtol=0), name
 
 
@@ -108,8 +109,15 @@ def test_physical_batches_do_not_change_the_sum():
         ledger = dpcore.PrivacyLedger(None, 1e-5)
         opt = dpcore.DPOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.0),
-            model=model, loss_fn=ce, noise_multiplier=1.0, clip_norm=0.3, sample_rate=0.5,
-            dataset_size=74, randomness=dpcore.SeededRandomness(0), ledger=ledger, physical_batch_size=pbs,
+            model=model,
+            loss_fn=ce,
+            noise_multiplier=1.0,
+            clip_norm=0.3,
+            sample_rate=0.5,
+            dataset_size=74,
+            randomness=dpcore.SeededRandomness(0),
+            ledger=ledger,
+            physical_batch_size=pbs,
         )
         opt.accumulate(x, y)
         results.append({k: v.clone() for k, v in opt._sum.items()})
@@ -145,8 +153,15 @@ def test_nonfinite_gradient_is_skipped_and_counted_never_folded_in():
     # Through the optimizer: parameters stay finite, and the count is only in diagnostics.
     ledger = dpcore.PrivacyLedger(None, 1e-5)
     opt = dpcore.DPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=ce, noise_multiplier=1.0,
-        clip_norm=1.0, sample_rate=0.5, dataset_size=12, randomness=dpcore.SeededRandomness(0), ledger=ledger,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model=model,
+        loss_fn=ce,
+        noise_multiplier=1.0,
+        clip_norm=1.0,
+        sample_rate=0.5,
+        dataset_size=12,
+        randomness=dpcore.SeededRandomness(0),
+        ledger=ledger,
     )
     opt.accumulate(x_both, y)
     opt.step()

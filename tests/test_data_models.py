@@ -1,6 +1,7 @@
 """The pipeline's datasets and models: torchvision/ImageFolder loaders on files in their real
 formats (written here: no network), the generated set, and the BAM paper's models under
 dpcore (validation, and per-example gradients equal to an explicit loop)."""
+
 import struct
 
 import numpy as np
@@ -82,7 +83,13 @@ def test_generated_dataset_has_the_requested_size_and_is_learnable_signal():
 
 @pytest.mark.parametrize(
     "name, shape",
-    [("mlp", (1, 8, 8)), ("small_cnn", (1, 8, 8)), ("cnn", (1, 28, 28)), ("resnet9", (3, 32, 32)), ("wrn16_4", (3, 32, 32))],
+    [
+        ("mlp", (1, 8, 8)),
+        ("small_cnn", (1, 8, 8)),
+        ("cnn", (1, 28, 28)),
+        ("resnet9", (3, 32, 32)),
+        ("wrn16_4", (3, 32, 32)),
+    ],
 )
 def test_every_model_passes_dpcore_validation_and_runs(name, shape):
     torch.manual_seed(0)
@@ -97,7 +104,9 @@ def test_the_mnist_cnn_refuses_tiny_images_with_the_alternative():
         build_model("cnn", (1, 8, 8), 10)
 
 
-@pytest.mark.parametrize("make", [lambda: resnet9((3, 8, 8), 4, width=4), lambda: wide_resnet((3, 8, 8), 4, depth=10, widen=1)])
+@pytest.mark.parametrize(
+    "make", [lambda: resnet9((3, 8, 8), 4, width=4), lambda: wide_resnet((3, 8, 8), 4, depth=10, widen=1)]
+)
 def test_weight_standardised_groupnorm_nets_get_exact_per_example_gradients(make):
     """Weight standardisation makes the effective weight a function of the parameters; the
     vmap'd per-example gradient must still equal one backward per example."""

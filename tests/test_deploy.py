@@ -2,6 +2,7 @@
 in any file and every site-specific value marked. The Ray cluster-launcher YAML is checked with
 Ray's own schema (offline); KubeRay has no schema in any Python package, so its required fields
 are checked here by hand, after the ray.io/v1 API reference."""
+
 import copy
 import re
 import shlex
@@ -43,7 +44,10 @@ def _check_pod_template(template, gpu: bool):
         res = c["resources"]
         assert {"cpu", "memory"} <= set(res["requests"]) and {"cpu", "memory"} <= set(res["limits"])
         if gpu:
-            assert int(res["limits"]["nvidia.com/gpu"]) >= 1 and res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"]
+            assert (
+                int(res["limits"]["nvidia.com/gpu"]) >= 1
+                and res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"]
+            )
 
 
 def _check_ray_cluster_spec(spec):
@@ -94,22 +98,37 @@ def test_network_policy_fences_the_ray_pods():
     assert (doc["apiVersion"], doc["kind"]) == ("networking.k8s.io/v1", "NetworkPolicy")
     assert doc["spec"]["policyTypes"] == ["Ingress"]
     outside = [rule for rule in doc["spec"]["ingress"] if "ports" in rule]
-    assert [p["port"] for rule in outside for p in rule["ports"]] == [8265]  # from outside the cluster: the Jobs API only
+    assert [p["port"] for rule in outside for p in rule["ports"]] == [
+        8265
+    ]  # from outside the cluster: the Jobs API only
 
 
 def test_no_secret_in_any_deploy_or_config_file_and_site_values_are_marked():
-    files = [p for p in list(DEPLOY.rglob("*")) + list(CONFIGS.rglob("*")) if p.is_file() and p.suffix in (".yaml", ".yml", ".ini", ".conf", ".env", ".sh")]
+    files = [
+        p
+        for p in list(DEPLOY.rglob("*")) + list(CONFIGS.rglob("*"))
+        if p.is_file() and p.suffix in (".yaml", ".yml", ".ini", ".conf", ".env", ".sh")
+    ]
     assert len(files) >= 4
     secretish = re.compile(
         r"(password|passwd|secret_key|token)\s*[:=]\s*['\"]?(?!\$|\.\.\.|<|\{)[A-Za-z0-9+/_\-]{8,}|AKIA[0-9A-Z]{16}|postgresql(\+\w+)?://[^:\s/@]+:[^@\s$]+@",
         re.IGNORECASE,
     )
-    for leak in ("password: hunter2hunter2", "MLFLOW_TRACKING_PASSWORD=s3cretvalue", "postgresql://dp:s3cret@db:5432/mlflow",
-                 "postgresql+psycopg2://dp:s3cret@db/mlflow",
-                 "aws_key AKIAABCDEFGHIJKLMNOP", 'token: "f0e1d2c3b4a59687"'):
+    for leak in (
+        "password: hunter2hunter2",
+        "MLFLOW_TRACKING_PASSWORD=s3cretvalue",
+        "postgresql://dp:s3cret@db:5432/mlflow",
+        "postgresql+psycopg2://dp:s3cret@db/mlflow",
+        "aws_key AKIAABCDEFGHIJKLMNOP",
+        'token: "f0e1d2c3b4a59687"',
+    ):
         assert secretish.search(leak), leak  # the scan has teeth
-    for fine in ("--from-literal=MLFLOW_TRACKING_PASSWORD=...", "secretName: ray-auth-token", "postgresql://dp@127.0.0.1:5432/x",
-                 "postgresql+psycopg2://mlflow@/mlflow?host=/var/run/postgresql"):
+    for fine in (
+        "--from-literal=MLFLOW_TRACKING_PASSWORD=...",
+        "secretName: ray-auth-token",
+        "postgresql://dp@127.0.0.1:5432/x",
+        "postgresql+psycopg2://mlflow@/mlflow?host=/var/run/postgresql",
+    ):
         assert not secretish.search(fine), fine
     for f in files:
         text = f.read_text()

@@ -1,6 +1,7 @@
 """The book-keeping fast path (dpcore.fastclip) gives the reference clipped sum, keeps each
 example's share ≤ C, skips non-finite examples the same way, and falls back to the vmap path
 for anything it cannot handle."""
+
 import math
 import warnings
 
@@ -155,12 +156,21 @@ def test_nonfinite_examples_are_skipped_and_counted_like_the_reference():
 def test_unsupported_layers_are_named_and_vmap_is_the_default():
     model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 3))
     assert unsupported_parameters(model) == ["1.weight", "1.bias"]
-    opt = dict(noise_multiplier=1.0, clip_norm=1.0, sample_rate=0.1, dataset_size=100,
-               randomness=dpcore.SeededRandomness(0), ledger=dpcore.PrivacyLedger(None, 1e-5))
+    opt = dict(
+        noise_multiplier=1.0,
+        clip_norm=1.0,
+        sample_rate=0.1,
+        dataset_size=100,
+        randomness=dpcore.SeededRandomness(0),
+        ledger=dpcore.PrivacyLedger(None, 1e-5),
+    )
     auto = dpcore.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=ce, **opt)
     assert auto.clipping == "vmap"
     with pytest.raises(dpcore.DPConfigError, match="1.weight"):
-        dpcore.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=ce, clipping="bookkeeping", **opt)
+        dpcore.DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=ce, clipping="bookkeeping", **opt
+        )
+
     # A Conv2d subclass with its own forward is not the plain function of its weight.
     class Scaled(nn.Conv2d):
         def forward(self, x):
@@ -190,8 +200,15 @@ def test_a_layer_used_twice_falls_back_at_run_time_and_the_sum_is_still_right():
     with pytest.raises(Unsupported):
         BookKeepingClipper(model, ce).clipped_sum(x, y, 1.0, {})
     opt = dpcore.DPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=ce, noise_multiplier=1.0, clip_norm=1.0,
-        sample_rate=0.1, dataset_size=100, randomness=dpcore.SeededRandomness(0), ledger=dpcore.PrivacyLedger(None, 1e-5),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model=model,
+        loss_fn=ce,
+        noise_multiplier=1.0,
+        clip_norm=1.0,
+        sample_rate=0.1,
+        dataset_size=100,
+        randomness=dpcore.SeededRandomness(0),
+        ledger=dpcore.PrivacyLedger(None, 1e-5),
         clipping="bookkeeping",
     )
     assert opt.clipping == "bookkeeping"
@@ -208,9 +225,17 @@ def test_a_private_step_is_the_same_with_either_path():
         torch.manual_seed(0)
         model = build_model("small_cnn", (1, 8, 8), 10)
         opt = dpcore.DPOptimizer(
-            torch.optim.Adam(model.parameters(), lr=0.01), model=model, loss_fn=ce, noise_multiplier=1.0, clip_norm=1.0,
-            sample_rate=0.1, dataset_size=640, randomness=dpcore.SeededRandomness(7), ledger=dpcore.PrivacyLedger(None, 1e-5),
-            clipping=mode, physical_batch_size=16,
+            torch.optim.Adam(model.parameters(), lr=0.01),
+            model=model,
+            loss_fn=ce,
+            noise_multiplier=1.0,
+            clip_norm=1.0,
+            sample_rate=0.1,
+            dataset_size=640,
+            randomness=dpcore.SeededRandomness(7),
+            ledger=dpcore.PrivacyLedger(None, 1e-5),
+            clipping=mode,
+            physical_batch_size=16,
         )
         g = torch.Generator().manual_seed(3)
         x, y = torch.randn(64, 1, 8, 8, generator=g), torch.randint(0, 10, (64,), generator=g)
@@ -229,8 +254,22 @@ def test_bench_command_prints_its_table():
     import sys
 
     res = subprocess.run(
-        [sys.executable, "-m", "pipelines.cli", "bench", "--models", "mnist_cnn", "--rounds", "1", "--threads", "1", "--no-opacus"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pipelines.cli",
+            "bench",
+            "--models",
+            "mnist_cnn",
+            "--rounds",
+            "1",
+            "--threads",
+            "1",
+            "--no-opacus",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "| mnist_cnn (256) | non-private |" in res.stdout and "clipping=bookkeeping" in res.stdout
@@ -244,13 +283,22 @@ def test_layers_with_hooks_or_a_replaced_forward_are_left_to_the_reference_path(
     model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
     x, y = torch.randn(10, 5), torch.randint(0, 3, (10,))
     opt = dpcore.DPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=ce, noise_multiplier=1.0, clip_norm=0.5,
-        sample_rate=0.1, dataset_size=100, randomness=dpcore.SeededRandomness(0), ledger=dpcore.PrivacyLedger(None, 1e-5),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model=model,
+        loss_fn=ce,
+        noise_multiplier=1.0,
+        clip_norm=0.5,
+        sample_rate=0.1,
+        dataset_size=100,
+        randomness=dpcore.SeededRandomness(0),
+        ledger=dpcore.PrivacyLedger(None, 1e-5),
         clipping="bookkeeping",
     )
     assert opt.clipping == "bookkeeping"
     handle = model[0].register_forward_hook(lambda m, inp, out: out * 3.0)
-    assert not supports(model) and "0.weight (the layer has hooks or a replaced forward)" in unsupported_parameters(model)
+    assert not supports(model) and "0.weight (the layer has hooks or a replaced forward)" in unsupported_parameters(
+        model
+    )
     with pytest.warns(UserWarning, match="using the vmap path"):
         opt.accumulate(x, y)
     ref, _ = _reference(model, x, y, 0.5)  # the reference runs the hook too
@@ -271,9 +319,17 @@ class Center(nn.Module):
 
 def _bk_optimizer(model, clip=0.01):
     return dpcore.DPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=ce, noise_multiplier=1.0, clip_norm=clip,
-        sample_rate=0.1, dataset_size=100, randomness=dpcore.SeededRandomness(0), ledger=dpcore.PrivacyLedger(None, 1e-5),
-        clipping="bookkeeping", physical_batch_size=16,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model=model,
+        loss_fn=ce,
+        noise_multiplier=1.0,
+        clip_norm=clip,
+        sample_rate=0.1,
+        dataset_size=100,
+        randomness=dpcore.SeededRandomness(0),
+        ledger=dpcore.PrivacyLedger(None, 1e-5),
+        clipping="bookkeeping",
+        physical_batch_size=16,
     )
 
 
@@ -399,12 +455,14 @@ def test_float32_chunked_norms_are_within_the_clipping_margin():
     from dpcore.fastclip import _row_sq_norms
 
     torch.manual_seed(13)
-    rows = torch.cat([
-        torch.full((1, 8192), 0.1),
-        torch.randn(4, 8192) * torch.logspace(-6, 6, 8192),
-        torch.randn(3, 8200)[:, :8192],
-        torch.rand(2, 8192) * 1e-3 + 1.0,
-    ])
+    rows = torch.cat(
+        [
+            torch.full((1, 8192), 0.1),
+            torch.randn(4, 8192) * torch.logspace(-6, 6, 8192),
+            torch.randn(3, 8200)[:, :8192],
+            torch.rand(2, 8192) * 1e-3 + 1.0,
+        ]
+    )
     exact = rows.double().square().sum(1)
     got = _row_sq_norms(rows, 1.0)
     rel = ((got - exact).abs() / exact).max().item()
@@ -415,7 +473,11 @@ def test_float32_chunked_norms_are_within_the_clipping_margin():
     assert math.isfinite(got[0].item()) and abs(got[0].item() / huge[0].double().square().sum().item() - 1) < 1e-12
     assert math.isnan(got[1].item())
     # Short rows, float64 rows and tiny clipping bounds take the float64 sum itself.
-    for w, c in [(torch.randn(3, 20), 1.0), (torch.randn(3, 100, dtype=torch.float64), 1.0), (torch.randn(3, 100) * 1e-21, 1e-20)]:
+    for w, c in [
+        (torch.randn(3, 20), 1.0),
+        (torch.randn(3, 100, dtype=torch.float64), 1.0),
+        (torch.randn(3, 100) * 1e-21, 1e-20),
+    ]:
         assert torch.equal(_row_sq_norms(w, c), torch.linalg.vector_norm(w, dim=1, dtype=torch.float64).square())
 
 
@@ -501,23 +563,31 @@ def test_ws_ghost_norms_never_underestimate_even_when_the_terms_cancel(offset):
     # that of the offset-free patches (computed without any cancellation).
     exact = jac.vjp(torch.einsum("bot,bnt->bon", G, R)).square().sum((1, 2))
     ghost = jac.ghost_sq_norms(A, G)
-    assert (ghost >= exact * (1 - 1e-12)).all(), (ghost - exact)
+    assert (ghost >= exact * (1 - 1e-12)).all(), ghost - exact
     if offset == 0.0:
         assert torch.allclose(ghost, exact, rtol=1e-9, atol=0)
     else:
-        assert (ghost <= exact + 1e-6 * (exact + 1.0) * (offset ** 2)).all()
+        assert (ghost <= exact + 1e-6 * (exact + 1.0) * (offset**2)).all()
 
 
 def test_auto_clipping_picks_book_keeping_only_where_it_applies():
     """clipping="auto" (the jobs' default): book-keeping for supported models with plain
     per-example L2 clipping; vmap, without an error, for BAM, augmentation multiplicity, L1
     clipping, diagnostics and unsupported layers."""
+
     def opt(model, **kw):
         return dpcore.DPOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=F.cross_entropy,
-            noise_multiplier=1.0, clip_norm=1.0, sample_rate=0.1, dataset_size=100,
-            randomness=dpcore.SecureRandomness(), ledger=dpcore.PrivacyLedger(None, 1e-5),
-            clipping="auto", **kw,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model=model,
+            loss_fn=F.cross_entropy,
+            noise_multiplier=1.0,
+            clip_norm=1.0,
+            sample_rate=0.1,
+            dataset_size=100,
+            randomness=dpcore.SecureRandomness(),
+            ledger=dpcore.PrivacyLedger(None, 1e-5),
+            clipping="auto",
+            **kw,
         )
 
     mlp = lambda: nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))  # noqa: E731

@@ -4,6 +4,7 @@ The math is checked against independent references: dp_accounting for ε and δ,
 the seeded noise and sampling streams for the server's update, scipy for the client-sample
 distribution. The pipeline runs on real Ray actors and a real MLflow store.
 """
+
 import math
 import subprocess
 import sys
@@ -25,13 +26,24 @@ DIGITS = load_digits()
 
 
 def _cfg(root, **over):
-    base = dict(seed=5, rounds=3, eval_every=1, log_model=False, quiet=True, executor="local", num_actors=2,
-                tracking_uri=f"sqlite:///{root}/mlflow.db", storage_path=str(root / "runs"))
+    base = dict(
+        seed=5,
+        rounds=3,
+        eval_every=1,
+        log_model=False,
+        quiet=True,
+        executor="local",
+        num_actors=2,
+        tracking_uri=f"sqlite:///{root}/mlflow.db",
+        storage_path=str(root / "runs"),
+    )
     return FederatedConfig(**{**base, **over})
 
 
 def _runner(order, offsets, lr=0.1, epochs=1):
-    return ClientRunner(DIGITS.inputs("train"), DIGITS.train.y, order, offsets, "mlp", (1, 8, 8), 10, epochs, 10, lr, shuffle_seed=0)
+    return ClientRunner(
+        DIGITS.inputs("train"), DIGITS.train.y, order, offsets, "mlp", (1, 8, 8), 10, epochs, 10, lr, shuffle_seed=0
+    )
 
 
 def _initial_weights(seed=0):
@@ -111,8 +123,14 @@ def test_client_sampling_follows_binomial_K_q():
     q = m / K
     # Chi-square of the count histogram against Binomial(K, q), with tail bins merged.
     edges = np.arange(8, 33)
-    observed = np.array([(counts < edges[0]).sum()] + [(counts == e).sum() for e in edges] + [(counts > edges[-1]).sum()])
-    p = np.array([stats.binom.cdf(edges[0] - 1, K, q)] + [stats.binom.pmf(e, K, q) for e in edges] + [stats.binom.sf(edges[-1], K, q)])
+    observed = np.array(
+        [(counts < edges[0]).sum()] + [(counts == e).sum() for e in edges] + [(counts > edges[-1]).sum()]
+    )
+    p = np.array(
+        [stats.binom.cdf(edges[0] - 1, K, q)]
+        + [stats.binom.pmf(e, K, q) for e in edges]
+        + [stats.binom.sf(edges[-1], K, q)]
+    )
     assert stats.chisquare(observed, p * rounds).pvalue > 1e-3
     # Each client joins at rate q (a fixed-size sample would too, so also check the count varies as a binomial).
     assert counts.var() == pytest.approx(K * q * (1 - q), rel=0.1)
@@ -127,14 +145,29 @@ def test_noise_is_added_once_per_round_with_std_zS(tmp_path, executor, actors, r
     if executor == "ray":
         request.getfixturevalue("ray_cluster")
     z, S, m, R = 2.0, 0.5, 30, 3
-    out = run_federated(_cfg(tmp_path, executor=executor, num_actors=actors, noise_multiplier=z, clip_norm=S, rounds=R,
-                             clients_per_round=m, local_lr=0.0, server_lr=1.0))
+    out = run_federated(
+        _cfg(
+            tmp_path,
+            executor=executor,
+            num_actors=actors,
+            noise_multiplier=z,
+            clip_norm=S,
+            rounds=R,
+            clients_per_round=m,
+            local_lr=0.0,
+            server_lr=1.0,
+        )
+    )
     assert out["rounds"] == R and len(out["ledger"]) == R
-    moved = torch.nn.utils.parameters_to_vector(out["model"].parameters()).detach().double() - _initial_weights().double()
+    moved = (
+        torch.nn.utils.parameters_to_vector(out["model"].parameters()).detach().double() - _initial_weights().double()
+    )
     n = moved.numel()
     expected = math.sqrt(R) * z * S / m  # R independent draws of N(0, z²S²) / m per coordinate
     assert moved.mean().abs().item() < 5 * expected / math.sqrt(n)
-    assert moved.std().item() == pytest.approx(expected, rel=5 / math.sqrt(2 * n))  # noise ×√2 (twice per round) is 41 % off
+    assert moved.std().item() == pytest.approx(
+        expected, rel=5 / math.sqrt(2 * n)
+    )  # noise ×√2 (twice per round) is 41 % off
 
 
 def _replay(seed, K, m, z, S, rounds, lr_server, adaptive=None):
@@ -164,8 +197,23 @@ def _replay(seed, K, m, z, S, rounds, lr_server, adaptive=None):
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 def test_server_update_is_the_noised_clipped_sum_over_m(tmp_path, policy):
     K, m, z, S, R = 50, 10, 1.1, 0.3, 3
-    extra = dict(clip_policy="adaptive", quantile_noise=2.0, target_quantile=0.3, quantile_lr=0.5) if policy == "adaptive" else {}
-    out = run_federated(_cfg(tmp_path, num_clients=K, clients_per_round=m, noise_multiplier=z, clip_norm=S, rounds=R, server_lr=0.7, **extra))
+    extra = (
+        dict(clip_policy="adaptive", quantile_noise=2.0, target_quantile=0.3, quantile_lr=0.5)
+        if policy == "adaptive"
+        else {}
+    )
+    out = run_federated(
+        _cfg(
+            tmp_path,
+            num_clients=K,
+            clients_per_round=m,
+            noise_multiplier=z,
+            clip_norm=S,
+            rounds=R,
+            server_lr=0.7,
+            **extra,
+        )
+    )
     adaptive = dict(quantile_noise=2.0, gamma=0.3, lr=0.5) if policy == "adaptive" else None
     expected, final_s = _replay(5, K, m, z, S, R, 0.7, adaptive)
     got = torch.nn.utils.parameters_to_vector(out["model"].parameters()).detach()
@@ -216,8 +264,19 @@ def test_ledger_epsilon_equals_dp_accounting(tmp_path):
 
 def test_geyer_stopping_rule_stops_at_the_last_round_with_delta_below_Q(tmp_path):
     K, m, z, eps, Q = 100, 30, 1.4, 3.0, 1e-4
-    out = run_federated(_cfg(tmp_path, num_clients=K, clients_per_round=m, noise_multiplier=z, rounds=0, stopping="delta",
-                             target_epsilon=eps, target_delta=Q, eval_every=100))
+    out = run_federated(
+        _cfg(
+            tmp_path,
+            num_clients=K,
+            clients_per_round=m,
+            noise_multiplier=z,
+            rounds=0,
+            stopping="delta",
+            target_epsilon=eps,
+            target_delta=Q,
+            eval_every=100,
+        )
+    )
     # Independently: compose one round at a time with dp_accounting and find the first round whose δ(ε) > Q.
     acc = dp_accounting.pld.PLDAccountant()
     event = dp_accounting.PoissonSampledDpEvent(m / K, dp_accounting.GaussianDpEvent(z))
@@ -283,9 +342,29 @@ def test_client_with_no_data_is_named():
 def test_cli_runs_on_ray_and_tracks_the_run_at_client_level(tmp_path, ray_env):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     proc = subprocess.run(
-        [sys.executable, "-m", "pipelines.cli", "federated", "--rounds", "4", "--seed", "1", "--clip-policy", "adaptive",
-         "--tracking-uri", uri, "--storage-path", str(tmp_path / "runs"), "--eval-every", "2"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=ray_env,
+        [
+            sys.executable,
+            "-m",
+            "pipelines.cli",
+            "federated",
+            "--rounds",
+            "4",
+            "--seed",
+            "1",
+            "--clip-policy",
+            "adaptive",
+            "--tracking-uri",
+            uri,
+            "--storage-path",
+            str(tmp_path / "runs"),
+            "--eval-every",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=ray_env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "round 4/4" in proc.stderr and "ε=" in proc.stderr and "test acc=" in proc.stderr

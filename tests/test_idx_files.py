@@ -64,7 +64,11 @@ def test_without_data_dir_the_standard_install_path_is_used_and_named_when_missi
     with pytest.raises(dpcore.DPConfigError) as err:
         load_dataset("fashion-mnist")
     msg = str(err.value)
-    assert "fashion-mnist was not found" in msg and str(tmp_path / "std") in msg and str(tmp_path / "std" / "FashionMNIST" / "raw") in msg
+    assert (
+        "fashion-mnist was not found" in msg
+        and str(tmp_path / "std") in msg
+        and str(tmp_path / "std" / "FashionMNIST" / "raw") in msg
+    )
     assert "apt-get install dataset-fashion-mnist" in msg and "--download" in msg
     _write(tmp_path / "std", gz=True)
     assert len(load_dataset("fashion-mnist").test) == 20
@@ -80,7 +84,10 @@ def test_an_empty_data_dir_lists_every_folder_it_searched(tmp_path):
 
 def test_a_folder_with_only_the_test_files_names_the_missing_ones(tmp_path):
     _write(tmp_path, gz=True, skip=("train-images-idx3-ubyte", "train-labels-idx1-ubyte"))
-    with pytest.raises(dpcore.DPConfigError, match=r"holds only part of fashion-mnist: train-images-idx3-ubyte\[.gz\], train-labels-idx1-ubyte\[.gz\] are missing"):
+    with pytest.raises(
+        dpcore.DPConfigError,
+        match=r"holds only part of fashion-mnist: train-images-idx3-ubyte\[.gz\], train-labels-idx1-ubyte\[.gz\] are missing",
+    ):
         load_dataset("fashion-mnist", data_dir=str(tmp_path))
 
 
@@ -88,7 +95,10 @@ def test_label_count_that_does_not_match_the_images_names_both_files(tmp_path):
     _write(tmp_path, gz=False)
     rng = np.random.default_rng(1)
     (tmp_path / "train-labels-idx1-ubyte").write_bytes(_idx_bytes(rng.integers(0, 10, 49)))
-    with pytest.raises(dpcore.DPConfigError, match=r"train-labels-idx1-ubyte holds 49 labels but .*train-images-idx3-ubyte holds 50 images"):
+    with pytest.raises(
+        dpcore.DPConfigError,
+        match=r"train-labels-idx1-ubyte holds 49 labels but .*train-images-idx3-ubyte holds 50 images",
+    ):
         load_dataset("fashion-mnist", data_dir=str(tmp_path))
 
 
@@ -98,7 +108,9 @@ def test_a_truncated_file_is_named(tmp_path, gz):
     name = "train-images-idx3-ubyte" + (".gz" if gz else "")
     path = tmp_path / name
     path.write_bytes(path.read_bytes()[: len(path.read_bytes()) - 500])
-    with pytest.raises(dpcore.DPConfigError, match=f"{name} is not a (complete gzip|valid IDX) file.*truncated or corrupt"):
+    with pytest.raises(
+        dpcore.DPConfigError, match=f"{name} is not a (complete gzip|valid IDX) file.*truncated or corrupt"
+    ):
         load_dataset("fashion-mnist", data_dir=str(tmp_path))
 
 
@@ -128,7 +140,9 @@ def test_data_dir_pointing_at_a_file_is_refused(tmp_path):
         load_dataset("imagefolder", data_dir=str(f))
 
 
-@pytest.mark.skipif(not FMNIST.is_dir(), reason="the real Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)")
+@pytest.mark.skipif(
+    not FMNIST.is_dir(), reason="the real Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)"
+)
 def test_the_real_fashion_mnist_as_debian_ships_it():
     ds = load_dataset("fashion-mnist", val_fraction=0.1)  # no data_dir: the standard install path
     assert (len(ds.train), len(ds.val), len(ds.test)) == (54_000, 6_000, 10_000)

@@ -15,8 +15,17 @@ from pipelines.train import run
 
 
 def _cfg(root: Path, **over) -> TrainConfig:
-    values = dict(in_process=True, num_workers=1, epochs=3, target_epsilon=3.0, checkpoint_every=3, storage_path=str(root / "runs"),
-                  tracking_uri=f"sqlite:///{root}/mlflow.db", registered_model="none", quiet=True)
+    values = dict(
+        in_process=True,
+        num_workers=1,
+        epochs=3,
+        target_epsilon=3.0,
+        checkpoint_every=3,
+        storage_path=str(root / "runs"),
+        tracking_uri=f"sqlite:///{root}/mlflow.db",
+        registered_model="none",
+        quiet=True,
+    )
     values.update(over)
     return TrainConfig(**values)
 
@@ -52,7 +61,25 @@ def test_in_process_needs_one_worker_and_no_fault_injection(tmp_path):
 
 
 def test_the_cli_flag(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "pipelines.cli", "train", "--in-process", "--num-workers", "1", "--epochs", "1",
-                          "--registered-model", "none", "--quiet"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipelines.cli",
+            "train",
+            "--in-process",
+            "--num-workers",
+            "1",
+            "--epochs",
+            "1",
+            "--registered-model",
+            "none",
+            "--quiet",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "workers=1 on 1 node(s)" in res.stdout and "ε spent:" in res.stdout

@@ -1,4 +1,5 @@
 """Arrow ingest: round trip, sharding by rank, and corrupt shards caught before training."""
+
 import json
 from pathlib import Path
 
@@ -27,7 +28,9 @@ def test_round_trip_and_schema(digits, tmp_path):
         s = read_split(tmp_path, split)
         assert torch.equal(s.x, getattr(digits, split).x) and torch.equal(s.y, getattr(digits, split).y)
     table = pa.ipc.open_file(str(tmp_path / "train-00000-of-00004.arrow")).read_all()
-    assert str(table.schema.field("image").type) == "fixed_size_binary[64]"  # 64 uint8 pixels: stored in their own dtype
+    assert (
+        str(table.schema.field("image").type) == "fixed_size_binary[64]"
+    )  # 64 uint8 pixels: stored in their own dtype
     assert m["dtype"] == "uint8" and m["normalization"] == {"scale": 1 / 16, "mean": [0.0], "std": [1.0]}
     assert set(table.column("split").to_pylist()) == {"train"}
     assert table.schema.field("label").type == "int64"
@@ -204,7 +207,9 @@ def test_a_workers_heap_does_not_grow_with_the_dataset(tmp_path):
         ds = load_generated(generated_size=n, image_size=28, val_fraction=0.0, test_fraction=0.0)
         ingest(ds, tmp_path / str(n), num_shards=1)
         shard_mib[n] = (tmp_path / str(n) / "train-00000-of-00001.arrow").stat().st_size / 2**20
-        out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(tmp_path / str(n))], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", _RSS_CHILD, str(tmp_path / str(n))], capture_output=True, text=True, check=True
+        )
         grew[n] = float(out.stdout.split()[0])
     # Measured: +31 MiB and +35 MiB (torch's own first allocations and the lots); copying the
     # shards instead gives +50 and +181 MiB.
@@ -229,7 +234,9 @@ def test_normalization_is_per_channel_and_exact_for_the_published_constants():
 
     norm = Normalization(1 / 255, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
     x = torch.randint(0, 256, (5, 3, 4, 4), dtype=torch.uint8)
-    ref = (x.double() / 255 - torch.tensor(norm.mean, dtype=torch.float64).view(1, 3, 1, 1)) / torch.tensor(norm.std, dtype=torch.float64).view(1, 3, 1, 1)
+    ref = (x.double() / 255 - torch.tensor(norm.mean, dtype=torch.float64).view(1, 3, 1, 1)) / torch.tensor(
+        norm.std, dtype=torch.float64
+    ).view(1, 3, 1, 1)
     out = norm(x)
     assert out.dtype == torch.float32 and torch.allclose(out.double(), ref, atol=1e-5)
     digits = Normalization(1 / 16)  # exact: k/16 is representable

@@ -2,6 +2,7 @@
 cluster, ./mlflow.db, the printed UI command, the UI listing the run; and a driver that dies
 and is resumed with --resume (that one joins a running cluster, as a job submitted to a
 cluster does)."""
+
 import json
 import os
 import re
@@ -26,7 +27,13 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_main_job_prints_the_ui_command_and_the_ui_lists_the_run(tmp_path):
-    res = subprocess.run(CLI + ["train", "--epochs", "10", "--target-epsilon", "4"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    res = subprocess.run(
+        CLI + ["train", "--epochs", "10", "--target-epsilon", "4"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     run_id = re.search(r"^run ([0-9a-f]{32}) ", res.stdout, re.M).group(1)
     acc = float(re.search(r"test accuracy: ([0-9.]+)", res.stdout).group(1))
@@ -38,7 +45,13 @@ def test_main_job_prints_the_ui_command_and_the_ui_lists_the_run(tmp_path):
     assert (tmp_path / "mlflow.db").is_file()
 
     port = _free_port()
-    ui = subprocess.Popen(CLI + ["ui", "--port", str(port)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    ui = subprocess.Popen(
+        CLI + ["ui", "--port", str(port)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(120):
@@ -49,7 +62,11 @@ def test_main_job_prints_the_ui_command_and_the_ui_lists_the_run(tmp_path):
             except OSError:
                 time.sleep(0.5)
         else:
-            pytest.fail("the UI did not come up: " + ui.stdout.read1().decode(errors="replace") if ui.poll() is not None else "timeout")
+            pytest.fail(
+                "the UI did not come up: " + ui.stdout.read1().decode(errors="replace")
+                if ui.poll() is not None
+                else "timeout"
+            )
         with urllib.request.urlopen(url + "/", timeout=10) as r:
             assert "MLflow" in r.read().decode(errors="replace")
         client = mlflow.MlflowClient(url)  # the REST API the UI itself calls
@@ -66,8 +83,11 @@ def test_main_job_prints_the_ui_command_and_the_ui_lists_the_run(tmp_path):
 @pytest.mark.slow
 def test_a_killed_driver_is_resumed_into_the_same_mlflow_run(tmp_path, ray_env):
     first = subprocess.Popen(
-        CLI + ["train", "--epochs", "20", "--checkpoint-every", "5", "--quiet"], cwd=tmp_path, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, env=ray_env,
+        CLI + ["train", "--epochs", "20", "--checkpoint-every", "5", "--quiet"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=ray_env,
     )
     deadline = time.time() + 400
     journal = None
@@ -87,8 +107,14 @@ def test_a_killed_driver_is_resumed_into_the_same_mlflow_run(tmp_path, ray_env):
     assert run.info.status == "RUNNING"
     released_before = journal.read_text().count('"append"')
 
-    res = subprocess.run(CLI + ["train", "--resume", run.info.run_id, "--quiet"], capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                         env=ray_env)
+    res = subprocess.run(
+        CLI + ["train", "--resume", run.info.run_id, "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=ray_env,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"run {run.info.run_id} " in res.stdout
     final = client.get_run(run.info.run_id)
@@ -102,7 +128,9 @@ def test_a_killed_driver_is_resumed_into_the_same_mlflow_run(tmp_path, ray_env):
     assert resumed_from % 5 == 0 and resumed_from >= 5
     lost = [a for a in appends[:released_before] if a["step"] > resumed_from]
     assert [r["op"] for r in records].count("rollback") == (1 if lost else 0)
-    ledger_cmd = subprocess.run(CLI + ["ledger", run.info.run_id, "--csv"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    ledger_cmd = subprocess.run(
+        CLI + ["ledger", run.info.run_id, "--csv"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     rows = [line.split(",") for line in ledger_cmd.stdout.strip().splitlines()]
     header, rows = rows[0], rows[1:]
     status, step = header.index("status"), header.index("step")
@@ -118,8 +146,21 @@ def test_a_killed_driver_is_resumed_into_the_same_mlflow_run(tmp_path, ray_env):
 def test_help_explains_every_option():
     res = subprocess.run(CLI + ["train", "--help"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0
-    for flag in ("--target-epsilon", "--target-delta", "--lot-size", "--clip-norm", "--noise-multiplier", "--accountant", "--seed",
-                 "--num-workers", "--tracking-uri", "--resume", "--checkpoint-every", "--diagnostics", "--data-dir"):
+    for flag in (
+        "--target-epsilon",
+        "--target-delta",
+        "--lot-size",
+        "--clip-norm",
+        "--noise-multiplier",
+        "--accountant",
+        "--seed",
+        "--num-workers",
+        "--tracking-uri",
+        "--resume",
+        "--checkpoint-every",
+        "--diagnostics",
+        "--data-dir",
+    ):
         assert flag in res.stdout, flag
     assert "secure mode" in res.stdout and "NON-PRIVATE" in res.stdout
     top = subprocess.run(CLI + ["--help"], capture_output=True, text=True, timeout=120)

@@ -1,5 +1,6 @@
 """dpcore.memory: the physical batch size picked from a memory budget fits it when measured,
 takes the largest power of two that does, and probing releases nothing."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,9 +16,17 @@ def _opt(clipping="vmap", physical=256):
     torch.manual_seed(0)
     model = build_model("cnn", (1, 28, 28), 10)
     return dpcore.DPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=F.cross_entropy, noise_multiplier=1.0,
-        clip_norm=1.0, sample_rate=0.01, dataset_size=10_000, randomness=dpcore.SeededRandomness(0),
-        ledger=dpcore.PrivacyLedger(None, 1e-5), physical_batch_size=physical, clipping=clipping,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model=model,
+        loss_fn=F.cross_entropy,
+        noise_multiplier=1.0,
+        clip_norm=1.0,
+        sample_rate=0.01,
+        dataset_size=10_000,
+        randomness=dpcore.SeededRandomness(0),
+        ledger=dpcore.PrivacyLedger(None, 1e-5),
+        physical_batch_size=physical,
+        clipping=clipping,
     )
 
 
@@ -36,7 +45,9 @@ def test_the_picked_batch_fits_the_budget_and_is_the_largest_power_of_two_that_d
     assert opt.physical_batch_size == report["physical_batch_size"] and 16 <= opt.physical_batch_size <= 32, report
     # Measured at the picked size, the clipped-sum computation stays inside the budget.
     b = opt.physical_batch_size
-    peak = memory.peak_bytes(lambda: dpcore.clipping.clipped_sum(opt.grad_sampler(x[:b], y[:b]), 1.0), torch.device("cpu"))
+    peak = memory.peak_bytes(
+        lambda: dpcore.clipping.clipped_sum(opt.grad_sampler(x[:b], y[:b]), 1.0), torch.device("cpu")
+    )
     assert peak <= budget, (peak, budget)
     with pytest.raises(dpcore.DPConfigError, match="does not fit one example"):
         _opt().fit_physical_batch_size(x, y, int(fixed // 4) + 1)
@@ -72,9 +83,17 @@ def test_probes_put_the_augmentation_stream_back_and_measure_bams_ascent():
         if method == "bam":
             extra.update(method="bam", ascent=lambda step: 0.0 if step == 0 else 0.1)
         return dpcore.DPOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=F.cross_entropy, noise_multiplier=1.0,
-            clip_norm=1.0, sample_rate=0.01, dataset_size=10_000, randomness=dpcore.SeededRandomness(0),
-            ledger=dpcore.PrivacyLedger(None, 1e-5), physical_batch_size=64, **extra,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model=model,
+            loss_fn=F.cross_entropy,
+            noise_multiplier=1.0,
+            clip_norm=1.0,
+            sample_rate=0.01,
+            dataset_size=10_000,
+            randomness=dpcore.SeededRandomness(0),
+            ledger=dpcore.PrivacyLedger(None, 1e-5),
+            physical_batch_size=64,
+            **extra,
         )
 
     opt = make(augmented=True)

@@ -1,5 +1,6 @@
 """Issue C: BAM (SAM and exact), DP-SAT, the Laplace form, augmentation multiplicity, EMA,
 DP-PCA and the BAM diagnostics, each checked against an independent computation."""
+
 from __future__ import annotations
 
 import copy
@@ -7,11 +8,9 @@ import math
 import warnings
 
 import dp_accounting
-import numpy as np
 import pytest
 import scipy.stats
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import dpcore
@@ -19,7 +18,7 @@ from dpcore.accounting import GAUSSIAN, POISSON_GAUSSIAN, POISSON_LAPLACE
 from dpcore.clipping import per_sample_norms
 from dpcore.pca import normalized_rows
 
-from .helpers import ce, loop_clipped_sum
+from .helpers import ce
 
 warnings.simplefilter("ignore", dpcore.SeededRandomnessWarning)
 
@@ -46,10 +45,20 @@ def flat_norm(ts):
 
 
 def make_opt(model, *, seed=0, n=64, q=0.25, sigma=1.0, clip=1.0, lr=0.1, optimizer="sgd", ledger=None, **kw):
-    opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "nadam": torch.optim.NAdam}[optimizer](model.parameters(), lr=lr)
+    opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "nadam": torch.optim.NAdam}[optimizer](
+        model.parameters(), lr=lr
+    )
     return dpcore.DPOptimizer(
-        opt, model=model, loss_fn=ce, noise_multiplier=sigma, clip_norm=clip, sample_rate=q, dataset_size=n,
-        randomness=dpcore.SeededRandomness(seed), ledger=ledger if ledger is not None else dpcore.PrivacyLedger(None, 1e-5), **kw,
+        opt,
+        model=model,
+        loss_fn=ce,
+        noise_multiplier=sigma,
+        clip_norm=clip,
+        sample_rate=q,
+        dataset_size=n,
+        randomness=dpcore.SeededRandomness(seed),
+        ledger=ledger if ledger is not None else dpcore.PrivacyLedger(None, 1e-5),
+        **kw,
     )
 
 
@@ -123,10 +132,24 @@ def _train(method_kw, steps=6, seed=11, optimizer="sgd"):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     x, y = torch.randn(200, 6) * 2, torch.randint(0, 3, (200,))
-    opt = torch.optim.SGD(model.parameters(), lr=0.5) if optimizer == "sgd" else torch.optim.NAdam(model.parameters(), lr=0.01)
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.5)
+        if optimizer == "sgd"
+        else torch.optim.NAdam(model.parameters(), lr=0.01)
+    )
     private = dpcore.make_private(
-        model, opt, ce, dataset_size=200, lot_size=40, epochs=steps * 40 / 200, target_epsilon=5.0, target_delta=1e-5,
-        clip_norm=0.5, seed=seed, physical_batch_size=16, **{"clipping": "vmap", **method_kw},  # one clipping path for every method compared
+        model,
+        opt,
+        ce,
+        dataset_size=200,
+        lot_size=40,
+        epochs=steps * 40 / 200,
+        target_epsilon=5.0,
+        target_delta=1e-5,
+        clip_norm=0.5,
+        seed=seed,
+        physical_batch_size=16,
+        **{"clipping": "vmap", **method_kw},  # one clipping path for every method compared
     )
     for lot in private.sampler:
         private.optimizer.accumulate(x[lot], y[lot])
@@ -218,7 +241,9 @@ def test_laplace_form_events_and_epsilon_match_dp_accounting():
 
 
 def test_laplace_form_calibration_meets_the_target():
-    sigma, q, steps = dpcore.plan(dataset_size=1000, lot_size=50, epochs=3, target_epsilon=3.0, target_delta=1e-5, noise="laplace")
+    sigma, q, steps = dpcore.plan(
+        dataset_size=1000, lot_size=50, epochs=3, target_epsilon=3.0, target_delta=1e-5, noise="laplace"
+    )
     ev = dpcore.PrivacyEvent(POISSON_LAPLACE, sigma, q)
     eps = dpcore.epsilon([(ev, steps)], 1e-5)
     assert 0.99 * 3.0 <= eps <= 3.0
@@ -293,10 +318,12 @@ def test_dpsat_shift_is_applied_once_per_lot_and_removed_exactly(physical):
     opt.grad_sampler = rec
     theta0 = [p.detach().clone() for p in model.parameters()]
     torch.manual_seed(1)
-    for step in range(5):
+    for _step in range(5):
         x, y = torch.randn(7, 6, dtype=torch.float64), torch.randint(0, 3, (7,))
         rec.seen.clear()
-        prev = None if opt._prev_private is None else [opt._prev_private[n].clone() for n, _ in model.named_parameters()]
+        prev = (
+            None if opt._prev_private is None else [opt._prev_private[n].clone() for n, _ in model.named_parameters()]
+        )
         opt.accumulate(x[:4], y[:4])
         opt.accumulate(x[4:], y[4:])  # two accumulate calls in the same lot
         opt.step()
@@ -467,7 +494,9 @@ def test_dp_pca_projection_is_the_top_k_eigenvectors_and_is_ledgered():
     sampled = dpcore.dp_pca(x, 3, 2.0, dpcore.SeededRandomness(0), sample_rate=0.1, ledger=ledger)
     assert sampled.event == dpcore.PrivacyEvent(POISSON_GAUSSIAN, 2.0, 0.1)
     assert ledger.epsilon() == pytest.approx(
-        dpcore.epsilon([(dpcore.PrivacyEvent(GAUSSIAN, 2.0), 1), (dpcore.PrivacyEvent(POISSON_GAUSSIAN, 2.0, 0.1), 1)], 1e-5)
+        dpcore.epsilon(
+            [(dpcore.PrivacyEvent(GAUSSIAN, 2.0), 1), (dpcore.PrivacyEvent(POISSON_GAUSSIAN, 2.0, 0.1), 1)], 1e-5
+        )
     )
     proj = dpcore.PCAProjection(res.components)
     assert list(proj.parameters()) == [] and proj(x[:5]).shape == (5, 3)
@@ -476,13 +505,21 @@ def test_dp_pca_projection_is_the_top_k_eigenvectors_and_is_ledgered():
 def test_pca_cost_is_composed_with_training_in_the_plan():
     pca = [(dpcore.PrivacyEvent(GAUSSIAN, 8.0), 1)]
     plain = dpcore.plan(dataset_size=1000, lot_size=100, epochs=5, target_epsilon=2.0, target_delta=1e-5)
-    with_pca = dpcore.plan(dataset_size=1000, lot_size=100, epochs=5, target_epsilon=2.0, target_delta=1e-5, prior_groups=pca)
+    with_pca = dpcore.plan(
+        dataset_size=1000, lot_size=100, epochs=5, target_epsilon=2.0, target_delta=1e-5, prior_groups=pca
+    )
     assert with_pca[0] > plain[0]
     total = dpcore.epsilon(pca + [(dpcore.PrivacyEvent.dpsgd_step(with_pca[0], with_pca[1]), with_pca[2])], 1e-5)
     assert 0.99 * 2.0 <= total <= 2.0
     with pytest.raises(dpcore.DPConfigError, match="nothing is left"):
-        dpcore.plan(dataset_size=1000, lot_size=100, epochs=5, target_epsilon=0.1, target_delta=1e-5,
-                    prior_groups=[(dpcore.PrivacyEvent(GAUSSIAN, 1.0), 1)])
+        dpcore.plan(
+            dataset_size=1000,
+            lot_size=100,
+            epochs=5,
+            target_epsilon=0.1,
+            target_delta=1e-5,
+            prior_groups=[(dpcore.PrivacyEvent(GAUSSIAN, 1.0), 1)],
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -544,8 +581,17 @@ def test_bad_method_options_fail_before_any_budget_is_spent(kw, match, tmp_path)
     journal = tmp_path / "j.jsonl"
     with pytest.raises(dpcore.DPConfigError, match=match):
         dpcore.make_private(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), ce, dataset_size=100, lot_size=10, epochs=1,
-            target_epsilon=1.0, target_delta=1e-5, clip_norm=1.0, journal=str(journal), **kw,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            ce,
+            dataset_size=100,
+            lot_size=10,
+            epochs=1,
+            target_epsilon=1.0,
+            target_delta=1e-5,
+            clip_norm=1.0,
+            journal=str(journal),
+            **kw,
         )
     assert not journal.exists()
 

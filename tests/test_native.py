@@ -1,5 +1,6 @@
 """The optional compiled kernel (dpcore.native): same values as torch, the dense semantics for
 non-finite values, and a clean fall-back to torch when it cannot be built or is switched off."""
+
 import json
 import os
 import subprocess
@@ -157,7 +158,11 @@ def test_the_kernel_is_chosen_by_layer_shape_only():
 
     def convs(model, shape):
         seen = []
-        hooks = [m.register_forward_hook(lambda m, i, o: seen.append((m, o))) for m in model.modules() if isinstance(m, nn.Conv2d)]
+        hooks = [
+            m.register_forward_hook(lambda m, i, o: seen.append((m, o)))
+            for m in model.modules()
+            if isinstance(m, nn.Conv2d)
+        ]
         model(torch.randn(2, *shape))
         for h in hooks:
             h.remove()
@@ -181,11 +186,15 @@ def test_a_cache_under_a_directory_others_can_change_is_not_used(tmp_path):
     open_dir.mkdir()
     open_dir.chmod(0o777)
     env = {"DP_NATIVE_CACHE": str(open_dir / "cache")}
-    out = subprocess.run([sys.executable, "-c", _CHILD], env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD], env={**os.environ, **env}, capture_output=True, text=True, timeout=300
+    )
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["used"] and "dp-native-" in got["state"] and not list((open_dir / "cache").glob("*.so"))
     open_dir.chmod(0o1777)
-    out = subprocess.run([sys.executable, "-c", _CHILD], env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD], env={**os.environ, **env}, capture_output=True, text=True, timeout=300
+    )
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["used"] and got["state"].startswith("on (" + str(open_dir / "cache"))
 

@@ -1,6 +1,7 @@
 """Invariants 2, 3, 4 and 9: noise N(0, σ²C²) once per lot, division by qN, Poisson lots
 (sharded too), and the two randomness modes. Statistical tests fix their seeds and derive
 their tolerances from the sample size."""
+
 import math
 
 import numpy as np
@@ -19,12 +20,21 @@ from .helpers import ce, tiny_mlp
 def _optimizer(model, *, sigma, clip, q, n, randomness, ledger=None, opt=None, **kw):
     return dpcore.DPOptimizer(
         opt or torch.optim.SGD(model.parameters(), lr=0.0),
-        model=model, loss_fn=ce, noise_multiplier=sigma, clip_norm=clip, sample_rate=q, dataset_size=n,
-        randomness=randomness, ledger=dpcore.PrivacyLedger(None, 1e-6) if ledger is None else ledger, **kw,
+        model=model,
+        loss_fn=ce,
+        noise_multiplier=sigma,
+        clip_norm=clip,
+        sample_rate=q,
+        dataset_size=n,
+        randomness=randomness,
+        ledger=dpcore.PrivacyLedger(None, 1e-6) if ledger is None else ledger,
+        **kw,
     )
 
 
-@pytest.mark.parametrize("make_randomness", [lambda: dpcore.SeededRandomness(7), dpcore.SecureRandomness], ids=["seeded", "secure"])
+@pytest.mark.parametrize(
+    "make_randomness", [lambda: dpcore.SeededRandomness(7), dpcore.SecureRandomness], ids=["seeded", "secure"]
+)
 def test_noise_std_is_sigma_times_C(make_randomness):
     randomness = make_randomness()
     # An empty lot: the update is noise only. p.grad·qN is then N(0, σ²C²) per coordinate.
@@ -51,7 +61,7 @@ def test_secure_randomness_uniforms_are_uniform_and_53_bit():
     assert u.dtype == torch.float64 and (u >= 0).all() and (u < 1).all()
     assert stats.kstest(u.numpy(), "uniform").pvalue > 1e-3
     # 53 random bits: multiplying by 2^53 gives integers, not all of which are even.
-    ints = (u * 2.0**53)
+    ints = u * 2.0**53
     assert torch.equal(ints, ints.floor())
     assert (ints % 2 == 1).any()
 
@@ -81,7 +91,13 @@ def test_empty_lot_still_takes_a_noise_only_step():
     before = [p.detach().clone() for p in model.parameters()]
     ledger = dpcore.PrivacyLedger(10.0, 1e-5)
     opt = _optimizer(
-        model, sigma=1.0, clip=1.0, q=0.1, n=100, randomness=dpcore.SeededRandomness(0), ledger=ledger,
+        model,
+        sigma=1.0,
+        clip=1.0,
+        q=0.1,
+        n=100,
+        randomness=dpcore.SeededRandomness(0),
+        ledger=ledger,
         opt=torch.optim.SGD(model.parameters(), lr=0.1),
     )
     lot = torch.empty(0, dtype=torch.long)
@@ -215,7 +231,9 @@ def test_secure_bits_are_aes_256_ctr_keystream_under_fresh_os_keys(monkeypatch):
     def openssl_keystream(key, iv, n):
         out = subprocess.run(
             ["openssl", "enc", "-aes-256-ctr", "-K", key.hex(), "-iv", iv.hex(), "-nosalt"],
-            input=bytes(n), capture_output=True, check=True,
+            input=bytes(n),
+            capture_output=True,
+            check=True,
         ).stdout
         return out
 
@@ -239,6 +257,6 @@ def test_the_threaded_os_entropy_fallback_fills_every_part():
     assert raw.shape == (n,)
     parts = raw[: n - n % 4].reshape(4, -1)
     assert len({tuple(p[:64].tolist()) for p in parts}) == 4
-    counts = torch.bincount(raw[:2**22].long(), minlength=256).double()
+    counts = torch.bincount(raw[: 2**22].long(), minlength=256).double()
     expected = 2**22 / 256
     assert stats.chi2.sf(float(((counts - expected) ** 2 / expected).sum()), 255) > 1e-4

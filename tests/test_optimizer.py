@@ -1,6 +1,7 @@
 """Invariant 5 (optimizer state sees only noised gradients), model validation, the GroupNorm
 fix, budget refusal at the optimizer, and noise once per lot across real torch.distributed
 workers (gloo)."""
+
 import io
 import math
 import os
@@ -26,8 +27,15 @@ def test_adam_moments_equal_recomputation_from_noised_gradients_alone():
     q, n, sigma, clip = 0.1, 100, 1.3, 0.7
     adam = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.95))
     opt = dpcore.DPOptimizer(
-        adam, model=model, loss_fn=ce, noise_multiplier=sigma, clip_norm=clip, sample_rate=q, dataset_size=n,
-        randomness=dpcore.SeededRandomness(4).spawn("noise"), ledger=dpcore.PrivacyLedger(None, 1e-5),
+        adam,
+        model=model,
+        loss_fn=ce,
+        noise_multiplier=sigma,
+        clip_norm=clip,
+        sample_rate=q,
+        dataset_size=n,
+        randomness=dpcore.SeededRandomness(4).spawn("noise"),
+        ledger=dpcore.PrivacyLedger(None, 1e-5),
     )
     replay = dpcore.SeededRandomness(4).spawn("noise")
     m = {k: torch.zeros_like(p) for k, p in model.named_parameters()}
@@ -61,8 +69,14 @@ def test_batchnorm_is_rejected_with_layer_name_and_fix(bn, name):
     model.eval()
     with pytest.raises(dpcore.UnsupportedModuleError):
         dpcore.DPOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=ce, noise_multiplier=1.0,
-            clip_norm=1.0, sample_rate=0.1, dataset_size=10, randomness=dpcore.SeededRandomness(0),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model=model,
+            loss_fn=ce,
+            noise_multiplier=1.0,
+            clip_norm=1.0,
+            sample_rate=0.1,
+            dataset_size=10,
+            randomness=dpcore.SeededRandomness(0),
             ledger=dpcore.PrivacyLedger(None, 1e-5),
         )
 
@@ -86,8 +100,16 @@ def test_groupnorm_fix_trains():
     x = torch.randn(n, 1, 6, 6)
     y = (x.mean(dim=(1, 2, 3)) > 0).long()
     private = dpcore.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), F.cross_entropy,
-        dataset_size=n, lot_size=100, epochs=15, target_epsilon=8.0, target_delta=1e-4, clip_norm=1.0, seed=0,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+        F.cross_entropy,
+        dataset_size=n,
+        lot_size=100,
+        epochs=15,
+        target_epsilon=8.0,
+        target_delta=1e-4,
+        clip_norm=1.0,
+        seed=0,
         epsilon_every=10**6,
     )
     with torch.no_grad():
@@ -110,8 +132,15 @@ def test_step_over_budget_is_refused_and_changes_nothing():
     ledger = dpcore.PrivacyLedger(budget, 1e-5)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     opt = dpcore.DPOptimizer(
-        sgd, model=model, loss_fn=ce, noise_multiplier=sigma, clip_norm=1.0, sample_rate=q, dataset_size=50,
-        randomness=dpcore.SeededRandomness(0), ledger=ledger,
+        sgd,
+        model=model,
+        loss_fn=ce,
+        noise_multiplier=sigma,
+        clip_norm=1.0,
+        sample_rate=q,
+        dataset_size=50,
+        randomness=dpcore.SeededRandomness(0),
+        ledger=ledger,
     )
     x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
     for _ in range(allowed):
@@ -151,9 +180,17 @@ def _worker(rank, world, port, out_path):
 
     q, n = 0.02, 1000
     opt = dpcore.DPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.0), model=model, loss_fn=ce, noise_multiplier=2.0, clip_norm=0.5,
-        sample_rate=q, dataset_size=n, randomness=dpcore.SeededRandomness(100).spawn("noise", rank),
-        ledger=dpcore.PrivacyLedger(None, 1e-5), add_noise=(rank == 0), reduce_fn=all_reduce,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        model=model,
+        loss_fn=ce,
+        noise_multiplier=2.0,
+        clip_norm=0.5,
+        sample_rate=q,
+        dataset_size=n,
+        randomness=dpcore.SeededRandomness(100).spawn("noise", rank),
+        ledger=dpcore.PrivacyLedger(None, 1e-5),
+        add_noise=(rank == 0),
+        reduce_fn=all_reduce,
     )
     opt.step()  # empty lots everywhere: the update is the aggregated noise alone
     if rank == 0:
@@ -182,11 +219,23 @@ def test_sharded_make_private_noises_on_rank_zero_only_and_samples_its_shard():
     for rank in range(world):
         torch.manual_seed(0)
         model = tiny_mlp()
-        built.append(dpcore.make_private(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), ce, dataset_size=n, lot_size=20, epochs=1,
-            target_epsilon=4.0, target_delta=1e-5, clip_norm=1.0, seed=3, rank=rank, world_size=world,
-            reduce_fn=never_called,
-        ))
+        built.append(
+            dpcore.make_private(
+                model,
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                ce,
+                dataset_size=n,
+                lot_size=20,
+                epochs=1,
+                target_epsilon=4.0,
+                target_delta=1e-5,
+                clip_norm=1.0,
+                seed=3,
+                rank=rank,
+                world_size=world,
+                reduce_fn=never_called,
+            )
+        )
     assert [b.optimizer.add_noise for b in built] == [True, False]
     assert [b.optimizer.expected_lot_size for b in built] == [pytest.approx(20.0)] * 2  # q·N of the whole dataset
     lots = [b.sampler.sample() for b in built]
@@ -197,10 +246,22 @@ def test_seeded_run_resumes_reproducibly_from_state_dicts():
     def build():
         torch.manual_seed(0)
         model = tiny_mlp()
-        return model, dpcore.make_private(
-            model, torch.optim.Adam(model.parameters(), lr=0.05), ce, dataset_size=60, lot_size=10, epochs=2,
-            target_epsilon=8.0, target_delta=1e-5, clip_norm=1.0, seed=5, epsilon_every=10**6,
-            clipping="vmap",  # (with "auto", the resumed run verifies book-keeping on another lot, summed by vmap: last bits differ)
+        return (
+            model,
+            dpcore.make_private(
+                model,
+                torch.optim.Adam(model.parameters(), lr=0.05),
+                ce,
+                dataset_size=60,
+                lot_size=10,
+                epochs=2,
+                target_epsilon=8.0,
+                target_delta=1e-5,
+                clip_norm=1.0,
+                seed=5,
+                epsilon_every=10**6,
+                clipping="vmap",  # (with "auto", the resumed run verifies book-keeping on another lot, summed by vmap: last bits differ)
+            ),
         )
 
     x, y = torch.randn(60, 6), torch.randint(0, 3, (60,))
@@ -210,12 +271,15 @@ def test_seeded_run_resumes_reproducibly_from_state_dicts():
         a.optimizer.accumulate(x[lot], y[lot])
         a.optimizer.step()
     buf = io.BytesIO()  # serialised as a real checkpoint is (state_dicts hold live tensors)
-    torch.save({
-        "model": model_a.state_dict(),
-        "opt": a.optimizer.state_dict(),
-        "sampler": a.sampler.state_dict(),
-        "ledger": a.ledger.state_dict(),
-    }, buf)
+    torch.save(
+        {
+            "model": model_a.state_dict(),
+            "opt": a.optimizer.state_dict(),
+            "sampler": a.sampler.state_dict(),
+            "ledger": a.ledger.state_dict(),
+        },
+        buf,
+    )
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=False)
     for _ in range(3):
@@ -241,14 +305,31 @@ def test_a_worker_without_noise_must_reduce_with_the_noised_rank():
     model = tiny_mlp()
     with pytest.raises(dpcore.DPConfigError, match="add_noise=False without a reduce_fn"):
         dpcore.DPOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_fn=ce, noise_multiplier=1.0,
-            clip_norm=1.0, sample_rate=0.1, dataset_size=10, randomness=dpcore.SeededRandomness(0),
-            ledger=dpcore.PrivacyLedger(None, 1e-5), add_noise=False,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model=model,
+            loss_fn=ce,
+            noise_multiplier=1.0,
+            clip_norm=1.0,
+            sample_rate=0.1,
+            dataset_size=10,
+            randomness=dpcore.SeededRandomness(0),
+            ledger=dpcore.PrivacyLedger(None, 1e-5),
+            add_noise=False,
         )
     with pytest.raises(dpcore.DPConfigError, match="world_size=2 needs reduce_fn"):
         dpcore.make_private(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), ce, dataset_size=100, lot_size=10, epochs=1,
-            target_epsilon=4.0, target_delta=1e-5, clip_norm=1.0, seed=3, rank=1, world_size=2,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            ce,
+            dataset_size=100,
+            lot_size=10,
+            epochs=1,
+            target_epsilon=4.0,
+            target_delta=1e-5,
+            clip_norm=1.0,
+            seed=3,
+            rank=1,
+            world_size=2,
         )
 
 
@@ -269,8 +350,17 @@ def test_crash_after_checkpoint_keeps_every_release_in_the_journal(tmp_path):
         torch.manual_seed(0)
         model = tiny_mlp()
         return model, dpcore.make_private(
-            model, torch.optim.Adam(model.parameters(), lr=0.05), ce, dataset_size=60, lot_size=10, epochs=2,
-            target_epsilon=8.0, target_delta=1e-5, clip_norm=1.0, epsilon_every=10**6, journal=str(journal),
+            model,
+            torch.optim.Adam(model.parameters(), lr=0.05),
+            ce,
+            dataset_size=60,
+            lot_size=10,
+            epochs=2,
+            target_epsilon=8.0,
+            target_delta=1e-5,
+            clip_norm=1.0,
+            epsilon_every=10**6,
+            journal=str(journal),
         )
 
     def steps(p, k):
@@ -282,8 +372,15 @@ def test_crash_after_checkpoint_keeps_every_release_in_the_journal(tmp_path):
     model_a, a = build()
     steps(a, 4)
     buf = io.BytesIO()
-    torch.save({"model": model_a.state_dict(), "opt": a.optimizer.state_dict(), "sampler": a.sampler.state_dict(),
-                "ledger": a.ledger.state_dict()}, buf)
+    torch.save(
+        {
+            "model": model_a.state_dict(),
+            "opt": a.optimizer.state_dict(),
+            "sampler": a.sampler.state_dict(),
+            "ledger": a.ledger.state_dict(),
+        },
+        buf,
+    )
     steps(a, 3)  # released, then the process "crashes" before the next checkpoint
     del model_a, a
     buf.seek(0)

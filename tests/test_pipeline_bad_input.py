@@ -1,5 +1,6 @@
 """Issue B, must-show 4: bad input to the main job fails with a clear message before any
 worker starts and before any budget is spent (no Ray, no MLflow run, no ledger journal)."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +22,18 @@ def _nothing_started(tmp_path: Path, ray_was_up: bool):
     if db.exists():
         import mlflow
 
-        assert mlflow.MlflowClient(f"sqlite:///{db}").search_runs([e.experiment_id for e in mlflow.MlflowClient(f"sqlite:///{db}").search_experiments()]) == []
+        assert (
+            mlflow.MlflowClient(f"sqlite:///{db}").search_runs(
+                [e.experiment_id for e in mlflow.MlflowClient(f"sqlite:///{db}").search_experiments()]
+            )
+            == []
+        )
 
 
 def _cfg(tmp_path, **over):
-    return TrainConfig(storage_path=str(tmp_path / "runs"), tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", quiet=True, **over)
+    return TrainConfig(
+        storage_path=str(tmp_path / "runs"), tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", quiet=True, **over
+    )
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +121,10 @@ def test_unknown_and_mistyped_config_keys(tmp_path):
 def test_cli_exit_code_and_message(tmp_path):
     res = subprocess.run(
         [sys.executable, "-m", "pipelines.cli", "train", "--lot-size", "100000", "--quiet"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
     )
     assert res.returncode == 2
     assert "error: lot_size=100000 is larger than the dataset" in res.stderr
@@ -124,7 +135,10 @@ def test_cli_exit_code_and_message(tmp_path):
 def test_resume_keeps_the_runs_config(tmp_path):
     res = subprocess.run(
         [sys.executable, "-m", "pipelines.cli", "train", "--resume", "0123abcd", "--lr", "0.1"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
     )
     assert res.returncode == 2
     assert "--resume continues a run with the config it started with" in res.stderr and "--lr" in res.stderr
@@ -138,14 +152,24 @@ def test_a_locked_journal_refuses_a_second_trainer(tmp_path):
     journal = str(tmp_path / "ledger.journal.jsonl")
     spec = {
         "config": {"target_epsilon": 2.0, "target_delta": 1e-5, "accountant": "pld"},
-        "journal": journal, "epsilon_every": 1, "noise_multiplier": 5.0, "sample_rate": 0.1, "steps": 10,
+        "journal": journal,
+        "epsilon_every": 1,
+        "noise_multiplier": 5.0,
+        "sample_rate": 0.1,
+        "steps": 10,
     }
     with pytest.raises(dpcore.DPConfigError, match="does not exist on this node"):
         open_ledger(spec, None, None, rank=0, world=1)  # the driver creates it; never start a fresh one
     dpcore.PrivacyLedger(2.0, 1e-5, journal=journal)  # as the driver does
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"import fcntl, time; f = open({journal + '.lock'!r}, 'a+'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            f"import fcntl, time; f = open({journal + '.lock'!r}, 'a+'); fcntl.flock(f, fcntl.LOCK_EX); print('held', "
+            "flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -168,7 +192,11 @@ def test_a_worker_refuses_a_pca_projection_that_is_not_in_the_ledger(tmp_path):
     journal = str(tmp_path / "ledger.journal.jsonl")
     spec = {
         "config": {"target_epsilon": 2.0, "target_delta": 1e-5, "accountant": "pld"},
-        "journal": journal, "epsilon_every": 1, "noise_multiplier": 5.0, "sample_rate": 0.1, "steps": 10,
+        "journal": journal,
+        "epsilon_every": 1,
+        "noise_multiplier": 5.0,
+        "sample_rate": 0.1,
+        "steps": 10,
         "pca_path": str(tmp_path / "pca.pt"),
     }
     dpcore.PrivacyLedger(2.0, 1e-5, journal=journal)
@@ -192,7 +220,11 @@ def _idx(path, array):
 
     import numpy as np
 
-    data = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape) + array.astype(np.uint8).tobytes()
+    data = (
+        struct.pack(">BBBB", 0, 0, 0x08, array.ndim)
+        + struct.pack(f">{array.ndim}I", *array.shape)
+        + array.astype(np.uint8).tobytes()
+    )
     path.write_bytes(gzip.compress(data))
 
 
@@ -224,10 +256,18 @@ def _mixed_sizes(root):
 @pytest.mark.parametrize(
     "make, over, message",
     [
-        (lambda d: _idx_folder(d, train=False), dict(dataset="fashion-mnist"), "holds only part of fashion-mnist: train-images-idx3-ubyte[.gz]"),
+        (
+            lambda d: _idx_folder(d, train=False),
+            dict(dataset="fashion-mnist"),
+            "holds only part of fashion-mnist: train-images-idx3-ubyte[.gz]",
+        ),
         (lambda d: _idx_folder(d, n_labels=39), dict(dataset="fashion-mnist"), "holds 39 labels but"),
         (_mixed_sizes, dict(dataset="imagefolder"), "have different sizes"),
-        (lambda d: (d.mkdir(parents=True), (d / "f.txt").write_text("x"), d / "f.txt")[2], dict(dataset="fashion-mnist"), "is a file, not a folder"),
+        (
+            lambda d: (d.mkdir(parents=True), (d / "f.txt").write_text("x"), d / "f.txt")[2],
+            dict(dataset="fashion-mnist"),
+            "is a file, not a folder",
+        ),
         (lambda d: d / "nowhere", dict(dataset="digits"), "does not read data_dir"),
     ],
     ids=["only-test-files", "label-count", "imagefolder-mixed-sizes", "data-dir-is-a-file", "unused-data-dir"],
@@ -256,7 +296,17 @@ def test_an_ingested_dataset_of_another_name_is_refused(tmp_path, corrupt_datase
 def test_ingest_verify_rehashes_everything_and_exits_nonzero_on_corruption(tmp_path, corrupt_dataset):
     good = tmp_path / "good"
     ingest(load_digits(), good, num_shards=2)
-    ok = subprocess.run([sys.executable, "-m", "pipelines.cli", "ingest", "--verify", str(good)], capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "ingest", "--verify", str(good)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ok.returncode == 0 and "every SHA-256 matches" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "pipelines.cli", "ingest", "--verify", str(corrupt_dataset)], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "ingest", "--verify", str(corrupt_dataset)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 1 and "train-00001-of-00002.arrow is corrupt" in bad.stderr

@@ -5,15 +5,16 @@ ranks (each rank writes its own checksum into the final checkpoint), the MLflow 
 artifact, metrics and tags, the ledger's ε against an independent dp_accounting computation,
 and the logged model loading and predicting.
 """
+
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlflow
 import numpy as np
-from types import SimpleNamespace
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -82,14 +83,23 @@ def test_mlflow_run_has_ledger_epsilon_metric_and_tags(e2e):
     artifacts = {a.path for a in client.list_artifacts(e2e["run_id"])} | {
         a.path for d in ("ledger", "plots") for a in client.list_artifacts(e2e["run_id"], d)
     }
-    for a in ("config.json", "split.json", "ledger/ledger.parquet", "ledger/ledger.json", "plots/epsilon_vs_step.png", "plots/accuracy_vs_epsilon.png"):
+    for a in (
+        "config.json",
+        "split.json",
+        "ledger/ledger.parquet",
+        "ledger/ledger.json",
+        "plots/epsilon_vs_step.png",
+        "plots/accuracy_vs_epsilon.png",
+    ):
         assert a in artifacts, a
     # The whole config is in the params.
     assert run.data.params["lot_size"] == "512" and run.data.params["target_epsilon"] == "3.0"
 
 
 def test_ledger_artifact_matches_an_independent_accountant(e2e):
-    path = mlflow.artifacts.download_artifacts(run_id=e2e["run_id"], artifact_path="ledger/ledger.parquet", tracking_uri=e2e["tracking_uri"])
+    path = mlflow.artifacts.download_artifacts(
+        run_id=e2e["run_id"], artifact_path="ledger/ledger.parquet", tracking_uri=e2e["tracking_uri"]
+    )
     t = pq.read_table(path).to_pylist()
     assert [r["step"] for r in t] == list(range(1, e2e["steps"] + 1))
     assert all(r["status"] == "committed" for r in t)
@@ -101,10 +111,17 @@ def test_ledger_artifact_matches_an_independent_accountant(e2e):
     assert math.isclose(e2e["epsilon"], reference, rel_tol=1e-6), (e2e["epsilon"], reference)
     assert math.isclose(t[-1]["epsilon"], e2e["epsilon"], rel_tol=1e-9)
     # The table the UI shows: one row for this run's one run of identical releases.
-    ui = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=e2e["run_id"], artifact_path="ledger/ledger.json",
-                                                            tracking_uri=e2e["tracking_uri"])).read_text())
+    ui = json.loads(
+        Path(
+            mlflow.artifacts.download_artifacts(
+                run_id=e2e["run_id"], artifact_path="ledger/ledger.json", tracking_uri=e2e["tracking_uri"]
+            )
+        ).read_text()
+    )
     rows = [dict(zip(ui["columns"], r)) for r in ui["data"]]
-    assert [(r["count"], r["first_step"], r["last_step"], r["status"]) for r in rows] == [(e2e["steps"], 1, e2e["steps"], "committed")]
+    assert [(r["count"], r["first_step"], r["last_step"], r["status"]) for r in rows] == [
+        (e2e["steps"], 1, e2e["steps"], "committed")
+    ]
     assert math.isclose(rows[0]["epsilon_after"], e2e["epsilon"], rel_tol=1e-9)  # (the UI table keeps 10 decimals)
     assert math.isclose(rows[0]["noise_multiplier"], t[0]["noise_multiplier"], rel_tol=1e-9)
 
@@ -132,7 +149,9 @@ def test_logged_model_loads_and_predicts_like_the_checkpoint(e2e):
 def test_ledger_command_prints_the_runs_ledger(e2e):
     res = subprocess.run(
         [sys.executable, "-m", "pipelines.cli", "ledger", e2e["run_id"], "--tracking-uri", e2e["tracking_uri"]],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert res.returncode == 0, res.stderr
     assert f"{e2e['steps']} releases: {e2e['steps']} committed, 0 rolled back" in res.stdout

@@ -1,5 +1,6 @@
 """Issue B, must-shows 2 and 3, over Ray Train: the noise of the aggregated update with 1 and
 2 workers, and a worker killed mid-run."""
+
 import json
 import math
 from pathlib import Path
@@ -45,10 +46,22 @@ def test_aggregated_noise_has_std_sigma_C_with_one_or_two_ray_workers(ray_cluste
         ledger = dc.PrivacyLedger(None, 1e-5)
         shard = dc.shard_indices(N, rank, world)
         private = dc.build_private(
-            model, torch.optim.SGD(model.parameters(), lr=1.0), lambda out, y: (out * 0.0).sum(),
-            noise_multiplier=SIGMA, sample_rate=Q, steps=STEPS, dataset_size=N, target_epsilon=None,
-            target_delta=1e-5, clip_norm=CLIP, accountant="pld", randomness=dc.SeededRandomness(config["seed"], _quiet=True),
-            ledger=ledger, shard=shard, rank=rank, reduce_fn=allreduce_sum if world > 1 else None,
+            model,
+            torch.optim.SGD(model.parameters(), lr=1.0),
+            lambda out, y: (out * 0.0).sum(),
+            noise_multiplier=SIGMA,
+            sample_rate=Q,
+            steps=STEPS,
+            dataset_size=N,
+            target_epsilon=None,
+            target_delta=1e-5,
+            clip_norm=CLIP,
+            accountant="pld",
+            randomness=dc.SeededRandomness(config["seed"], _quiet=True),
+            ledger=ledger,
+            shard=shard,
+            rank=rank,
+            reduce_fn=allreduce_sum if world > 1 else None,
         )
         x = torch.randn(N, D_IN)
         y = torch.zeros(N, dtype=torch.long)
@@ -137,11 +150,22 @@ def test_a_crash_after_the_last_step_finishes_from_the_checkpoint_at_the_budget(
     last checkpoint are rolled back and use up what is left, so the restarted group can take no
     step at all. It must still finish, from the restored checkpoint, at the budget."""
     sigma, eps = 2.0, 3.0
-    _, q, steps = dpcore.plan(dataset_size=1258, lot_size=512, epochs=50, target_epsilon=eps, target_delta=1e-5, noise_multiplier=sigma)
+    _, q, steps = dpcore.plan(
+        dataset_size=1258, lot_size=512, epochs=50, target_epsilon=eps, target_delta=1e-5, noise_multiplier=sigma
+    )
     assert steps < dpcore.accounting.steps_for_epochs(50, q)  # budget-limited
     cfg = TrainConfig(
-        epochs=50, noise_multiplier=sigma, target_epsilon=eps, checkpoint_every=4, fault_at_step=steps, fault_rank=1, max_failures=1,
-        storage_path=str(tmp_path / "runs"), tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", registered_model="none", quiet=True,
+        epochs=50,
+        noise_multiplier=sigma,
+        target_epsilon=eps,
+        checkpoint_every=4,
+        fault_at_step=steps,
+        fault_rank=1,
+        max_failures=1,
+        storage_path=str(tmp_path / "runs"),
+        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+        registered_model="none",
+        quiet=True,
     )
     out = run(cfg)
     assert out["spec"]["steps"] == steps and out["spec"]["dataset_size"] == 1258

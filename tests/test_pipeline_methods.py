@@ -6,6 +6,7 @@ Three runs:
 * DP-SAT with augmentation multiplicity K=2 on a small CNN;
 * the Laplace form.
 """
+
 import json
 import math
 from pathlib import Path
@@ -26,7 +27,10 @@ def _cfg(root, **over):
     # one checkpoint, at the end (each Ray Train report costs ~2 s); the restart test sets its own
     base = dict(epochs=2, lot_size=256, target_epsilon=3.0, seed=3, checkpoint_every=1000)
     return TrainConfig(
-        storage_path=str(root / "runs"), tracking_uri=f"sqlite:///{root}/mlflow.db", registered_model="none", quiet=True,
+        storage_path=str(root / "runs"),
+        tracking_uri=f"sqlite:///{root}/mlflow.db",
+        registered_model="none",
+        quiet=True,
         **{**base, **over},
     )
 
@@ -34,8 +38,18 @@ def _cfg(root, **over):
 @pytest.fixture(scope="module")
 def bam_pca(ray_cluster, tmp_path_factory):
     root = tmp_path_factory.mktemp("bam")
-    return run(_cfg(root, method="bam", ascent=0.05, ascent_schedule="warmup", pca_components=16, pca_noise_multiplier=6.0,
-                    ema_decay=0.9, diagnostics=True))
+    return run(
+        _cfg(
+            root,
+            method="bam",
+            ascent=0.05,
+            ascent_schedule="warmup",
+            pca_components=16,
+            pca_noise_multiplier=6.0,
+            ema_decay=0.9,
+            diagnostics=True,
+        )
+    )
 
 
 def test_bam_with_dp_pca_ledgers_the_projection_and_composes_it(bam_pca):
@@ -48,7 +62,12 @@ def test_bam_with_dp_pca_ledgers_the_projection_and_composes_it(bam_pca):
 
     acc = dp_accounting.pld.PLDAccountant()
     acc.compose(dp_accounting.GaussianDpEvent(6.0))
-    acc.compose(dp_accounting.PoissonSampledDpEvent(bam_pca["sample_rate"], dp_accounting.GaussianDpEvent(bam_pca["noise_multiplier"])), len(steps))
+    acc.compose(
+        dp_accounting.PoissonSampledDpEvent(
+            bam_pca["sample_rate"], dp_accounting.GaussianDpEvent(bam_pca["noise_multiplier"])
+        ),
+        len(steps),
+    )
     assert bam_pca["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3)
     assert bam_pca["epsilon"] <= 3.0
 
@@ -79,7 +98,17 @@ def test_bam_run_is_tagged_and_logs_diagnostics_per_step(bam_pca):
 @pytest.fixture(scope="module")
 def sat_aug(ray_cluster, tmp_path_factory):
     root = tmp_path_factory.mktemp("sat")
-    return run(_cfg(root, method="dpsat", ascent=0.1, model="small_cnn", augmentation_multiplicity=2, augment_padding=1, epochs=3))
+    return run(
+        _cfg(
+            root,
+            method="dpsat",
+            ascent=0.1,
+            model="small_cnn",
+            augmentation_multiplicity=2,
+            augment_padding=1,
+            epochs=3,
+        )
+    )
 
 
 def test_dpsat_with_augmentation_writes_dpsgd_events_and_trains(sat_aug):
@@ -104,7 +133,10 @@ def test_laplace_form_runs_on_ray_and_is_ledgered_as_laplace(ray_cluster, tmp_pa
     import dp_accounting
 
     acc = dp_accounting.pld.PLDAccountant()
-    acc.compose(dp_accounting.PoissonSampledDpEvent(out["sample_rate"], dp_accounting.LaplaceDpEvent(out["noise_multiplier"])), out["steps"])
+    acc.compose(
+        dp_accounting.PoissonSampledDpEvent(out["sample_rate"], dp_accounting.LaplaceDpEvent(out["noise_multiplier"])),
+        out["steps"],
+    )
     assert out["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3) and out["epsilon"] <= 8.0
 
 
@@ -114,9 +146,24 @@ def test_a_killed_worker_restarts_a_dpsat_ema_pca_augmented_run(ray_cluster, tmp
     checkpoint; the PCA release stays committed at step 0 while the steps after the checkpoint
     are rolled back, and every release is in ε. The run also carries issue G's one-run audit
     (600 white-box gradient canaries), whose scores come back from the checkpoint too."""
-    out = run(_cfg(tmp_path, method="dpsat", ascent=0.1, ema_decay=0.9, pca_components=12, augmentation_multiplicity=2,
-                   augment_padding=1, epochs=5, checkpoint_every=3, fault_at_step=5, fault_rank=1, max_failures=1,
-                   audit_canaries=600, audit_guesses=100))
+    out = run(
+        _cfg(
+            tmp_path,
+            method="dpsat",
+            ascent=0.1,
+            ema_decay=0.9,
+            pca_components=12,
+            augmentation_multiplicity=2,
+            augment_padding=1,
+            epochs=5,
+            checkpoint_every=3,
+            fault_at_step=5,
+            fault_rank=1,
+            max_failures=1,
+            audit_canaries=600,
+            audit_guesses=100,
+        )
+    )
     spec = out["spec"]
     assert (Path(spec["run_dir"]) / "fault-injected").exists()
     entries = out["ledger"].entries
@@ -128,7 +175,10 @@ def test_a_killed_worker_restarts_a_dpsat_ema_pca_augmented_run(ray_cluster, tmp
 
     acc = dp_accounting.pld.PLDAccountant()
     acc.compose(dp_accounting.GaussianDpEvent(8.0))
-    acc.compose(dp_accounting.PoissonSampledDpEvent(out["sample_rate"], dp_accounting.GaussianDpEvent(out["noise_multiplier"])), len(entries) - 1)
+    acc.compose(
+        dp_accounting.PoissonSampledDpEvent(out["sample_rate"], dp_accounting.GaussianDpEvent(out["noise_multiplier"])),
+        len(entries) - 1,
+    )
     assert out["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3) and out["epsilon"] <= 3.0
     state = torch.load(Path(out["checkpoint"]) / "state.pt", weights_only=False)
     assert state["ema"]["updates"] == out["steps"]  # the EMA continued from the checkpoint, not from scratch
@@ -149,6 +199,8 @@ def test_a_killed_worker_restarts_a_dpsat_ema_pca_augmented_run(ray_cluster, tmp
     assert r.data.metrics["audit.epsilon_lower_bound"] == pytest.approx(a["epsilon_lower_bound"])
     assert r.data.metrics["audit.correct"] == a["correct"] and r.data.metrics["audit.guesses"] == 100
     assert r.data.tags["audit.check"] == "ε_lb ≤ ε" and "white-box gradient canaries" in r.data.tags["audit.method"]
-    path = mlflow.artifacts.download_artifacts(run_id=out["run_id"], artifact_path="audit/canaries.json", tracking_uri=out["tracking_uri"])
+    path = mlflow.artifacts.download_artifacts(
+        run_id=out["run_id"], artifact_path="audit/canaries.json", tracking_uri=out["tracking_uri"]
+    )
     logged = json.loads(Path(path).read_text())
     assert logged["correct"] == a["correct"] and len(logged["scores"]) == 600

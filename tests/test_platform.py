@@ -4,6 +4,7 @@ and a second Ray node (``ray start --address``) with different resources, all on
 Jobs go through the Ray Jobs API with ``dp-platform submit`` (and once with plain
 ``ray job submit``); a headless Chromium reads the MLflow UI.
 """
+
 from __future__ import annotations
 
 import base64
@@ -35,7 +36,14 @@ def _clean_env(**extra) -> dict:
 
 
 def cli(*args, env=None, timeout=600, cwd=REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def http(url, auth=None, bearer=None):
@@ -79,7 +87,13 @@ class Stack:
     def pg(self, db: str):
         import psycopg2
 
-        return psycopg2.connect(host="127.0.0.1", port=self.state["ports"]["postgres"], user="dpadmin", password=self.admin["PG_ADMIN_PASSWORD"], dbname=db)
+        return psycopg2.connect(
+            host="127.0.0.1",
+            port=self.state["ports"]["postgres"],
+            user="dpadmin",
+            password=self.admin["PG_ADMIN_PASSWORD"],
+            dbname=db,
+        )
 
     def nodes(self) -> dict[str, dict]:
         code, body = http(f"{self.jobs}/api/v0/nodes?limit=100&detail=1", bearer=self.token)
@@ -92,7 +106,16 @@ def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("stack") / "s"
     ports = {k: stk.free_port() for k in stk.DEFAULT_PORTS}
     env = _clean_env(DP_STACK_DIR=str(root))
-    up = cli("stack", "up", *[f"--{k}-port={v}" for k, v in ports.items()], "--num-cpus", "1", "--resources", '{"head_node": 1}', env=env)
+    up = cli(
+        "stack",
+        "up",
+        *[f"--{k}-port={v}" for k, v in ports.items()],
+        "--num-cpus",
+        "1",
+        "--resources",
+        '{"head_node": 1}',
+        env=env,
+    )
     assert up.returncode == 0, up.stdout + up.stderr
     up_state = (root / "stack.json").read_text()  # the full state (MLflow's pid included), for the teardown
     try:
@@ -118,7 +141,9 @@ def stack(tmp_path_factory):
 # ------------------------------------------------------------------------------ secure defaults
 def test_secrets_are_0600_and_services_bind_loopback(stack):
     assert stat.S_IMODE(stack.root.stat().st_mode) == 0o700
-    assert stat.S_IMODE(Path(stack.state["ray_temp"]).stat().st_mode) == 0o700  # Ray's sessions, job packages and sockets
+    assert (
+        stat.S_IMODE(Path(stack.state["ray_temp"]).stat().st_mode) == 0o700
+    )  # Ray's sessions, job packages and sockets
     for name in ("ray_auth_token", "credentials.env", "admin.env", "pgpass", "pgpass.server"):
         assert stat.S_IMODE((stack.root / name).stat().st_mode) == 0o600, name
     rows = stk.listening_sockets(stack.root)
@@ -158,19 +183,34 @@ def test_ray_gcs_refuses_a_wrong_token(stack):
     assert bad.returncode != 0 and "nodes" not in bad.stdout
     assert "Unauthenticated" in bad.stderr and "InvalidAuthToken" in bad.stderr, bad.stderr[-2000:]
     good = subprocess.run(
-        [sys.executable, "-c", code], env=_clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(stack.root / "ray_auth_token")),
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", code],
+        env=_clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(stack.root / "ray_auth_token")),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert good.returncode == 0 and "nodes 2" in good.stdout, good.stdout + good.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------ jobs
 def test_training_job_runs_on_both_nodes_and_tracks_to_postgres(stack):
-    r = cli("submit", "configs/digits.yaml", "--", "--epochs", "2", *FAST, "--registered-model", "dp-stack-digits", env=stack.env)
+    r = cli(
+        "submit",
+        "configs/digits.yaml",
+        "--",
+        "--epochs",
+        "2",
+        *FAST,
+        "--registered-model",
+        "dp-stack-digits",
+        env=stack.env,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     job = next(line.split()[2] for line in out.splitlines() if line.startswith("submitted job "))
-    run_id = next(line.split()[1] for line in out.splitlines() if line.startswith("run ") and "workers=2 on 2 node(s)" in line)
+    run_id = next(
+        line.split()[1] for line in out.splitlines() if line.startswith("run ") and "workers=2 on 2 node(s)" in line
+    )
     st = cli("status", job, env=stack.env)
     assert st.returncode == 0 and "SUCCEEDED" in st.stdout, st.stdout + st.stderr
     logs = cli("logs", job, env=stack.env)
@@ -183,7 +223,13 @@ def test_training_job_runs_on_both_nodes_and_tracks_to_postgres(stack):
     # ran on both nodes: the placement the workers wrote names the head and the worker node
     import mlflow
 
-    placement = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="ray/placement.json", tracking_uri=stack.mlflow)).read_text())
+    placement = json.loads(
+        Path(
+            mlflow.artifacts.download_artifacts(
+                run_id=run_id, artifact_path="ray/placement.json", tracking_uri=stack.mlflow
+            )
+        ).read_text()
+    )
     nodes = stack.nodes()
     used = {p["node_id"] for p in placement}
     assert len(placement) == 2 and used == set(nodes), (used, set(nodes))
@@ -192,7 +238,11 @@ def test_training_job_runs_on_both_nodes_and_tracks_to_postgres(stack):
     # the ledger and the model
     import pyarrow.parquet as pq
 
-    ledger = pq.read_table(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="ledger/ledger.parquet", tracking_uri=stack.mlflow)).to_pylist()
+    ledger = pq.read_table(
+        mlflow.artifacts.download_artifacts(
+            run_id=run_id, artifact_path="ledger/ledger.parquet", tracking_uri=stack.mlflow
+        )
+    ).to_pylist()
     assert ledger and all(e["status"] == "committed" for e in ledger)
     assert abs(ledger[-1]["epsilon"] - float(run.data.tags["dp.epsilon"])) < 1e-5 * float(run.data.tags["dp.epsilon"])
     assert float(run.data.tags["dp.epsilon"]) <= 2.0
@@ -202,19 +252,25 @@ def test_training_job_runs_on_both_nodes_and_tracks_to_postgres(stack):
     with stack.pg("mlflow") as conn, conn.cursor() as cur:
         cur.execute("SELECT status FROM runs WHERE run_uuid = %s", (run_id,))
         assert cur.fetchone() == ("FINISHED",)
-        cur.execute("SELECT value FROM metrics WHERE run_uuid = %s AND key = 'epsilon' ORDER BY step DESC LIMIT 1", (run_id,))
+        cur.execute(
+            "SELECT value FROM metrics WHERE run_uuid = %s AND key = 'epsilon' ORDER BY step DESC LIMIT 1", (run_id,)
+        )
         assert abs(cur.fetchone()[0] - float(run.data.tags["dp.epsilon"])) < 1e-4
     # no credential in params, tags, the logged config/spec, or the job's logs
     text = json.dumps([run.data.params, run.data.tags]) + stack.results["train"]["logs"]
     for name in ("spec.json", "config.json"):
-        text += Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=name, tracking_uri=stack.mlflow)).read_text()
+        text += Path(
+            mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=name, tracking_uri=stack.mlflow)
+        ).read_text()
     assert run.data.params["tracking_uri"] == stack.mlflow
     code, info = http(f"{stack.jobs}/api/jobs/{job}", bearer=stack.token)  # what the Jobs API keeps of the job
     assert code == 200 and job in info
     text += info
     # and none in any log of the services (MLflow's, PostgreSQL's, every Ray log on both nodes)
     logs = [stack.root / "mlflow.log", Path(stack.state["pg_base"]) / "postgres.log"]
-    logs += [f for f in Path(stack.state["ray_temp"]).rglob("*") if f.is_file() and f.suffix in (".log", ".out", ".err")]
+    logs += [
+        f for f in Path(stack.state["ray_temp"]).rglob("*") if f.is_file() and f.suffix in (".log", ".out", ".err")
+    ]
     assert len(logs) > 10
     text += "".join(f.read_text(errors="replace") for f in logs)
     assert not [s for s in stack.secrets() if s in text]
@@ -232,13 +288,17 @@ def test_sweep_on_the_cluster_with_its_study_in_postgres(stack):
     assert "study stack-sweep: 2 complete of 2 trials" in out
     os.environ["PGPASSFILE"] = str(stack.root / "pgpass")  # the optuna role's password, as the nodes have it
     try:
-        study = optuna.load_study(study_name="stack-sweep", storage=optuna.storages.RDBStorage(stack.creds["DP_OPTUNA_STORAGE"]))
+        study = optuna.load_study(
+            study_name="stack-sweep", storage=optuna.storages.RDBStorage(stack.creds["DP_OPTUNA_STORAGE"])
+        )
         trials = study.get_trials()
     finally:
         os.environ.pop("PGPASSFILE")
     assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 2
     with stack.pg("optuna") as conn, conn.cursor() as cur:
-        cur.execute("SELECT count(*) FROM trials t JOIN studies s USING (study_id) WHERE s.study_name = 'stack-sweep' AND t.state = 'COMPLETE'")
+        cur.execute(
+            "SELECT count(*) FROM trials t JOIN studies s USING (study_id) WHERE s.study_name = 'stack-sweep' AND t.state = 'COMPLETE'"
+        )
         assert cur.fetchone() == (2,)
     # each trial trained on the cluster's nodes, and its run is in MLflow with the storage URL (no password)
     import mlflow
@@ -246,7 +306,13 @@ def test_sweep_on_the_cluster_with_its_study_in_postgres(stack):
     client, nodes = stack.mlflow_client(), stack.nodes()
     for t in trials:
         run_id = t.user_attrs["run_id"]
-        placement = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="ray/placement.json", tracking_uri=stack.mlflow)).read_text())
+        placement = json.loads(
+            Path(
+                mlflow.artifacts.download_artifacts(
+                    run_id=run_id, artifact_path="ray/placement.json", tracking_uri=stack.mlflow
+                )
+            ).read_text()
+        )
         assert {p["node_id"] for p in placement} <= set(nodes)
         parent = client.get_run(client.get_run(run_id).data.tags["mlflow.parentRunId"])
         assert parent.data.tags["sweep.storage"] == stack.creds["DP_OPTUNA_STORAGE"]
@@ -274,7 +340,9 @@ def test_invalid_job_config_fails_fast_with_the_reason(stack):
             break
         time.sleep(1)
     assert st.returncode == 1 and "FAILED" in st.stdout, st.stdout
-    reason = "\n".join(st.stdout.splitlines()[1:])  # the job's message, below the status line (which shows the entrypoint)
+    reason = "\n".join(
+        st.stdout.splitlines()[1:]
+    )  # the job's message, below the status line (which shows the entrypoint)
     assert "error: target_epsilon=-1.0 is invalid: ε must be a finite number > 0" in reason, st.stdout
     took = float(st.stdout.split("(")[1].split("s)")[0])
     assert took < 30, st.stdout  # fails before Ray Train, MLflow or the journal start
@@ -302,10 +370,18 @@ def _chromium() -> tuple[str, str]:
     """Debian's chromium and chromium-driver, installed here if missing (as root, with apt-get)."""
     browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if not (browser and driver):
-        assert os.geteuid() == 0 and shutil.which("apt-get"), "the browser test needs Debian's chromium and chromium-driver: apt-get install chromium chromium-driver"
+        assert os.geteuid() == 0 and shutil.which("apt-get"), (
+            "the browser test needs Debian's chromium and chromium-driver: apt-get install chromium chromium-driver"
+        )
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         subprocess.run(["apt-get", "update"], env=env, check=True, capture_output=True, timeout=600)
-        subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "chromium", "chromium-driver"], env=env, check=True, capture_output=True, timeout=900)
+        subprocess.run(
+            ["apt-get", "install", "-y", "--no-install-recommends", "chromium", "chromium-driver"],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=900,
+        )
         browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
     return browser, driver
 
@@ -330,7 +406,10 @@ def test_browser_shows_the_runs_epsilon_and_ledger(stack):
     try:
         user = f"{stack.creds['MLFLOW_TRACKING_USERNAME']}:{stack.creds['MLFLOW_TRACKING_PASSWORD']}"
         d.execute_cdp_cmd("Network.enable", {})
-        d.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": {"Authorization": "Basic " + base64.b64encode(user.encode()).decode()}})
+        d.execute_cdp_cmd(
+            "Network.setExtraHTTPHeaders",
+            {"headers": {"Authorization": "Basic " + base64.b64encode(user.encode()).decode()}},
+        )
         base = f"{stack.mlflow}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
         d.get(base)
         body = lambda: d.find_element(By.TAG_NAME, "body").text  # noqa: E731
@@ -339,7 +418,9 @@ def test_browser_shows_the_runs_epsilon_and_ledger(stack):
         lines = text.splitlines()
         shown = float(lines[lines.index("epsilon") + 1])
         assert abs(shown - run.data.metrics["epsilon"]) < 1e-9
-        d.execute_script("arguments[0].scrollIntoView({block: 'center'});", d.find_element(By.XPATH, "//*[text()='epsilon']"))
+        d.execute_script(
+            "arguments[0].scrollIntoView({block: 'center'});", d.find_element(By.XPATH, "//*[text()='epsilon']")
+        )
         d.save_screenshot(str(ARTIFACTS / "mlflow_run_epsilon.png"))
         d.get(f"{base}/artifacts")
         WebDriverWait(d, 90).until(lambda _: "ledger" in body())
@@ -360,7 +441,15 @@ def test_postgres_down_when_the_stack_starts(stack):
     down = cli("stack", "down", env=stack.env)
     assert down.returncode == 0 and "PostgreSQL: stopped" in down.stdout, down.stdout + down.stderr
     # a sweep pointed at the stopped database says so before anything runs
-    r = cli("sweep", "configs/digits.yaml", "--storage", stack.creds["DP_OPTUNA_STORAGE"], "--n-trials", "1", env={**stack.env, "PGPASSFILE": str(stack.root / "pgpass")})
+    r = cli(
+        "sweep",
+        "configs/digits.yaml",
+        "--storage",
+        stack.creds["DP_OPTUNA_STORAGE"],
+        "--n-trials",
+        "1",
+        env={**stack.env, "PGPASSFILE": str(stack.root / "pgpass")},
+    )
     assert r.returncode == 2 and "Optuna storage" in r.stderr and "unreachable" in r.stderr, r.stderr
     # PostgreSQL cannot start (its data folder is damaged): `stack up` names it, shows its log, starts nothing else
     version = Path(stack.state["pg_base"]) / "data" / "PG_VERSION"

@@ -18,7 +18,10 @@ if not have_data and os.environ.get("DP_REQUIRE_REAL_DATA") == "1":
     raise RuntimeError(f"DP_REQUIRE_REAL_DATA=1 but the real Fashion-MNIST is not in {FMNIST}")
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not have_data, reason=f"the real Fashion-MNIST is not installed in {FMNIST} (apt-get install dataset-fashion-mnist)"),
+    pytest.mark.skipif(
+        not have_data,
+        reason=f"the real Fashion-MNIST is not installed in {FMNIST} (apt-get install dataset-fashion-mnist)",
+    ),
 ]
 
 # Measured on this recipe (5,000 training examples, 10 epochs, lot 1,000, ε=3): test accuracy

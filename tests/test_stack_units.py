@@ -1,5 +1,6 @@
 """Fast checks of the stack and job commands' own logic (the services themselves are started in
 tests/test_platform.py): redaction, defaults from the environment, addresses, local checks."""
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,10 @@ from pipelines.tracking import redact
 @pytest.mark.parametrize(
     "url, expected",
     [
-        ("postgresql+psycopg2://optuna:s3cr%40t@127.0.0.1:5433/optuna", "postgresql+psycopg2://optuna:***@127.0.0.1:5433/optuna"),
+        (
+            "postgresql+psycopg2://optuna:s3cr%40t@127.0.0.1:5433/optuna",
+            "postgresql+psycopg2://optuna:***@127.0.0.1:5433/optuna",
+        ),
         ("http://user:pw@host:5000", "http://user:***@host:5000"),
         ("postgresql://optuna@127.0.0.1:5433/optuna", "postgresql://optuna@127.0.0.1:5433/optuna"),
         ("sqlite:///mlflow.db", "sqlite:///mlflow.db"),
@@ -39,7 +43,9 @@ def test_params_and_json_artifacts_are_redacted(tmp_path):
             self.text = open(path).read()
 
     c = Client()
-    tracking.write_json_artifact(c, "r", "spec.json", {"optuna": {"storage": "postgresql://o:hunter2hunter2@h/db"}, "n": [1, "x://a:b@c"]})
+    tracking.write_json_artifact(
+        c, "r", "spec.json", {"optuna": {"storage": "postgresql://o:hunter2hunter2@h/db"}, "n": [1, "x://a:b@c"]}
+    )
     assert "hunter2" not in c.text and "***" in c.text and "x://a:***@c" in c.text
 
 
@@ -104,7 +110,9 @@ def test_env_file_round_trip_and_shell_safety(tmp_path):
     f.write_text(stack._env_text(values, "header"))
     assert stack.read_env_file(f) == values
     # sourced by a shell, as the docs say, it sets the values and runs nothing
-    out = subprocess.run(["bash", "-c", f"set -a; . {f}; set +a; printf %s \"$C\""], cwd=tmp_path, capture_output=True, text=True)
+    out = subprocess.run(
+        ["bash", "-c", f'set -a; . {f}; set +a; printf %s "$C"'], cwd=tmp_path, capture_output=True, text=True
+    )
     assert out.stdout == values["C"] and not (tmp_path / "pwned").exists()
 
 
@@ -132,7 +140,14 @@ def test_submit_checks_the_config_before_anything_is_uploaded(tmp_path):
             jobs.check_locally(str(bad), sweep, [])
     # a valid config passes, and the job runs the documented command
     jobs.check_locally("configs/digits.yaml", False, ["--epochs", "2"])
-    assert jobs.entrypoint("configs/digits.yaml", False, ["--epochs", "2"]) == ["python", "-m", "pipelines.train", "configs/digits.yaml", "--epochs", "2"]
+    assert jobs.entrypoint("configs/digits.yaml", False, ["--epochs", "2"]) == [
+        "python",
+        "-m",
+        "pipelines.train",
+        "configs/digits.yaml",
+        "--epochs",
+        "2",
+    ]
     assert jobs.entrypoint("c.yaml", True, []) == ["python", "-m", "pipelines.cli", "sweep", "c.yaml"]
 
 

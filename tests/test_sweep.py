@@ -6,6 +6,7 @@
 * private selection's total ε against dp_accounting;
 * bad input, refused before the study or any run is written.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,17 @@ pytestmark = pytest.mark.slow
 
 def _base(root: Path, **over) -> TrainConfig:
     # one checkpoint per trial (at its end): each Ray Train report costs ~2 s, and these tests are about the sweep
-    values = dict(epochs=2, target_epsilon=2.0, num_workers=1, seed=5, storage_path=str(root / "runs"),
-                  tracking_uri=f"sqlite:///{root}/mlflow.db", quiet=True, registered_model="dp-sweep-test", checkpoint_every=1000)
+    values = dict(
+        epochs=2,
+        target_epsilon=2.0,
+        num_workers=1,
+        seed=5,
+        storage_path=str(root / "runs"),
+        tracking_uri=f"sqlite:///{root}/mlflow.db",
+        quiet=True,
+        registered_model="dp-sweep-test",
+        checkpoint_every=1000,
+    )
     values.update(over)
     return TrainConfig(**values)
 
@@ -43,8 +53,18 @@ SPACE = {"lr": {"low": 0.005, "high": 0.05, "log": True}, "lot_size": {"choices"
 @pytest.fixture(scope="module")
 def e2e(ray_cluster, tmp_path_factory):
     root = tmp_path_factory.mktemp("sweep")
-    sweep = SweepConfig(study="e2e", storage=f"sqlite:///{root}/optuna.db", n_trials=3, max_concurrent=2, sampler="tpe",
-                        sampler_seed=0, heartbeat_interval=2, grace_period=10, space=SPACE, quiet=True)
+    sweep = SweepConfig(
+        study="e2e",
+        storage=f"sqlite:///{root}/optuna.db",
+        n_trials=3,
+        max_concurrent=2,
+        sampler="tpe",
+        sampler_seed=0,
+        heartbeat_interval=2,
+        grace_period=10,
+        space=SPACE,
+        quiet=True,
+    )
     killed = {}
 
     def kill_first_trial():
@@ -72,7 +92,9 @@ def test_sweep_completes_its_trials_with_parent_and_child_runs(e2e):
     parent = client.get_run(out["parent_run_id"])
     assert parent.info.status == "FINISHED" and parent.data.tags["sweep.study"] == "e2e"
     assert "not accounted" in parent.data.tags["dp.selection"]
-    children = client.search_runs([parent.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{out['parent_run_id']}'")
+    children = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{out['parent_run_id']}'"
+    )
     finished = [c for c in children if c.info.status == "FINISHED"]
     assert {c.info.run_id for c in finished} == {t.user_attrs["run_id"] for t in complete}
     best = [c for c in children if c.data.tags.get("sweep.best") == "true"]
@@ -93,8 +115,13 @@ def test_every_child_meets_the_target_with_its_own_calibrated_sigma(e2e):
         if t.state != optuna.trial.TrialState.COMPLETE:
             continue
         ledger = fetch_ledger(t.user_attrs["run_id"], base.tracking_uri).to_pydict()
-        sigma, q, steps = dpcore.plan(dataset_size=n, lot_size=t.params["lot_size"], epochs=base.epochs,
-                                      target_epsilon=base.target_epsilon, target_delta=base.target_delta)
+        sigma, q, steps = dpcore.plan(
+            dataset_size=n,
+            lot_size=t.params["lot_size"],
+            epochs=base.epochs,
+            target_epsilon=base.target_epsilon,
+            target_delta=base.target_delta,
+        )
         assert set(ledger["noise_multiplier"]) == {sigma} and set(ledger["sample_rate"]) == {q}
         assert len(ledger["step"]) == steps
         assert t.user_attrs["epsilon"] <= base.target_epsilon
@@ -116,15 +143,28 @@ def test_a_trial_whose_process_died_is_failed_and_retried(e2e):
 
 def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path):
     base = _base(tmp_path, lot_size=256, registered_model="none", epochs=1)
-    sweep = SweepConfig(study="private", storage=f"sqlite:///{tmp_path}/optuna.db", sampler="random", sampler_seed=1,
-                        private_selection="poisson", selection_mean=1.5, selection_noise_multiplier=3.0,
-                        space={"lr": {"low": 0.005, "high": 0.05, "log": True}}, quiet=True, max_concurrent=2)
+    sweep = SweepConfig(
+        study="private",
+        storage=f"sqlite:///{tmp_path}/optuna.db",
+        sampler="random",
+        sampler_seed=1,
+        private_selection="poisson",
+        selection_mean=1.5,
+        selection_noise_multiplier=3.0,
+        space={"lr": {"low": 0.005, "high": 0.05, "log": True}},
+        quiet=True,
+        max_concurrent=2,
+    )
     out = run_sweep(sweep, base)
     sigma, q, steps = dpcore.plan(dataset_size=1258, lot_size=256, epochs=1, target_epsilon=2.0, target_delta=1e-5)
-    one_trial = dp_accounting.ComposedDpEvent([
-        dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps),
-        dp_accounting.GaussianDpEvent(3.0),
-    ])
+    one_trial = dp_accounting.ComposedDpEvent(
+        [
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+            ),
+            dp_accounting.GaussianDpEvent(3.0),
+        ]
+    )
     acc = dp_accounting.rdp.RdpAccountant()
     acc.compose(dp_accounting.dp_event.RepeatAndSelectDpEvent(one_trial, 1.5, float("inf")))
     reference = acc.get_epsilon(1e-5)
@@ -150,13 +190,46 @@ def test_killed_sweep_driver_continues_with_the_same_command(tmp_path, ray_env):
     """The driver, joined to a running cluster as a submitted job is, is killed with SIGKILL
     after its first finished trial (Ray then ends its tasks); the same command then continues
     the study to its 3 trials."""
-    cmd = [sys.executable, "-m", "pipelines.cli", "sweep", "--study", "resume", "--storage", f"sqlite:///{tmp_path}/optuna.db",
-           "--n-trials", "3", "--max-concurrent", "2", "--heartbeat-interval", "2", "--grace-period", "10", "--epochs", "1",
-           "--lot-size", "256", "--seed", "3", "--sampler-seed", "0", "--storage-path", str(tmp_path / "runs"),
-           "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--registered-model", "none", "--quiet", "--checkpoint-every", "1000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipelines.cli",
+        "sweep",
+        "--study",
+        "resume",
+        "--storage",
+        f"sqlite:///{tmp_path}/optuna.db",
+        "--n-trials",
+        "3",
+        "--max-concurrent",
+        "2",
+        "--heartbeat-interval",
+        "2",
+        "--grace-period",
+        "10",
+        "--epochs",
+        "1",
+        "--lot-size",
+        "256",
+        "--seed",
+        "3",
+        "--sampler-seed",
+        "0",
+        "--storage-path",
+        str(tmp_path / "runs"),
+        "--tracking-uri",
+        f"sqlite:///{tmp_path}/mlflow.db",
+        "--registered-model",
+        "none",
+        "--quiet",
+        "--checkpoint-every",
+        "1000",
+    ]
     env = ray_env  # the drivers join the session's cluster, as jobs submitted to a cluster do
     sessions_before = set(Path("/tmp/ray").glob("session_2*"))
-    first = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
+    first = subprocess.Popen(
+        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
+    )
     storage = f"sqlite:///{tmp_path}/optuna.db"
     deadline = time.time() + 300
     done = 0
@@ -190,7 +263,9 @@ def test_killed_sweep_driver_continues_with_the_same_command(tmp_path, ray_env):
     for t in stale:
         assert [u.state for u in trials if u.number == t.number] == [optuna.trial.TrialState.FAIL]
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    parents = client.search_runs([e.experiment_id for e in client.search_experiments()], filter_string="tags.`sweep.study` = 'resume'")
+    parents = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()], filter_string="tags.`sweep.study` = 'resume'"
+    )
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"  # one parent run, continued
 
 
@@ -199,9 +274,21 @@ def test_killed_sweep_driver_continues_with_the_same_command(tmp_path, ray_env):
     "sweep_over, base_over, message",
     [
         ({"space": {}}, {}, "the search space is empty"),
-        ({"space": {"lot_size": {"choices": [256, 4096]}}}, {}, "lot_size reaches 4096, beyond the 1258 training examples"),
-        ({"space": {"lot_size": {"choices": [16, 32]}}}, {"target_epsilon": 0.01, "epochs": 60}, "no trial can meet ε=0.01"),
-        ({"storage": "postgresql://dp@127.0.0.1:9/optuna"}, {}, "the Optuna storage postgresql://dp@127.0.0.1:9/optuna is unreachable"),
+        (
+            {"space": {"lot_size": {"choices": [256, 4096]}}},
+            {},
+            "lot_size reaches 4096, beyond the 1258 training examples",
+        ),
+        (
+            {"space": {"lot_size": {"choices": [16, 32]}}},
+            {"target_epsilon": 0.01, "epochs": 60},
+            "no trial can meet ε=0.01",
+        ),
+        (
+            {"storage": "postgresql://dp@127.0.0.1:9/optuna"},
+            {},
+            "the Optuna storage postgresql://dp@127.0.0.1:9/optuna is unreachable",
+        ),
         ({"space": {"ascent": {"low": 0.01, "high": 0.1}}}, {}, "method='dpsgd' has no ascent step"),
         ({"private_selection": "poisson"}, {}, "needs --sampler random"),
         ({"private_selection": "poisson", "sampler": "random"}, {}, "fix lot_size"),
@@ -223,9 +310,25 @@ def test_bad_sweeps_fail_before_anything_is_written(tmp_path, sweep_over, base_o
 
 
 def test_sweep_cli_bad_input_exit_code(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "pipelines.cli", "sweep", "--storage", "postgresql://dp@127.0.0.1:9/x", "--quiet",
-                          "--storage-path", str(tmp_path / "runs"), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipelines.cli",
+            "sweep",
+            "--storage",
+            "postgresql://dp@127.0.0.1:9/x",
+            "--quiet",
+            "--storage-path",
+            str(tmp_path / "runs"),
+            "--tracking-uri",
+            f"sqlite:///{tmp_path}/mlflow.db",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert res.returncode == 2 and "error: the Optuna storage" in res.stderr and "Traceback" not in res.stderr
 
 
@@ -235,8 +338,12 @@ def test_rank0_reports_to_the_trial_and_obeys_the_median_pruner(tmp_path):
     from pipelines.worker import _Tracker
 
     storage = f"sqlite:///{tmp_path}/optuna.db"
-    study = optuna.create_study(study_name="p", storage=storage, direction="maximize",
-                                pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0))
+    study = optuna.create_study(
+        study_name="p",
+        storage=storage,
+        direction="maximize",
+        pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
+    )
     for v in (0.8, 0.9):
         t = study.ask()
         t.report(v, 10)
@@ -244,8 +351,12 @@ def test_rank0_reports_to_the_trial_and_obeys_the_median_pruner(tmp_path):
     good, bad = study.ask(), study.ask()
     spec = {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "run_id": None}
     median = {"n_startup_trials": 2, "n_warmup_steps": 0}
-    keep = _Tracker({**spec, "optuna": {"storage": storage, "study": "p", "trial_id": good._trial_id, "median_pruner": median}})
-    stop = _Tracker({**spec, "optuna": {"storage": storage, "study": "p", "trial_id": bad._trial_id, "median_pruner": median}})
+    keep = _Tracker(
+        {**spec, "optuna": {"storage": storage, "study": "p", "trial_id": good._trial_id, "median_pruner": median}}
+    )
+    stop = _Tracker(
+        {**spec, "optuna": {"storage": storage, "study": "p", "trial_id": bad._trial_id, "median_pruner": median}}
+    )
     assert keep.prune(0.95, 10) is False
     assert stop.prune(0.2, 10) is True
     assert optuna.load_study(study_name="p", storage=storage).trials[3].intermediate_values == {10: 0.2}
@@ -256,12 +367,37 @@ def test_a_pruned_sweep_from_a_relative_sqlite_path_reports_to_its_study(ray_clu
     as a relative SQLite path (the default, sqlite:///optuna.db) must still be the same file
     there. Two trials with several reports each; every report reached the study."""
     monkeypatch.chdir(tmp_path)
-    sweep = SweepConfig(study="rel", storage="sqlite:///optuna.db", n_trials=2, max_concurrent=1, sampler="random", sampler_seed=1,
-                        pruner="median", space={"lr": {"low": 0.01, "high": 0.05, "log": True}}, quiet=True)
-    out = run_sweep(sweep, _base(tmp_path, epochs=2, checkpoint_every=2, registered_model="none", storage_path="dp_runs",
-                                  tracking_uri="sqlite:///mlflow.db"))
-    assert out["complete"] + sum(1 for t in optuna.load_study(study_name="rel", storage=f"sqlite:///{tmp_path}/optuna.db").trials
-                                 if t.state == optuna.trial.TrialState.PRUNED) == 2
+    sweep = SweepConfig(
+        study="rel",
+        storage="sqlite:///optuna.db",
+        n_trials=2,
+        max_concurrent=1,
+        sampler="random",
+        sampler_seed=1,
+        pruner="median",
+        space={"lr": {"low": 0.01, "high": 0.05, "log": True}},
+        quiet=True,
+    )
+    out = run_sweep(
+        sweep,
+        _base(
+            tmp_path,
+            epochs=2,
+            checkpoint_every=2,
+            registered_model="none",
+            storage_path="dp_runs",
+            tracking_uri="sqlite:///mlflow.db",
+        ),
+    )
+    assert (
+        out["complete"]
+        + sum(
+            1
+            for t in optuna.load_study(study_name="rel", storage=f"sqlite:///{tmp_path}/optuna.db").trials
+            if t.state == optuna.trial.TrialState.PRUNED
+        )
+        == 2
+    )
     study = optuna.load_study(study_name="rel", storage=f"sqlite:///{tmp_path}/optuna.db")
     for t in study.trials:
         assert len(t.intermediate_values) >= 2, t  # the workers' reports reached this very study

@@ -15,6 +15,7 @@ Gaussian event composed into Q. Q's event is therefore Compose(T × PoissonGauss
 Gaussian(σ_v)): the training split and the validation split are disjoint, so composing both is
 a valid (if slightly loose) bound for one example in either.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,23 +29,29 @@ DISTRIBUTIONS = ("poisson", "negative-binomial")
 
 
 def trial_event(noise_multiplier: float, sample_rate: float, steps: int, score_noise: float) -> dp_accounting.DpEvent:
-    return dp_accounting.ComposedDpEvent([
-        dp_accounting.SelfComposedDpEvent(
-            dp_accounting.PoissonSampledDpEvent(sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier)), steps
-        ),
-        dp_accounting.GaussianDpEvent(score_noise),
-    ])
+    return dp_accounting.ComposedDpEvent(
+        [
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier)), steps
+            ),
+            dp_accounting.GaussianDpEvent(score_noise),
+        ]
+    )
 
 
 def shape_of(distribution: str, shape: float) -> float:
     if distribution == "poisson":
         return math.inf
     if not (shape > 0 and math.isfinite(shape)):
-        raise dpcore.DPConfigError(f"selection_shape={shape} must be a finite number > 0 for the negative binomial (1 = geometric).")
+        raise dpcore.DPConfigError(
+            f"selection_shape={shape} must be a finite number > 0 for the negative binomial (1 = geometric)."
+        )
     return float(shape)
 
 
-def selection_event(event: dp_accounting.DpEvent, mean: float, distribution: str, shape: float = 1.0) -> dp_accounting.DpEvent:
+def selection_event(
+    event: dp_accounting.DpEvent, mean: float, distribution: str, shape: float = 1.0
+) -> dp_accounting.DpEvent:
     return dp_accounting.dp_event.RepeatAndSelectDpEvent(event, float(mean), shape_of(distribution, shape))
 
 
@@ -58,6 +65,7 @@ def total_epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
 
 def _truncated_nb_gamma(mean: float, shape: float) -> float:
     """γ with E[K] = mean for P(K=k) ∝ (1−γ)^k·C(k+η−1, k), k ≥ 1 (Papernot & Steinke's D_{η,γ})."""
+
     def m(g: float) -> float:
         return shape * (1 - g) / (g * (1 - g**shape))
 

@@ -13,6 +13,7 @@ In YAML (``space:`` in the sweep file), each entry is one of
     ascent: {low: 1.0e-3, high: 0.2, log: true}
     optimizer: {choices: [adam, nadam]}
 """
+
 from __future__ import annotations
 
 import math
@@ -94,11 +95,15 @@ def parse_space(raw: Any, dataset_size: int | None = None) -> SearchSpace:
     params = []
     for name, spec in raw.items():
         if name not in SEARCHABLE:
-            raise err(f"space: {name!r} cannot be searched; searchable: {', '.join(SEARCHABLE)}. (ε and δ are fixed for the whole sweep.)")
+            raise err(
+                f"space: {name!r} cannot be searched; searchable: {', '.join(SEARCHABLE)}. (ε and δ are fixed for the whole sweep.)"
+            )
         if isinstance(spec, (list, tuple)):
             spec = {"choices": list(spec)}
         if not isinstance(spec, dict):
-            raise err(f"space: {name} must be a mapping such as {{low: .., high: .., log: true}} or {{choices: [..]}}, not {spec!r}.")
+            raise err(
+                f"space: {name} must be a mapping such as {{low: .., high: .., log: true}} or {{choices: [..]}}, not {spec!r}."
+            )
         unknown = set(spec) - {"low", "high", "log", "choices"}
         if unknown:
             raise err(f"space: {name} has unknown keys {sorted(unknown)}; use low, high, log or choices.")
@@ -106,7 +111,9 @@ def parse_space(raw: Any, dataset_size: int | None = None) -> SearchSpace:
             choices = spec["choices"]
             if not isinstance(choices, (list, tuple)) or not choices:
                 raise err(f"space: {name}.choices must be a non-empty list.")
-            if name in INT_PARAMS and not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in choices):
+            if name in INT_PARAMS and not all(
+                isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in choices
+            ):
                 raise err(f"space: {name}.choices must be positive integers, not {choices}.")
             p = Param(name, choices=tuple(choices))
         else:
@@ -119,7 +126,9 @@ def parse_space(raw: Any, dataset_size: int | None = None) -> SearchSpace:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                     raise err(f"space: {name} bounds must be numbers, not {v!r}.")
             if not low < high:
-                raise err(f"space: {name} needs low < high (got {low}, {high}); to fix a value, set it in the base config instead.")
+                raise err(
+                    f"space: {name} needs low < high (got {low}, {high}); to fix a value, set it in the base config instead."
+                )
             if log and low <= 0:
                 raise err(f"space: {name} on a log scale needs low > 0 (got {low}).")
             if name == "ascent" and low < 0:

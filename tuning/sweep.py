@@ -19,6 +19,7 @@ training data. Without ``--private-selection`` that choice is not accounted, and
 run says so (tag ``dp.selection``). With it, the number of trials is random and the total
 (ε, δ) of releasing the best trial is accounted by RDP (:mod:`tuning.selection`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,7 +87,9 @@ class SweepConfig:
             raise err(f"preset={self.preset!r} is unknown; available: {', '.join(PRESETS)}.")
         if self.private_selection is not None:
             if self.private_selection not in selection.DISTRIBUTIONS:
-                raise err(f"private_selection={self.private_selection!r} is unknown; choose one of {', '.join(selection.DISTRIBUTIONS)}.")
+                raise err(
+                    f"private_selection={self.private_selection!r} is unknown; choose one of {', '.join(selection.DISTRIBUTIONS)}."
+                )
             if self.sampler != "random" or self.pruner != "none":
                 raise err(
                     "--private-selection needs --sampler random and --pruner none: Papernot & Steinke's bound holds for "
@@ -96,7 +99,9 @@ class SweepConfig:
                 raise err(f"selection_mean={self.selection_mean} must be a finite number ≥ 1.")
             dpcore.validation.check_noise_multiplier(self.selection_noise_multiplier, "selection_noise_multiplier")
             if self.preset is not None:
-                raise err("--private-selection and --preset cannot be combined (the preset's stage 2 depends on stage 1's choice).")
+                raise err(
+                    "--private-selection and --preset cannot be combined (the preset's stage 2 depends on stage 1's choice)."
+                )
 
 
 SWEEP_FIELDS = {f.name for f in dataclasses.fields(SweepConfig)}
@@ -109,20 +114,26 @@ def make_storage(url: str, sweep: SweepConfig):
     import optuna
 
     if "://" not in url:
-        raise dpcore.DPConfigError(f"storage={redact(url)!r} is not a database URL; use sqlite:///path.db or postgresql://user@host/db.")
+        raise dpcore.DPConfigError(
+            f"storage={redact(url)!r} is not a database URL; use sqlite:///path.db or postgresql://user@host/db."
+        )
     if url.startswith("sqlite:///"):
-        parent = Path(url[len("sqlite:///"):]).expanduser().resolve().parent
+        parent = Path(url[len("sqlite:///") :]).expanduser().resolve().parent
         if not parent.is_dir():
             raise dpcore.DPConfigError(f"storage={redact(url)!r}: the folder {parent} does not exist.")
     try:
         import sqlalchemy
 
-        engine = sqlalchemy.create_engine(url, connect_args={"connect_timeout": 5} if url.startswith("postgresql") else {})
+        engine = sqlalchemy.create_engine(
+            url, connect_args={"connect_timeout": 5} if url.startswith("postgresql") else {}
+        )
         with engine.connect():
             pass
         engine.dispose()
     except Exception as e:  # noqa: BLE001 - any driver error means: unreachable
-        raise dpcore.DPConfigError(f"the Optuna storage {redact(url)} is unreachable ({type(e).__name__}: {str(e).splitlines()[0]}); fix --storage.") from None
+        raise dpcore.DPConfigError(
+            f"the Optuna storage {redact(url)} is unreachable ({type(e).__name__}: {str(e).splitlines()[0]}); fix --storage."
+        ) from None
     return optuna.storages.RDBStorage(
         url,
         heartbeat_interval=sweep.heartbeat_interval,
@@ -141,10 +152,17 @@ def check_feasible(base, space: SearchSpace, dataset_size: int) -> list[int] | N
     ok, bad = [], {}
     for L in lots:
         try:
-            dpcore.plan(dataset_size=dataset_size, lot_size=int(L), epochs=epochs, target_epsilon=base.target_epsilon,
-                        target_delta=base.target_delta, noise_multiplier=base.noise_multiplier, accountant=base.accountant,
-                        max_noise_multiplier=None if base.noise_multiplier is not None else base.max_noise_multiplier,
-                        noise=base.noise)
+            dpcore.plan(
+                dataset_size=dataset_size,
+                lot_size=int(L),
+                epochs=epochs,
+                target_epsilon=base.target_epsilon,
+                target_delta=base.target_delta,
+                noise_multiplier=base.noise_multiplier,
+                accountant=base.accountant,
+                max_noise_multiplier=None if base.noise_multiplier is not None else base.max_noise_multiplier,
+                noise=base.noise,
+            )
             ok.append(L)
         except dpcore.DPConfigError as e:
             bad[L] = str(e)
@@ -166,7 +184,9 @@ def _trial_task():
     import ray
 
     @ray.remote(num_cpus=0, max_retries=0)
-    def run_trial(cfg_dict: dict, parent_run_id: str, tags: dict, optuna_trial: dict | None, heartbeat: dict | None, pid_file: str) -> dict:
+    def run_trial(
+        cfg_dict: dict, parent_run_id: str, tags: dict, optuna_trial: dict | None, heartbeat: dict | None, pid_file: str
+    ) -> dict:
         """One trial: the main job as a child run. Sends the trial's heartbeat while it runs
         (first thing, before the heavy imports)."""
         Path(pid_file).write_text(str(os.getpid()))
@@ -174,7 +194,9 @@ def _trial_task():
         if heartbeat is not None:
             import optuna
 
-            storage = optuna.storages.RDBStorage(heartbeat["storage"], heartbeat_interval=heartbeat["interval"], grace_period=heartbeat["grace"])
+            storage = optuna.storages.RDBStorage(
+                heartbeat["storage"], heartbeat_interval=heartbeat["interval"], grace_period=heartbeat["grace"]
+            )
 
             def beat():
                 while True:
@@ -192,10 +214,23 @@ def _trial_task():
         try:
             with _w.catch_warnings():
                 _w.simplefilter("ignore", dpcore.SeededRandomnessWarning)
-                out = run(config_from_dict(cfg_dict), parent_run_id=parent_run_id, extra_tags=tags, optuna_trial=optuna_trial)
+                out = run(
+                    config_from_dict(cfg_dict), parent_run_id=parent_run_id, extra_tags=tags, optuna_trial=optuna_trial
+                )
         finally:
             stop.set()
-        keys = ("run_id", "val_accuracy", "test_accuracy", "epsilon", "noise_multiplier", "sample_rate", "steps", "seconds", "checkpoint", "pruned")
+        keys = (
+            "run_id",
+            "val_accuracy",
+            "test_accuracy",
+            "epsilon",
+            "noise_multiplier",
+            "sample_rate",
+            "steps",
+            "seconds",
+            "checkpoint",
+            "pruned",
+        )
         summary = {k: out[k] for k in keys}
         summary["val_examples"] = out["spec"]["split_info"].get("val_examples")
         summary["ledger_sigmas"] = sorted({e.noise_multiplier for e in out["ledger"].entries if e.step > 0})
@@ -213,8 +248,10 @@ class Progress:
         if not self.enabled:
             return
         b = "–" if best is None else f"{best[1]:.4f} (trial {best[0]})"
-        self.stream.write(f"[sweep] trials {done}/{self.total} done, {running} running, best validation accuracy {b}, "
-                          f"{time.monotonic() - self.t0:5.0f}s{('  ' + note) if note else ''}\n")
+        self.stream.write(
+            f"[sweep] trials {done}/{self.total} done, {running} running, best validation accuracy {b}, "
+            f"{time.monotonic() - self.t0:5.0f}s{('  ' + note) if note else ''}\n"
+        )
         self.stream.flush()
 
 
@@ -222,16 +259,23 @@ def _find_or_create_parent(client, experiment: str, study: str, storage: str, ta
     exp = client.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
     storage = redact(storage)
-    found = client.search_runs([exp_id], filter_string=f"tags.`sweep.study` = '{study}' and tags.`sweep.storage` = '{storage}'")
+    found = client.search_runs(
+        [exp_id], filter_string=f"tags.`sweep.study` = '{study}' and tags.`sweep.storage` = '{storage}'"
+    )
     if found:
         client.update_run(found[0].info.run_id, status="RUNNING")
         return found[0].info.run_id
-    return client.create_run(exp_id, run_name=f"sweep-{study}", tags={"sweep.study": study, "sweep.storage": storage, **tags}).info.run_id
+    return client.create_run(
+        exp_id, run_name=f"sweep-{study}", tags={"sweep.study": study, "sweep.storage": storage, **tags}
+    ).info.run_id
 
 
 def _fail_orphan_children(client, parent_id: str, trial_number: int) -> None:
     exp_id = client.get_run(parent_id).info.experiment_id
-    for r in client.search_runs([exp_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}' and tags.`optuna.trial_number` = '{trial_number}'"):
+    for r in client.search_runs(
+        [exp_id],
+        filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}' and tags.`optuna.trial_number` = '{trial_number}'",
+    ):
         if r.info.status == "RUNNING":
             client.set_terminated(r.info.run_id, status="FAILED")
 
@@ -260,21 +304,34 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
     # Trials run in Ray tasks whose working folder may not be this one (a joined cluster):
     # every relative path of the base config is made absolute here.
     base = dataclasses.replace(
-        base, tracking_uri=tracking_uri, storage_path=str(Path(base.storage_path).expanduser().resolve()),
+        base,
+        tracking_uri=tracking_uri,
+        storage_path=str(Path(base.storage_path).expanduser().resolve()),
         data_dir=None if base.data_dir is None else str(Path(base.data_dir).expanduser().resolve()),
     )
     data_dir, manifest = prepare_data(base)
     n = sum(e["rows"] for e in manifest["files"] if e["split"] == "train")
     # A public front end's features (ScatterNet) are computed once here, not by the first trials at once.
-    prepare_features(base, data_dir, manifest, build_run_model(base, tuple(manifest["input_shape"]), manifest["num_classes"]))
-    raw_space = space_override if space_override is not None else (sweep.space if sweep.space is not None else default_space(base.method))
+    prepare_features(
+        base, data_dir, manifest, build_run_model(base, tuple(manifest["input_shape"]), manifest["num_classes"])
+    )
+    raw_space = (
+        space_override
+        if space_override is not None
+        else (sweep.space if sweep.space is not None else default_space(base.method))
+    )
     space = parse_space(raw_space, n)
     if "ascent" in space.names and base.method == "dpsgd":
-        raise dpcore.DPConfigError("space: ascent is searched but method='dpsgd' has no ascent step; set --method bam or dpsat.")
+        raise dpcore.DPConfigError(
+            "space: ascent is searched but method='dpsgd' has no ascent step; set --method bam or dpsat."
+        )
     lot_choices = check_feasible(base, space, n)
     if lot_choices is not None and len(lot_choices) < len(space.get("lot_size").choices):
         dropped = sorted(set(space.get("lot_size").choices) - set(lot_choices))
-        print(f"[sweep] lot sizes {dropped} cannot meet ε={base.target_epsilon:g}; searching {lot_choices}", file=sys.stderr)
+        print(
+            f"[sweep] lot sizes {dropped} cannot meet ε={base.target_epsilon:g}; searching {lot_choices}",
+            file=sys.stderr,
+        )
         raw_space = {**raw_space, "lot_size": {"choices": lot_choices}}
         space = parse_space(raw_space, n)
     sel = None
@@ -285,21 +342,56 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
                 f"--private-selection needs every trial to be the same mechanism: fix {', '.join(sorted(searched))} in the base "
                 "config (every trial then has the same q, σ and steps) and search lr, λ/ρ, the clip norm or the optimizer."
             )
-        sigma, q, steps = dpcore.plan(dataset_size=n, lot_size=base.lot_size, epochs=base.epochs, target_epsilon=base.target_epsilon,
-                                      target_delta=base.target_delta, accountant=base.accountant, noise_multiplier=base.noise_multiplier)
-        event = selection.selection_event(selection.trial_event(sigma, q, steps, sweep.selection_noise_multiplier),
-                                          sweep.selection_mean, sweep.private_selection, sweep.selection_shape)
-        sel = {"event": event, "total_epsilon": selection.total_epsilon(event, base.target_delta), "sigma": sigma, "q": q,
-               "steps": steps, "score_noise": sweep.selection_noise_multiplier}
+        sigma, q, steps = dpcore.plan(
+            dataset_size=n,
+            lot_size=base.lot_size,
+            epochs=base.epochs,
+            target_epsilon=base.target_epsilon,
+            target_delta=base.target_delta,
+            accountant=base.accountant,
+            noise_multiplier=base.noise_multiplier,
+        )
+        event = selection.selection_event(
+            selection.trial_event(sigma, q, steps, sweep.selection_noise_multiplier),
+            sweep.selection_mean,
+            sweep.private_selection,
+            sweep.selection_shape,
+        )
+        sel = {
+            "event": event,
+            "total_epsilon": selection.total_epsilon(event, base.target_delta),
+            "sigma": sigma,
+            "q": q,
+            "steps": steps,
+            "score_noise": sweep.selection_noise_multiplier,
+        }
     storage = make_storage(sweep.storage, sweep)
 
     # ---- the study ---------------------------------------------------------------------
-    fingerprint = json.dumps({"space": raw_space, "base": {k: v for k, v in base.to_dict().items() if k not in ("quiet",)},
-                              "private_selection": sweep.private_selection}, sort_keys=True, default=str)
-    sampler = optuna.samplers.TPESampler(seed=sweep.sampler_seed) if sweep.sampler == "tpe" else optuna.samplers.RandomSampler(seed=sweep.sampler_seed)
+    fingerprint = json.dumps(
+        {
+            "space": raw_space,
+            "base": {k: v for k, v in base.to_dict().items() if k not in ("quiet",)},
+            "private_selection": sweep.private_selection,
+        },
+        sort_keys=True,
+        default=str,
+    )
+    sampler = (
+        optuna.samplers.TPESampler(seed=sweep.sampler_seed)
+        if sweep.sampler == "tpe"
+        else optuna.samplers.RandomSampler(seed=sweep.sampler_seed)
+    )
     pruner = optuna.pruners.MedianPruner(**MEDIAN_PRUNER) if sweep.pruner == "median" else optuna.pruners.NopPruner()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(study_name=sweep.study, storage=storage, sampler=sampler, pruner=pruner, direction="maximize", load_if_exists=True)
+    study = optuna.create_study(
+        study_name=sweep.study,
+        storage=storage,
+        sampler=sampler,
+        pruner=pruner,
+        direction="maximize",
+        load_if_exists=True,
+    )
     attrs = study.user_attrs
     if "fingerprint" in attrs and attrs["fingerprint"] != fingerprint:
         raise dpcore.DPConfigError(
@@ -311,23 +403,36 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
     n_trials = sweep.n_trials
     if sel is not None:
         if "selection_k" not in attrs:  # drawn once; a resumed sweep keeps it (a redraw would leak)
-            k = selection.draw_number_of_trials(sweep.selection_mean, sweep.private_selection, sweep.selection_shape,
-                                                dpcore.make_randomness(base.seed).spawn("selection-count"))
+            k = selection.draw_number_of_trials(
+                sweep.selection_mean,
+                sweep.private_selection,
+                sweep.selection_shape,
+                dpcore.make_randomness(base.seed).spawn("selection-count"),
+            )
             study.set_user_attr("selection_k", k)
         n_trials = int(study.user_attrs["selection_k"])
 
     # ---- MLflow parent ------------------------------------------------------------------
     client = MlflowClient(tracking_uri)
     if sel is None:
-        selection_tag = ("not accounted: the best trial is chosen on a validation split held out from the training data, "
-                         "whose privacy is not accounted; each trial's ε covers its training only")
+        selection_tag = (
+            "not accounted: the best trial is chosen on a validation split held out from the training data, "
+            "whose privacy is not accounted; each trial's ε covers its training only"
+        )
     else:
-        selection_tag = (f"accounted (Papernot & Steinke 2022): K ~ {sweep.private_selection}(mean {sweep.selection_mean:g}"
-                         f"{'' if sweep.private_selection == 'poisson' else f', shape {sweep.selection_shape:g}'}), noisy validation "
-                         f"count σ={sweep.selection_noise_multiplier:g}; total ε={sel['total_epsilon']:.4g} at δ={base.target_delta:g} (RDP)")
+        selection_tag = (
+            f"accounted (Papernot & Steinke 2022): K ~ {sweep.private_selection}(mean {sweep.selection_mean:g}"
+            f"{'' if sweep.private_selection == 'poisson' else f', shape {sweep.selection_shape:g}'}), noisy validation "
+            f"count σ={sweep.selection_noise_multiplier:g}; total ε={sel['total_epsilon']:.4g} at δ={base.target_delta:g} (RDP)"
+        )
     parent_tags = {
-        "dp.target_epsilon": f"{base.target_epsilon:g}", "dp.delta": f"{base.target_delta:g}", "dp.selection": selection_tag,
-        "sweep.sampler": sweep.sampler, "sweep.pruner": sweep.pruner, "sweep.space": space.describe(), "sweep.n_trials": str(n_trials),
+        "dp.target_epsilon": f"{base.target_epsilon:g}",
+        "dp.delta": f"{base.target_delta:g}",
+        "dp.selection": selection_tag,
+        "sweep.sampler": sweep.sampler,
+        "sweep.pruner": sweep.pruner,
+        "sweep.space": space.describe(),
+        "sweep.n_trials": str(n_trials),
     }
     parent_id = _find_or_create_parent(client, base.experiment, sweep.study, sweep.storage, parent_tags)
     for k, v in parent_tags.items():
@@ -359,14 +464,36 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
                         trial = study.ask()
                         params = space.suggest(trial)
                         storage.record_heartbeat(trial._trial_id)
-                        cfg = dataclasses.replace(base, **params, run_name=f"{sweep.study}-trial-{trial.number}", log_model=False,
-                                                  quiet=True, registered_model="none")
-                        tags = {"optuna.study": sweep.study, "optuna.trial_number": str(trial.number), "optuna.trial_id": str(trial._trial_id)}
+                        cfg = dataclasses.replace(
+                            base,
+                            **params,
+                            run_name=f"{sweep.study}-trial-{trial.number}",
+                            log_model=False,
+                            quiet=True,
+                            registered_model="none",
+                        )
+                        tags = {
+                            "optuna.study": sweep.study,
+                            "optuna.trial_number": str(trial.number),
+                            "optuna.trial_id": str(trial._trial_id),
+                        }
                         opt = None
                         if sweep.pruner == "median":
-                            opt = {"storage": sweep.storage, "study": sweep.study, "trial_id": trial._trial_id, "median_pruner": MEDIAN_PRUNER}
-                        hb = {"storage": sweep.storage, "interval": sweep.heartbeat_interval, "grace": sweep.grace_period, "trial_id": trial._trial_id}
-                        ref = run_trial.remote(cfg.to_dict(), parent_id, tags, opt, hb, str(run_dir / f"trial-{trial.number}.pid"))
+                            opt = {
+                                "storage": sweep.storage,
+                                "study": sweep.study,
+                                "trial_id": trial._trial_id,
+                                "median_pruner": MEDIAN_PRUNER,
+                            }
+                        hb = {
+                            "storage": sweep.storage,
+                            "interval": sweep.heartbeat_interval,
+                            "grace": sweep.grace_period,
+                            "trial_id": trial._trial_id,
+                        }
+                        ref = run_trial.remote(
+                            cfg.to_dict(), parent_id, tags, opt, hb, str(run_dir / f"trial-{trial.number}.pid")
+                        )
                         inflight[ref] = (trial, params)
                         launchable -= 1
                         progress.show(done, len(inflight), _best(study), f"started trial {trial.number}: {params}")
@@ -380,7 +507,9 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
                         trial, params = inflight.pop(ref)
                         note = _finish(study, trial, ref, sel, randomness, client, parent_id)
                         trials = study.get_trials(deepcopy=False)
-                        progress.show(sum(t.state in finished_states for t in trials), len(inflight), _best(study), note)
+                        progress.show(
+                            sum(t.state in finished_states for t in trials), len(inflight), _best(study), note
+                        )
         summary = _finalise(study, sweep, base, client, parent_id, sel, n_trials)
         status = "FINISHED"
         return summary
@@ -406,7 +535,12 @@ def _finish(study, trial, ref, sel, randomness, client, parent_id) -> str:
 
     try:
         out = ray.get(ref)
-    except (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError, ray.exceptions.OwnerDiedError, ray.exceptions.TaskCancelledError):
+    except (
+        ray.exceptions.WorkerCrashedError,
+        ray.exceptions.NodeDiedError,
+        ray.exceptions.OwnerDiedError,
+        ray.exceptions.TaskCancelledError,
+    ):
         _fail_orphan_children(client, parent_id, trial.number)
         return f"trial {trial.number}: its process died; it is retried once its heartbeat is stale"
     except ray.exceptions.RayTaskError as e:
@@ -418,7 +552,16 @@ def _finish(study, trial, ref, sel, randomness, client, parent_id) -> str:
     if study._storage.get_trial(trial._trial_id).state != optuna.trial.TrialState.RUNNING:
         # Its heartbeat went stale before it finished (declared dead too early): the retry counts.
         return f"trial {trial.number} finished after it was declared stale; its retry counts instead"
-    for k in ("run_id", "val_accuracy", "test_accuracy", "epsilon", "noise_multiplier", "steps", "seconds", "checkpoint"):
+    for k in (
+        "run_id",
+        "val_accuracy",
+        "test_accuracy",
+        "epsilon",
+        "noise_multiplier",
+        "steps",
+        "seconds",
+        "checkpoint",
+    ):
         study._storage.set_trial_user_attr(trial._trial_id, k, out[k])
     if out["pruned"]:
         study.tell(trial, state=optuna.trial.TrialState.PRUNED)
@@ -432,8 +575,10 @@ def _finish(study, trial, ref, sel, randomness, client, parent_id) -> str:
         value = (value * n_val + noise) / n_val
         study._storage.set_trial_user_attr(trial._trial_id, "private_score", value)
     study.tell(trial, value)
-    return f"trial {trial.number}: validation {out['val_accuracy']:.4f}, ε={out['epsilon']:.3f}, σ={out['noise_multiplier']:.3f}, {out['seconds']:.0f}s"
-
+    return (
+        f"trial {trial.number}: validation {out['val_accuracy']:.4f}, ε={out['epsilon']:.3f}, "
+        f"σ={out['noise_multiplier']:.3f}, {out['seconds']:.0f}s"
+    )
 
 
 def _finalise(study, sweep: SweepConfig, base, client, parent_id: str, sel, n_trials: int) -> dict:
@@ -441,8 +586,14 @@ def _finalise(study, sweep: SweepConfig, base, client, parent_id: str, sel, n_tr
     import optuna
 
     complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    summary = {"study": sweep.study, "parent_run_id": parent_id, "trials": len(study.trials), "complete": len(complete),
-               "n_trials": n_trials, "selection_total_epsilon": None if sel is None else sel["total_epsilon"]}
+    summary = {
+        "study": sweep.study,
+        "parent_run_id": parent_id,
+        "trials": len(study.trials),
+        "complete": len(complete),
+        "n_trials": n_trials,
+        "selection_total_epsilon": None if sel is None else sel["total_epsilon"],
+    }
     _log_plots(study, client, parent_id)
     if not complete:
         client.set_tag(parent_id, "sweep.best_trial", "none")
@@ -451,7 +602,11 @@ def _finalise(study, sweep: SweepConfig, base, client, parent_id: str, sel, n_tr
     best = max(complete, key=lambda t: t.value)
     attrs = best.user_attrs
     client.set_tag(attrs["run_id"], "sweep.best", "true")
-    for k, v in {"sweep.best_trial": best.number, "sweep.best_run_id": attrs["run_id"], "sweep.best_params": json.dumps(best.params)}.items():
+    for k, v in {
+        "sweep.best_trial": best.number,
+        "sweep.best_run_id": attrs["run_id"],
+        "sweep.best_params": json.dumps(best.params),
+    }.items():
         client.set_tag(parent_id, k, str(v))
     client.log_metric(parent_id, "best_val_accuracy", float(attrs["val_accuracy"]))
     client.log_metric(parent_id, "best_test_accuracy", float(attrs["test_accuracy"]))
@@ -459,8 +614,13 @@ def _finalise(study, sweep: SweepConfig, base, client, parent_id: str, sel, n_tr
     registered = None
     if base.registered_model is None or base.registered_model.lower() != "none":
         registered = _register_best(client, base, attrs)
-    summary["best"] = {"number": best.number, "value": best.value, "params": best.params, **{k: attrs[k] for k in ("run_id", "val_accuracy", "test_accuracy", "epsilon", "noise_multiplier")},
-                       "registered_model": registered}
+    summary["best"] = {
+        "number": best.number,
+        "value": best.value,
+        "params": best.params,
+        **{k: attrs[k] for k in ("run_id", "val_accuracy", "test_accuracy", "epsilon", "noise_multiplier")},
+        "registered_model": registered,
+    }
     return summary
 
 
@@ -473,13 +633,17 @@ def _register_best(client, base, attrs: dict) -> str | None:
     from pipelines.train import load_final_model
 
     run_id = attrs["run_id"]
-    spec_path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="spec.json", tracking_uri=client.tracking_uri)
+    spec_path = mlflow.artifacts.download_artifacts(
+        run_id=run_id, artifact_path="spec.json", tracking_uri=client.tracking_uri
+    )
     spec = json.loads(Path(spec_path).read_text())
     model = load_final_model(spec, attrs["checkpoint"])
     example = model_example(spec["data_dir"])
     name = base.registered_model or f"dp-sweep-{base.dataset}-{base.model.replace(':', '_')}"
     mlflow.set_tracking_uri(client.tracking_uri)
-    version = tracking.log_model(run_id, model, example, name, float(attrs["epsilon"]), base.target_delta, base.accountant)
+    version = tracking.log_model(
+        run_id, model, example, name, float(attrs["epsilon"]), base.target_delta, base.accountant
+    )
     return None if version is None else f"{version.name} v{version.version}"
 
 
@@ -492,8 +656,10 @@ def _log_plots(study, client, parent_id: str) -> None:
     import optuna.visualization.matplotlib as ovm
 
     names = {t for t in study.trials for t in t.params}
-    plots = {"optimization_history.png": lambda: ovm.plot_optimization_history(study),
-             "param_importances.png": lambda: ovm.plot_param_importances(study)}
+    plots = {
+        "optimization_history.png": lambda: ovm.plot_optimization_history(study),
+        "param_importances.png": lambda: ovm.plot_param_importances(study),
+    }
     if {"lr", "lot_size"} <= names:
         plots["contour_lr_lot_size.png"] = lambda: ovm.plot_contour(study, params=["lr", "lot_size"])
     failed = {}
@@ -520,31 +686,48 @@ def run_preset(sweep: SweepConfig, base) -> dict:
     """The BAM appendix protocol: stage 1 is a random search over (lr, lot size) for DP-SGD;
     stage 2 is a random search over λ for BAM and over ρ for DP-SAT, with stage 1's lr and lot
     size fixed. Each stage is its own study (and parent run)."""
-    stage1 = dataclasses.replace(sweep, preset=None, sampler="random", study=f"{sweep.study}-stage1-dpsgd",
-                                 space=sweep.space or default_space("dpsgd"))
+    stage1 = dataclasses.replace(
+        sweep,
+        preset=None,
+        sampler="random",
+        study=f"{sweep.study}-stage1-dpsgd",
+        space=sweep.space or default_space("dpsgd"),
+    )
     s1 = run_sweep(stage1, dataclasses.replace(base, method="dpsgd"))
     if s1["best"] is None:
         raise dpcore.DPConfigError("stage 1 finished without a complete trial; stage 2 needs its best lr and lot size.")
     fixed = {k: v for k, v in s1["best"]["params"].items()}
     out = {"stage1": s1, "stage2": {}}
-    for method, space in (("bam", {"ascent": {"low": 1e-3, "high": 0.2, "log": True}}), ("dpsat", {"ascent": {"low": 1e-3, "high": 0.5, "log": True}})):
-        st = dataclasses.replace(sweep, preset=None, sampler="random", study=f"{sweep.study}-stage2-{method}", space=space)
+    for method, space in (
+        ("bam", {"ascent": {"low": 1e-3, "high": 0.2, "log": True}}),
+        ("dpsat", {"ascent": {"low": 1e-3, "high": 0.5, "log": True}}),
+    ):
+        st = dataclasses.replace(
+            sweep, preset=None, sampler="random", study=f"{sweep.study}-stage2-{method}", space=space
+        )
         out["stage2"][method] = run_sweep(st, base, fixed={**fixed, "method": method})
     return out
 
 
 def print_summary(s: dict) -> None:
-    print(f"study {s['study']}: {s['complete']} complete of {s['trials']} trials (target {s['n_trials']}); MLflow parent run {s['parent_run_id']}")
+    print(
+        f"study {s['study']}: {s['complete']} complete of {s['trials']} trials (target {s['n_trials']}); MLflow parent "
+        f"run {s['parent_run_id']}"
+    )
     if s["selection_total_epsilon"] is not None:
-        print(f"private selection: the sweep's total ε = {s['selection_total_epsilon']:.4f} (best of a random number of trials, RDP)")
+        print(
+            f"private selection: the sweep's total ε = {s['selection_total_epsilon']:.4f} (best of a random number of trials, RDP)"
+        )
     else:
         print("selection: the best trial was chosen on the validation split; that choice is not accounted in ε")
     b = s["best"]
     if b is None:
         print("no complete trial")
         return
-    print(f"best trial {b['number']}: {b['params']}  validation {b['val_accuracy']:.4f}  test {b['test_accuracy']:.4f}  "
-          f"ε={b['epsilon']:.4f}  σ={b['noise_multiplier']:.4f}  run {b['run_id']}")
+    print(
+        f"best trial {b['number']}: {b['params']}  validation {b['val_accuracy']:.4f}  test {b['test_accuracy']:.4f}  "
+        f"ε={b['epsilon']:.4f}  σ={b['noise_multiplier']:.4f}  run {b['run_id']}"
+    )
     if b["registered_model"]:
         print(f"model: {b['registered_model']} in the MLflow registry")
 
@@ -563,22 +746,82 @@ def build_parser(prog: str = "dp-platform sweep") -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="YAML file")
     g = p.add_argument_group("sweep")
     defaults = SweepConfig()
-    g.add_argument("--study", default=argparse.SUPPRESS, help=f"study name; the same name continues it (default: {defaults.study})")
-    g.add_argument("--storage", default=argparse.SUPPRESS, help=f"Optuna RDB storage URL (default: $DP_OPTUNA_STORAGE, else {defaults.storage}; postgresql://... on a cluster)")
-    g.add_argument("--n-trials", type=int, default=argparse.SUPPRESS, help=f"finished trials to reach (default: {defaults.n_trials})")
-    g.add_argument("--max-concurrent", type=int, default=argparse.SUPPRESS, help=f"trials running at once (default: {defaults.max_concurrent})")
+    g.add_argument(
+        "--study", default=argparse.SUPPRESS, help=f"study name; the same name continues it (default: {defaults.study})"
+    )
+    g.add_argument(
+        "--storage",
+        default=argparse.SUPPRESS,
+        help=f"Optuna RDB storage URL (default: $DP_OPTUNA_STORAGE, else {defaults.storage}; postgresql://... on a cluster)",
+    )
+    g.add_argument(
+        "--n-trials",
+        type=int,
+        default=argparse.SUPPRESS,
+        help=f"finished trials to reach (default: {defaults.n_trials})",
+    )
+    g.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=argparse.SUPPRESS,
+        help=f"trials running at once (default: {defaults.max_concurrent})",
+    )
     g.add_argument("--sampler", choices=SAMPLERS, default=argparse.SUPPRESS, help="tpe (default) or random")
-    g.add_argument("--pruner", choices=PRUNERS, default=argparse.SUPPRESS, help="none (default) or median (on intermediate validation accuracy)")
+    g.add_argument(
+        "--pruner",
+        choices=PRUNERS,
+        default=argparse.SUPPRESS,
+        help="none (default) or median (on intermediate validation accuracy)",
+    )
     g.add_argument("--sampler-seed", type=int, default=argparse.SUPPRESS, help="seed of the sampler (public)")
-    g.add_argument("--heartbeat-interval", type=int, default=argparse.SUPPRESS, help=f"seconds between trial heartbeats (default {defaults.heartbeat_interval})")
-    g.add_argument("--grace-period", type=int, default=argparse.SUPPRESS, help=f"seconds without heartbeat before a trial is stale and retried (default {defaults.grace_period})")
-    g.add_argument("--max-retry", type=int, default=argparse.SUPPRESS, help=f"retries of a trial whose process died (default {defaults.max_retry})")
-    g.add_argument("--private-selection", choices=selection.DISTRIBUTIONS, default=argparse.SUPPRESS,
-                   help="account the choice of the best trial (Papernot & Steinke): a random number of trials from this distribution")
-    g.add_argument("--selection-mean", type=float, default=argparse.SUPPRESS, help=f"mean number of trials (default {defaults.selection_mean:g})")
-    g.add_argument("--selection-shape", type=float, default=argparse.SUPPRESS, help="negative-binomial shape η (1 = geometric; default 1)")
-    g.add_argument("--selection-noise-multiplier", type=float, default=argparse.SUPPRESS, help="σ of the noise on the validation count (default 2)")
-    g.add_argument("--preset", choices=PRESETS, default=argparse.SUPPRESS, help="bam-appendix: stage 1 DP-SGD (lr, lot), stage 2 λ for BAM and ρ for DP-SAT")
+    g.add_argument(
+        "--heartbeat-interval",
+        type=int,
+        default=argparse.SUPPRESS,
+        help=f"seconds between trial heartbeats (default {defaults.heartbeat_interval})",
+    )
+    g.add_argument(
+        "--grace-period",
+        type=int,
+        default=argparse.SUPPRESS,
+        help=f"seconds without heartbeat before a trial is stale and retried (default {defaults.grace_period})",
+    )
+    g.add_argument(
+        "--max-retry",
+        type=int,
+        default=argparse.SUPPRESS,
+        help=f"retries of a trial whose process died (default {defaults.max_retry})",
+    )
+    g.add_argument(
+        "--private-selection",
+        choices=selection.DISTRIBUTIONS,
+        default=argparse.SUPPRESS,
+        help="account the choice of the best trial (Papernot & Steinke): a random number of trials from this distribution",
+    )
+    g.add_argument(
+        "--selection-mean",
+        type=float,
+        default=argparse.SUPPRESS,
+        help=f"mean number of trials (default {defaults.selection_mean:g})",
+    )
+    g.add_argument(
+        "--selection-shape",
+        type=float,
+        default=argparse.SUPPRESS,
+        help="negative-binomial shape η (1 = geometric; default 1)",
+    )
+    g.add_argument(
+        "--selection-noise-multiplier",
+        type=float,
+        default=argparse.SUPPRESS,
+        help="σ of the noise on the validation count (default 2)",
+    )
+    g.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default=argparse.SUPPRESS,
+        help="bam-appendix: stage 1 DP-SGD (lr, lot), stage 2 λ for BAM and ρ for DP-SAT",
+    )
     add_config_arguments(p)
     return p
 
@@ -614,7 +857,9 @@ def main(argv: list[str] | None = None, prog: str = "dp-platform sweep") -> int:
         sweep, base = load_sweep_config(path, args)
         if sweep.preset == "bam-appendix":
             out = run_preset(sweep, base)
-            for name, s in [("stage 1 (DP-SGD)", out["stage1"])] + [(f"stage 2 ({m})", s) for m, s in out["stage2"].items()]:
+            for name, s in [("stage 1 (DP-SGD)", out["stage1"])] + [
+                (f"stage 2 ({m})", s) for m, s in out["stage2"].items()
+            ]:
                 print(f"== {name}")
                 print_summary(s)
             return 0

@@ -12,6 +12,7 @@ Opacus calibrates σ with its PRV accountant (tight, like PLD) for its own numbe
 
 Prints a Markdown table (mean ± std over seeds, and each seed's value).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,17 @@ LOT, EPOCHS, LR, CLIP, DELTA = 512, 60, 0.02, 1.0, 1e-5
 
 def ours(eps: float, seed: int, root: str) -> dict:
     cfg = TrainConfig(
-        target_epsilon=eps, seed=seed, lot_size=LOT, epochs=EPOCHS, lr=LR, clip_norm=CLIP, target_delta=DELTA,
-        storage_path=f"{root}/runs", tracking_uri=f"sqlite:///{root}/mlflow.db", registered_model="none", quiet=True,
+        target_epsilon=eps,
+        seed=seed,
+        lot_size=LOT,
+        epochs=EPOCHS,
+        lr=LR,
+        clip_norm=CLIP,
+        target_delta=DELTA,
+        storage_path=f"{root}/runs",
+        tracking_uri=f"sqlite:///{root}/mlflow.db",
+        registered_model="none",
+        quiet=True,
     )
     out = run(cfg)
     return {"acc": out["test_accuracy"], "eps": out["epsilon"], "sigma": out["noise_multiplier"], "steps": out["steps"]}
@@ -57,8 +67,14 @@ def opacus(eps: float, seed: int) -> dict:
     torch.manual_seed(seed)
     engine = PrivacyEngine(accountant="prv")
     model, optimizer, loader = engine.make_private_with_epsilon(
-        module=model, optimizer=optimizer, data_loader=loader, target_epsilon=eps, target_delta=DELTA,
-        epochs=EPOCHS, max_grad_norm=CLIP, poisson_sampling=True,
+        module=model,
+        optimizer=optimizer,
+        data_loader=loader,
+        target_epsilon=eps,
+        target_delta=DELTA,
+        epochs=EPOCHS,
+        max_grad_norm=CLIP,
+        poisson_sampling=True,
     )
     steps = 0
     for _ in range(EPOCHS):
@@ -86,21 +102,30 @@ def main() -> int:
     a = p.parse_args()
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1", logging_level=logging.ERROR, log_to_driver=False)
+    ray.init(
+        num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1", logging_level=logging.ERROR, log_to_driver=False
+    )
     results = {}
     t0 = time.time()
     with tempfile.TemporaryDirectory() as root:
         for eps in EPSILONS:
-            for name, fn in (("ours", lambda s: ours(eps, s, root)), ("opacus", lambda s: opacus(eps, s))):
+            for name, fn in (("ours", lambda s, e=eps: ours(e, s, root)), ("opacus", lambda s, e=eps: opacus(e, s))):
                 results[(eps, name)] = [fn(seed) for seed in range(a.seeds)]
                 r = results[(eps, name)]
-                print(f"ε={eps:g} {name:7s} acc {fmt(r)}  σ={r[0]['sigma']:.3f} steps={r[0]['steps']} ε_reported={r[0]['eps']:.4f}", file=sys.stderr)
+                print(
+                    f"ε={eps:g} {name:7s} acc {fmt(r)}  σ={r[0]['sigma']:.3f} steps={r[0]['steps']} ε_reported={r[0]['eps']:.4f}",
+                    file=sys.stderr,
+                )
     ray.shutdown()
-    print("| ε (δ=1e-5) | this platform (2 Ray workers, PLD) | Opacus 1.6 (PRV) | σ ours / Opacus | steps ours / Opacus |")
+    print(
+        "| ε (δ=1e-5) | this platform (2 Ray workers, PLD) | Opacus 1.6 (PRV) | σ ours / Opacus | steps ours / Opacus |"
+    )
     print("|---|---|---|---|---|")
     for eps in EPSILONS:
         o, q = results[(eps, "ours")], results[(eps, "opacus")]
-        print(f"| {eps:g} | {fmt(o)} | {fmt(q)} | {o[0]['sigma']:.2f} / {q[0]['sigma']:.2f} | {o[0]['steps']} / {q[0]['steps']} |")
+        print(
+            f"| {eps:g} | {fmt(o)} | {fmt(q)} | {o[0]['sigma']:.2f} / {q[0]['sigma']:.2f} | {o[0]['steps']} / {q[0]['steps']} |"
+        )
     print(f"\n{a.seeds} seed(s) per cell; test accuracy, mean ± std (each seed). Wall time {time.time() - t0:.0f}s.")
     return 0
 

@@ -15,6 +15,7 @@ compares the methods' gradient work; secure-mode noise adds the same time to eve
     python docs/benchmarks/bam_depth.py                 # depths 2 4 8 16 32, width 256, batch 64
     python docs/benchmarks/bam_depth.py --depths 8 --reps 20
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,9 +53,17 @@ def time_method(depth: int, width: int, batch: int, options: dict, warmup: int, 
     model = mlp(depth, width)
     x, y = torch.randn(batch, 784), torch.randint(0, 10, (batch,))
     opt = dpcore.DPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01), model=model, loss_fn=F.cross_entropy, noise_multiplier=1.0,
-        clip_norm=1.0, sample_rate=0.01, dataset_size=batch * 100, randomness=dpcore.SeededRandomness(0),
-        ledger=dpcore.PrivacyLedger(None, 1e-5, epsilon_every=10**9), physical_batch_size=batch, **options,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        model=model,
+        loss_fn=F.cross_entropy,
+        noise_multiplier=1.0,
+        clip_norm=1.0,
+        sample_rate=0.01,
+        dataset_size=batch * 100,
+        randomness=dpcore.SeededRandomness(0),
+        ledger=dpcore.PrivacyLedger(None, 1e-5, epsilon_every=10**9),
+        physical_batch_size=batch,
+        **options,
     )
     times = []
     for i in range(warmup + reps):
@@ -77,15 +86,27 @@ def main() -> None:
     a = p.parse_args()
     warnings.simplefilter("ignore", dpcore.SeededRandomnessWarning)
     torch.set_num_threads(a.threads)
-    print(f"# BAM Fig. 3: ms per private step, MLP width {a.width}, batch {a.batch}, {a.threads} threads, "
-          f"median of {a.reps}; torch {torch.__version__}, {platform.processor() or platform.machine()}")
+    print(
+        f"# BAM Fig. 3: ms per private step, MLP width {a.width}, batch {a.batch}, {a.threads} threads, "
+        f"median of {a.reps}; torch {torch.__version__}, {platform.processor() or platform.machine()}"
+    )
     names = list(METHODS)
-    print("| depth | params | " + " | ".join(f"{n} ms" for n in names) + " | " + " | ".join(f"{n} / DP-SGD" for n in names[1:]) + " |")
+    print(
+        "| depth | params | "
+        + " | ".join(f"{n} ms" for n in names)
+        + " | "
+        + " | ".join(f"{n} / DP-SGD" for n in names[1:])
+        + " |"
+    )
     print("|---" * (2 + 2 * len(names) - 1) + "|")
     for depth in a.depths:
         ms = {n: 1000 * time_method(depth, a.width, a.batch, METHODS[n], a.warmup, a.reps) for n in names}
         params = sum(q.numel() for q in mlp(depth, a.width).parameters())
-        row = [str(depth), f"{params:,}"] + [f"{ms[n]:.1f}" for n in names] + [f"{ms[n] / ms['DP-SGD']:.2f}×" for n in names[1:]]
+        row = (
+            [str(depth), f"{params:,}"]
+            + [f"{ms[n]:.1f}" for n in names]
+            + [f"{ms[n] / ms['DP-SGD']:.2f}×" for n in names[1:]]
+        )
         print("| " + " | ".join(row) + " |", flush=True)
 
 

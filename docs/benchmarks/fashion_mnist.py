@@ -98,9 +98,15 @@ def ours_cli(config: Path, seed: int, workdir: Path, extra: list[str] = ()) -> d
     sigma = re.search(r"σ=([0-9.]+)", text)
     steps = re.search(r"steps=(\d+)/(\d+)", text)
     return {
-        "run_id": run_id, "test_accuracy": float(acc.group(1)), "val_accuracy": float(acc.group(2)),
-        "epsilon": float(eps.group(1)), "delta": float(eps.group(2)), "noise_multiplier": float(sigma.group(1)),
-        "steps": int(steps.group(1)), "wall_s": wall, "command": " ".join(["dp-platform"] + cmd[1:]),
+        "run_id": run_id,
+        "test_accuracy": float(acc.group(1)),
+        "val_accuracy": float(acc.group(2)),
+        "epsilon": float(eps.group(1)),
+        "delta": float(eps.group(2)),
+        "noise_multiplier": float(sigma.group(1)),
+        "steps": int(steps.group(1)),
+        "wall_s": wall,
+        "command": " ".join(["dp-platform"] + cmd[1:]),
     }
 
 
@@ -134,13 +140,23 @@ def trained_module(cfg, spec, seed: int):
 @torch.no_grad()
 def accuracy(module, x, y, batch: int = 4096) -> float:
     module.eval()
-    correct = sum((module(x[i : i + batch]).argmax(1) == y[i : i + batch]).sum().item() for i in range(0, len(y), batch))
+    correct = sum(
+        (module(x[i : i + batch]).argmax(1) == y[i : i + batch]).sum().item() for i in range(0, len(y), batch)
+    )
     module.train()
     return correct / len(y)
 
 
-def opacus_train(cfg, spec, data, seed: int, eval_every: int | None = None, t_launch: float | None = None, steps: int | None = None,
-                 stop_at: float | None = None) -> dict:
+def opacus_train(
+    cfg,
+    spec,
+    data,
+    seed: int,
+    eval_every: int | None = None,
+    t_launch: float | None = None,
+    steps: int | None = None,
+    stop_at: float | None = None,
+) -> dict:
     from opacus import GradSampleModule
     from opacus.accountants import PRVAccountant
     from opacus.optimizers import DPOptimizer
@@ -155,8 +171,11 @@ def opacus_train(cfg, spec, data, seed: int, eval_every: int | None = None, t_la
     module = trained_module(cfg, spec, seed)
     gsm = GradSampleModule(module)
     opt = DPOptimizer(
-        make_optimizer(cfg, module.parameters()), noise_multiplier=sigma, max_grad_norm=cfg.clip_norm,
-        expected_batch_size=int(round(q * n)), loss_reduction="mean",
+        make_optimizer(cfg, module.parameters()),
+        noise_multiplier=sigma,
+        max_grad_norm=cfg.clip_norm,
+        expected_batch_size=int(round(q * n)),
+        loss_reduction="mean",
     )
     ema = dpcore.ParameterEMA(module, cfg.ema_decay) if cfg.ema_decay is not None else None
     g = torch.Generator().manual_seed(10_000 + seed)
@@ -174,16 +193,27 @@ def opacus_train(cfg, spec, data, seed: int, eval_every: int | None = None, t_la
                 ema.update()
             done += 1
             if eval_every and (done % eval_every == 0 or done == steps):
-                timeline.append({"step": done, "seconds": time.time() - (t_launch or t0), "test_accuracy": _eval(module, ema, xte, yte)})
+                timeline.append(
+                    {
+                        "step": done,
+                        "seconds": time.time() - (t_launch or t0),
+                        "test_accuracy": _eval(module, ema, xte, yte),
+                    }
+                )
                 if stop_at is not None and timeline[-1]["test_accuracy"] >= stop_at:
                     steps = done  # the time to the threshold is all that is asked
     seconds = time.time() - t0
     acc = PRVAccountant()
     acc.history = [(sigma, q, steps)]
     return {
-        "test_accuracy": _eval(module, ema, xte, yte), "val_accuracy": _eval(module, ema, xva, yva), "steps": steps,
-        "noise_multiplier": sigma, "sample_rate": q, "opacus_prv_epsilon": acc.get_epsilon(cfg.target_delta),
-        "train_seconds": seconds, "timeline": timeline,
+        "test_accuracy": _eval(module, ema, xte, yte),
+        "val_accuracy": _eval(module, ema, xva, yva),
+        "steps": steps,
+        "noise_multiplier": sigma,
+        "sample_rate": q,
+        "opacus_prv_epsilon": acc.get_epsilon(cfg.target_delta),
+        "train_seconds": seconds,
+        "timeline": timeline,
     }
 
 
@@ -213,7 +243,11 @@ def cmd_accuracy(a) -> None:
                 r = ours_cli(config, seed, work)
                 rows.append({"impl": "ours", "epsilon_target": eps, "seed": seed, **r})
                 save_results(results)
-                print(f"ours    ε={eps} seed={seed}: test {r['test_accuracy']:.4f} (val {r['val_accuracy']:.4f}), ε={r['epsilon']:.4f}, {r['wall_s']:.0f}s", flush=True)
+                print(
+                    f"ours    ε={eps} seed={seed}: test {r['test_accuracy']:.4f} (val {r['val_accuracy']:.4f}), "
+                    f"ε={r['epsilon']:.4f}, {r['wall_s']:.0f}s",
+                    flush=True,
+                )
             if ("opacus", eps, seed) not in have and not a.no_opacus:
                 cwd = os.getcwd()
                 os.chdir(work)  # the same storage_path (relative) as the CLI runs: the same cached features
@@ -224,7 +258,10 @@ def cmd_accuracy(a) -> None:
                     os.chdir(cwd)
                 rows.append({"impl": "opacus", "epsilon_target": eps, "seed": seed, "epsilon": None, **r})
                 save_results(results)
-                print(f"opacus  ε={eps} seed={seed}: test {r['test_accuracy']:.4f} (val {r['val_accuracy']:.4f}), {r['train_seconds']:.0f}s", flush=True)
+                print(
+                    f"opacus  ε={eps} seed={seed}: test {r['test_accuracy']:.4f} (val {r['val_accuracy']:.4f}), {r['train_seconds']:.0f}s",
+                    flush=True,
+                )
     cmd_report(a)
 
 
@@ -252,7 +289,10 @@ def platform_row(config: Path, label: str, workdir: Path, overrides: dict) -> di
     rate, steps = _journal_rate(out["spec"])
     mem = [p.get("memory", {}) for p in _placement(out["spec"])]
     return {
-        "setting": label, "steps": steps, "examples_per_s": rate * out["sample_rate"] * out["train_examples"], "wall_s": wall,
+        "setting": label,
+        "steps": steps,
+        "examples_per_s": rate * out["sample_rate"] * out["train_examples"],
+        "wall_s": wall,
         "peak_rss_mib": max((m.get("peak_rss_mib", 0) for m in mem), default=None),
         "peak_rss_anon_mib": max((m.get("peak_rss_anon_mib", 0) for m in mem), default=None),
         "rss_file_mib": max((m.get("rss_file_mib", 0) for m in mem), default=None),
@@ -294,26 +334,47 @@ def speed_child(mode: str, config: Path, workdir: Path) -> dict:
         from opacus.optimizers import DPOptimizer
 
         gsm = GradSampleModule(module)
-        opt = DPOptimizer(make_optimizer(cfg, module.parameters()), noise_multiplier=spec["noise_multiplier"],
-                          max_grad_norm=cfg.clip_norm, expected_batch_size=int(round(q * n)))
+        opt = DPOptimizer(
+            make_optimizer(cfg, module.parameters()),
+            noise_multiplier=spec["noise_multiplier"],
+            max_grad_norm=cfg.clip_norm,
+            expected_batch_size=int(round(q * n)),
+        )
 
         def step(idx):
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(gsm(xtr[idx]), ytr[idx]).backward()
             opt.step()
     else:
-        ledger = dpcore.PrivacyLedger(cfg.target_epsilon, cfg.target_delta, cfg.accountant, epsilon_every=spec["epsilon_every"])
-        ledger.prime_allowance(dpcore.PrivacyEvent.dpsgd_step(spec["noise_multiplier"], q), [], spec["max_releases"])  # as the workers do
+        ledger = dpcore.PrivacyLedger(
+            cfg.target_epsilon, cfg.target_delta, cfg.accountant, epsilon_every=spec["epsilon_every"]
+        )
+        ledger.prime_allowance(
+            dpcore.PrivacyEvent.dpsgd_step(spec["noise_multiplier"], q), [], spec["max_releases"]
+        )  # as the workers do
         private = dpcore.build_private(
-            module, make_optimizer(cfg, module.parameters()), F.cross_entropy, noise_multiplier=spec["noise_multiplier"],
-            sample_rate=q, steps=spec["steps"], dataset_size=n, target_epsilon=cfg.target_epsilon, target_delta=cfg.target_delta,
-            clip_norm=cfg.clip_norm, accountant=cfg.accountant, randomness=dpcore.make_randomness(None), ledger=ledger,
-            shard=torch.arange(n), physical_batch_size=cfg.physical_batch_size, clipping=cfg.clipping,
+            module,
+            make_optimizer(cfg, module.parameters()),
+            F.cross_entropy,
+            noise_multiplier=spec["noise_multiplier"],
+            sample_rate=q,
+            steps=spec["steps"],
+            dataset_size=n,
+            target_epsilon=cfg.target_epsilon,
+            target_delta=cfg.target_delta,
+            clip_norm=cfg.clip_norm,
+            accountant=cfg.accountant,
+            randomness=dpcore.make_randomness(None),
+            ledger=ledger,
+            shard=torch.arange(n),
+            physical_batch_size=cfg.physical_batch_size,
+            clipping=cfg.clipping,
         )
 
         def step(idx):
             private.optimizer.accumulate(xtr[idx], ytr[idx])
             private.optimizer.step()
+
     step(lots[0])  # warm-up (and dpcore's first-batch check): not timed
     t0 = time.perf_counter()
     examples = 0
@@ -322,10 +383,19 @@ def speed_child(mode: str, config: Path, workdir: Path) -> dict:
         examples += len(idx)
     dt = time.perf_counter() - t0
     mem = memory_status()
-    return {"setting": {"non-private": "non-private (in-process, 2 threads)", "opacus": "Opacus 1.6 hooks (in-process, 2 threads)",
-                        "dpcore": "dpcore in-process (2 threads)"}[mode],
-            "steps": epoch, "examples_per_s": examples / dt, "wall_s": dt, "peak_rss_mib": mem.get("peak_rss_mib"),
-            "peak_rss_anon_mib": None, "rss_file_mib": mem.get("rss_file_mib")}
+    return {
+        "setting": {
+            "non-private": "non-private (in-process, 2 threads)",
+            "opacus": "Opacus 1.6 hooks (in-process, 2 threads)",
+            "dpcore": "dpcore in-process (2 threads)",
+        }[mode],
+        "steps": epoch,
+        "examples_per_s": examples / dt,
+        "wall_s": dt,
+        "peak_rss_mib": mem.get("peak_rss_mib"),
+        "peak_rss_anon_mib": None,
+        "rss_file_mib": mem.get("rss_file_mib"),
+    }
 
 
 def time_to_threshold_ours(config: Path, workdir: Path, every: int, extra: list[str]) -> dict:
@@ -340,8 +410,13 @@ def time_to_threshold_ours(config: Path, workdir: Path, every: int, extra: list[
     hist = sorted(client.get_metric_history(r["run_id"], "test_accuracy"), key=lambda m: m.step)
     first = next((m for m in hist if m.value >= THRESHOLD), None)
     label = "ours: dp-platform train " + (" ".join(extra) if extra else "(2 Ray workers)")
-    return {"impl": label, "seconds_to_threshold": None if first is None else first.timestamp / 1000 - t0,
-            "at_step": None if first is None else first.step, "total_wall_s": r["wall_s"], "final_test_accuracy": r["test_accuracy"]}
+    return {
+        "impl": label,
+        "seconds_to_threshold": None if first is None else first.timestamp / 1000 - t0,
+        "at_step": None if first is None else first.step,
+        "total_wall_s": r["wall_s"],
+        "final_test_accuracy": r["test_accuracy"],
+    }
 
 
 def cmd_opacus_timeline(a) -> None:
@@ -352,10 +427,17 @@ def cmd_opacus_timeline(a) -> None:
     cfg, spec, data = plan_and_data(Path(a.config))
     r = opacus_train(cfg, spec, data, 0, eval_every=a.every, t_launch=t_launch, stop_at=THRESHOLD)
     first = next((p for p in r["timeline"] if p["test_accuracy"] >= THRESHOLD), None)
-    print(json.dumps({"impl": "Opacus 1.6 (same model and mechanism, a script; stopped at 85 %)",
-                      "seconds_to_threshold": None if first is None else first["seconds"],
-                      "at_step": None if first is None else first["step"], "total_wall_s": time.time() - t_launch,
-                      "final_test_accuracy": r["test_accuracy"]}))
+    print(
+        json.dumps(
+            {
+                "impl": "Opacus 1.6 (same model and mechanism, a script; stopped at 85 %)",
+                "seconds_to_threshold": None if first is None else first["seconds"],
+                "at_step": None if first is None else first["step"],
+                "total_wall_s": time.time() - t_launch,
+                "final_test_accuracy": r["test_accuracy"],
+            }
+        )
+    )
 
 
 def ingest_row(workdir: Path) -> dict:
@@ -366,7 +448,9 @@ def ingest_row(workdir: Path) -> dict:
 
     storage = workdir / "ingest-probe"
     shutil.rmtree(storage, ignore_errors=True)  # from cold: nothing ingested, no features
-    cfg = TrainConfig(dataset="fashion-mnist", model="scatter_linear", num_workers=2, storage_path=str(storage), quiet=True)
+    cfg = TrainConfig(
+        dataset="fashion-mnist", model="scatter_linear", num_workers=2, storage_path=str(storage), quiet=True
+    )
     t0 = time.time()
     data_dir, manifest = prepare_data(cfg)
     t1 = time.time()
@@ -382,8 +466,16 @@ def ingest_row(workdir: Path) -> dict:
     t5 = time.time()
     size = lambda d: sum(f.stat().st_size for f in Path(d).glob("*.arrow"))  # noqa: E731
     raw = sum(f.stat().st_size for f in Path("/usr/share/datasets/fashion-mnist").glob("*"))
-    return {"raw_gz_bytes": raw, "ingest_s": t1 - t0, "ingested_bytes": size(data_dir), "dtype": manifest["dtype"],
-            "features_s": t2 - t1, "features_bytes": size(feat_dir), "reuse_verify_s": t4 - t3, "full_verify_s": t5 - t4}
+    return {
+        "raw_gz_bytes": raw,
+        "ingest_s": t1 - t0,
+        "ingested_bytes": size(data_dir),
+        "dtype": manifest["dtype"],
+        "features_s": t2 - t1,
+        "features_bytes": size(feat_dir),
+        "reuse_verify_s": t4 - t3,
+        "full_verify_s": t5 - t4,
+    }
 
 
 def cmd_speed(a) -> None:
@@ -396,24 +488,49 @@ def cmd_speed(a) -> None:
     # Warm the caches (ingest, features) once so that every row measures training only.
     subprocess.run([sys.executable, __file__, "warm", "--workdir", str(work)], check=True)
     for mode in ("non-private", "opacus", "dpcore"):
-        out = subprocess.run([sys.executable, __file__, "speed-child", mode, "--workdir", str(work)], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "speed-child", mode, "--workdir", str(work)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         speed["rows"].append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(speed["rows"][-1], flush=True)
     import ray
 
     # The main job over its whole run (all epochs, with its default cadence of reports and ε),
     # rate from the ledger journal's first to last step: start-up excluded, the rest included.
-    for label, over in (("dp-platform train, in-process (2 threads)", {"in_process": True, "num_workers": 1}),
-                        ("dp-platform train, 1 Ray worker × 1 CPU", {"num_workers": 1}),
-                        ("dp-platform train, 2 Ray workers × 1 CPU", {"num_workers": 2})):
+    for label, over in (
+        ("dp-platform train, in-process (2 threads)", {"in_process": True, "num_workers": 1}),
+        ("dp-platform train, 1 Ray worker × 1 CPU", {"num_workers": 1}),
+        ("dp-platform train, 2 Ray workers × 1 CPU", {"num_workers": 2}),
+    ):
         speed["rows"].append(platform_row(config, label, work, over))
         print(speed["rows"][-1], flush=True)
         if ray.is_initialized():
             ray.shutdown()
-    speed["time_to_85"] = [time_to_threshold_ours(config, work, a.every, []),
-                           time_to_threshold_ours(config, work, a.every, ["--in-process", "--num-workers", "1"])]
-    out = subprocess.run([sys.executable, __file__, "opacus-timeline", "--config", str(config), "--workdir", str(work),
-                          "--every", str(a.every), "--t-launch", str(time.time())], capture_output=True, text=True, check=True)
+    speed["time_to_85"] = [
+        time_to_threshold_ours(config, work, a.every, []),
+        time_to_threshold_ours(config, work, a.every, ["--in-process", "--num-workers", "1"]),
+    ]
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "opacus-timeline",
+            "--config",
+            str(config),
+            "--workdir",
+            str(work),
+            "--every",
+            str(a.every),
+            "--t-launch",
+            str(time.time()),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     speed["time_to_85"].append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(speed["time_to_85"], flush=True)
     speed["ingest"] = ingest_row(work)
@@ -436,12 +553,25 @@ def cmd_startup(a) -> None:
     results = load_results()
     work = Path(a.workdir).resolve()
     rows = []
-    for label, extra in (("1 Ray worker", ["--num-workers", "1"]), ("in-process", ["--num-workers", "1", "--in-process"])):
+    for label, extra in (
+        ("1 Ray worker", ["--num-workers", "1"]),
+        ("in-process", ["--num-workers", "1", "--in-process"]),
+    ):
         for attempt in range(a.repeats):
             trace = work / f"trace-{len(rows)}.txt"
             trace.unlink(missing_ok=True)
             env = {**os.environ, "DP_TRACE": str(trace)}
-            cmd = CLI + ["train", str(config_path(3)), "--epochs", "1", "--quiet", "--registered-model", "none", "--no-log-model", *extra]
+            cmd = CLI + [
+                "train",
+                str(config_path(3)),
+                "--epochs",
+                "1",
+                "--quiet",
+                "--registered-model",
+                "none",
+                "--no-log-model",
+                *extra,
+            ]
             work.mkdir(parents=True, exist_ok=True)
             t0 = time.time()
             subprocess.run(cmd, cwd=work, env=env, check=True, capture_output=True)
@@ -449,7 +579,9 @@ def cmd_startup(a) -> None:
             for line in trace.read_text().splitlines():
                 t, _, label_ = line.split(" ", 2)
                 phases.setdefault(label_, float(t) - t0)
-            rows.append({"setting": label, "attempt": attempt, "phases": phases, "first_step_s": phases.get("first step done")})
+            rows.append(
+                {"setting": label, "attempt": attempt, "phases": phases, "first_step_s": phases.get("first step done")}
+            )
             print(rows[-1]["setting"], attempt, f"{rows[-1]['first_step_s']:.1f}s", flush=True)
     results["startup"] = {"config": str(config_path(3).relative_to(ROOT)), "rows": rows}
     save_results(results)
@@ -464,8 +596,27 @@ def cmd_scale(a) -> None:
     work = Path(a.workdir).resolve()
     data = work / "generated-1m"
     t0 = time.time()
-    subprocess.run(CLI + ["ingest", "generated", str(data), "--generated-size", str(a.size), "--image-size", "32", "--generated-channels", "3",
-                          "--num-shards", "2", "--val-fraction", "0.005", "--test-fraction", "0.005"], check=True)
+    subprocess.run(
+        CLI
+        + [
+            "ingest",
+            "generated",
+            str(data),
+            "--generated-size",
+            str(a.size),
+            "--image-size",
+            "32",
+            "--generated-channels",
+            "3",
+            "--num-shards",
+            "2",
+            "--val-fraction",
+            "0.005",
+            "--test-fraction",
+            "0.005",
+        ],
+        check=True,
+    )
     ingest_s = time.time() - t0
     size = sum(f.stat().st_size for f in data.glob("*.arrow"))
     # The ingest just wrote every page: drop them from the page cache, so that the worker
@@ -480,13 +631,36 @@ def cmd_scale(a) -> None:
     n = json.loads((data / "manifest.json").read_text())
     n_train = sum(e["rows"] for e in n["files"] if e["split"] == "train")
     lot = 1024
-    cfg = TrainConfig(dataset="generated", data_dir=str(data), model="cnn", optimizer="sgd", lr=0.05, lot_size=lot,
-                      epochs=a.steps * lot / n_train, noise_multiplier=1.0, target_epsilon=50.0, num_workers=1, quiet=True,
-                      storage_path=str(work / "runs"), tracking_uri=f"sqlite:///{work}/mlflow.db", registered_model="none", log_model=False)
+    cfg = TrainConfig(
+        dataset="generated",
+        data_dir=str(data),
+        model="cnn",
+        optimizer="sgd",
+        lr=0.05,
+        lot_size=lot,
+        epochs=a.steps * lot / n_train,
+        noise_multiplier=1.0,
+        target_epsilon=50.0,
+        num_workers=1,
+        quiet=True,
+        storage_path=str(work / "runs"),
+        tracking_uri=f"sqlite:///{work}/mlflow.db",
+        registered_model="none",
+        log_model=False,
+    )
     out = run(cfg)
     mem = _placement(out["spec"])[0].get("memory", {})
-    results["scale"] = {"images": a.size, "shape": [3, 32, 32], "dtype": "uint8", "ingest_s": ingest_s, "ingested_bytes": size,
-                        "steps": out["steps"], "lot_size": lot, "worker_memory_mib": mem, "train_examples": n_train}
+    results["scale"] = {
+        "images": a.size,
+        "shape": [3, 32, 32],
+        "dtype": "uint8",
+        "ingest_s": ingest_s,
+        "ingested_bytes": size,
+        "steps": out["steps"],
+        "lot_size": lot,
+        "worker_memory_mib": mem,
+        "train_examples": n_train,
+    }
     save_results(results)
     cmd_report(a)
 
@@ -498,16 +672,29 @@ def cmd_report(a=None) -> None:
     r = load_results()
     if r.get("machine"):
         m = r["machine"]
-        print(f"machine: {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB, Python {m['python']}, torch {m['torch']}, {m['date']}")
+        print(
+            f"machine: {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB, Python {m['python']}, torch {m['torch']}, {m['date']}"
+        )
     acc = r.get("accuracy", [])
     if acc:
-        print("\n| ε (δ=1e-5) | ours: test accuracy (mean ± std, 3 seeds) | Opacus 1.6, same model and mechanism | σ | steps | ε spent (ours, PLD) |")
+        print(
+            "\n| ε (δ=1e-5) | ours: test accuracy (mean ± std, 3 seeds) | Opacus 1.6, same model and mechanism | σ | "
+            "steps | ε spent (ours, PLD) |"
+        )
         print("|---|---|---|---|---|---|")
         for eps in sorted({x["epsilon_target"] for x in acc}):
             cell = {}
             for impl in ("ours", "opacus"):
                 v = [x["test_accuracy"] for x in acc if x["impl"] == impl and x["epsilon_target"] == eps]
-                cell[impl] = "–" if not v else (f"{100 * statistics.mean(v):.2f} ± {100 * statistics.stdev(v):.2f} % (n={len(v)})" if len(v) > 1 else f"{100 * v[0]:.2f} % (n=1)")
+                cell[impl] = (
+                    "–"
+                    if not v
+                    else (
+                        f"{100 * statistics.mean(v):.2f} ± {100 * statistics.stdev(v):.2f} % (n={len(v)})"
+                        if len(v) > 1
+                        else f"{100 * v[0]:.2f} % (n=1)"
+                    )
+                )
             ours = [x for x in acc if x["impl"] == "ours" and x["epsilon_target"] == eps]
             sig = f"{ours[0]['noise_multiplier']:.3f}" if ours else "–"
             steps = ours[0]["steps"] if ours else "–"
@@ -516,21 +703,35 @@ def cmd_report(a=None) -> None:
         plot(r)
     sp = r.get("speed")
     if sp:
-        print(f"\nthroughput ({sp['config']}): the in-script rows over one epoch, the dp-platform rows over the whole run:")
+        print(
+            f"\nthroughput ({sp['config']}): the in-script rows over one epoch, the dp-platform rows over the whole run:"
+        )
         print("| setting | examples/s | peak RSS MiB | anonymous (heap) MiB | file-backed (mapped) MiB |")
         print("|---|---|---|---|---|")
         for row in sp["rows"]:
             f = lambda v: "–" if v is None else f"{v:.0f}"  # noqa: E731
-            print(f"| {row['setting']} | {row['examples_per_s']:.0f} | {f(row.get('peak_rss_mib'))} | {f(row.get('peak_rss_anon_mib'))} | {f(row.get('rss_file_mib'))} |")
-        print("\n| implementation | seconds from launch to 85 % test accuracy | at step | final test accuracy | total wall s |")
+            print(
+                f"| {row['setting']} | {row['examples_per_s']:.0f} | {f(row.get('peak_rss_mib'))} | "
+                f"{f(row.get('peak_rss_anon_mib'))} | {f(row.get('rss_file_mib'))} |"
+            )
+        print(
+            "\n| implementation | seconds from launch to 85 % test accuracy | at step | final test accuracy | total wall s |"
+        )
         print("|---|---|---|---|---|")
         for row in sp.get("time_to_85", []):
-            print(f"| {row['impl']} | {row['seconds_to_threshold']:.1f} | {row['at_step']} | {row['final_test_accuracy']:.4f} | {row['total_wall_s']:.1f} |")
+            print(
+                f"| {row['impl']} | {row['seconds_to_threshold']:.1f} | {row['at_step']} | "
+                f"{row['final_test_accuracy']:.4f} | {row['total_wall_s']:.1f} |"
+            )
         ing = sp.get("ingest")
         if ing:
-            print(f"\ningest: {ing['raw_gz_bytes'] / 2**20:.1f} MiB of IDX .gz -> {ing['ingested_bytes'] / 2**20:.1f} MiB of {ing['dtype']} Arrow shards in "
-                  f"{ing['ingest_s']:.1f} s; ScatterNet features {ing['features_bytes'] / 2**20:.0f} MiB in {ing['features_s']:.1f} s (once); "
-                  f"re-use {ing['reuse_verify_s'] * 1000:.0f} ms; full re-verification {ing['full_verify_s']:.2f} s")
+            print(
+                f"\ningest: {ing['raw_gz_bytes'] / 2**20:.1f} MiB of IDX .gz -> {ing['ingested_bytes'] / 2**20:.1f} "
+                f"MiB of {ing['dtype']} Arrow shards in "
+                f"{ing['ingest_s']:.1f} s; ScatterNet features {ing['features_bytes'] / 2**20:.0f} MiB in "
+                f"{ing['features_s']:.1f} s (once); "
+                f"re-use {ing['reuse_verify_s'] * 1000:.0f} ms; full re-verification {ing['full_verify_s']:.2f} s"
+            )
     st = r.get("startup")
     if st:
         print("\n| setting | attempt | launch → first step s | phases (s since launch) |")
@@ -541,9 +742,12 @@ def cmd_report(a=None) -> None:
     sc = r.get("scale")
     if sc:
         m = sc["worker_memory_mib"]
-        print(f"\nscale: {sc['images']:,} generated {'×'.join(map(str, sc['shape']))} {sc['dtype']} images -> {sc['ingested_bytes'] / 2**30:.2f} GiB "
-              f"in {sc['ingest_s']:.0f} s; one Ray worker, {sc['steps']} steps of lot {sc['lot_size']}: peak RSS {m.get('peak_rss_mib')} MiB "
-              f"(anonymous {m.get('peak_rss_anon_mib')} MiB; file-backed at the end {m.get('rss_file_mib')} MiB)")
+        print(
+            f"\nscale: {sc['images']:,} generated {'×'.join(map(str, sc['shape']))} {sc['dtype']} images -> "
+            f"{sc['ingested_bytes'] / 2**30:.2f} GiB "
+            f"in {sc['ingest_s']:.0f} s; one Ray worker, {sc['steps']} steps of lot {sc['lot_size']}: peak RSS {m.get('peak_rss_mib')} MiB "
+            f"(anonymous {m.get('peak_rss_anon_mib')} MiB; file-backed at the end {m.get('rss_file_mib')} MiB)"
+        )
 
 
 def plot(r: dict) -> None:
@@ -557,18 +761,35 @@ def plot(r: dict) -> None:
 
     acc = r["accuracy"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for impl, label, marker in (("ours", "ours (ScatterNet + linear, dp-platform)", "o"), ("opacus", "Opacus 1.6, same model and mechanism", "s")):
+    for impl, label, marker in (
+        ("ours", "ours (ScatterNet + linear, dp-platform)", "o"),
+        ("opacus", "Opacus 1.6, same model and mechanism", "s"),
+    ):
         eps = sorted({x["epsilon_target"] for x in acc if x["impl"] == impl})
         if not eps:
             continue
-        means = [statistics.mean(x["test_accuracy"] for x in acc if x["impl"] == impl and x["epsilon_target"] == e) for e in eps]
-        sds = [statistics.stdev([x["test_accuracy"] for x in acc if x["impl"] == impl and x["epsilon_target"] == e])
-               if sum(1 for x in acc if x["impl"] == impl and x["epsilon_target"] == e) > 1 else 0 for e in eps]
+        means = [
+            statistics.mean(x["test_accuracy"] for x in acc if x["impl"] == impl and x["epsilon_target"] == e)
+            for e in eps
+        ]
+        sds = [
+            statistics.stdev([x["test_accuracy"] for x in acc if x["impl"] == impl and x["epsilon_target"] == e])
+            if sum(1 for x in acc if x["impl"] == impl and x["epsilon_target"] == e) > 1
+            else 0
+            for e in eps
+        ]
         ax.errorbar(eps, [100 * m for m in means], yerr=[100 * s for s in sds], marker=marker, capsize=3, label=label)
     for p in PUBLISHED:
         ax.scatter([p["epsilon"]], [100 * p["accuracy"]], marker="x", color="gray")
-        ax.annotate(p["source"], (p["epsilon"], 100 * p["accuracy"]), fontsize=6, textcoords="offset points", color="gray",
-                    xytext=(-6, 6) if p["epsilon"] != 3.0 else (6, -3), ha="right" if p["epsilon"] != 3.0 else "left")
+        ax.annotate(
+            p["source"],
+            (p["epsilon"], 100 * p["accuracy"]),
+            fontsize=6,
+            textcoords="offset points",
+            color="gray",
+            xytext=(-6, 6) if p["epsilon"] != 3.0 else (6, -3),
+            ha="right" if p["epsilon"] != 3.0 else "left",
+        )
     ax.set_xscale("log")
     ax.set_xticks(EPSILONS)
     ax.set_xticklabels([str(e) for e in EPSILONS])
@@ -607,13 +828,24 @@ def main(argv=None) -> int:
     ot.add_argument("--every", type=int, default=4)
     ot.add_argument("--t-launch", required=True)
     for s in (acc, sp, st, sc, ch, ot, sub.choices["warm"]):
-        s.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "fmnist-bench"), help="where runs, caches and mlflow.db go")
+        s.add_argument(
+            "--workdir",
+            default=str(Path(tempfile.gettempdir()) / "fmnist-bench"),
+            help="where runs, caches and mlflow.db go",
+        )
     a = p.parse_args(argv)
     if a.cmd == "speed-child":
         print(json.dumps(speed_child(a.mode, config_path(3), Path(a.workdir))))
         return 0
-    {"accuracy": cmd_accuracy, "speed": cmd_speed, "startup": cmd_startup, "scale": cmd_scale, "report": cmd_report,
-     "warm": cmd_warm, "opacus-timeline": cmd_opacus_timeline}[a.cmd](a)
+    {
+        "accuracy": cmd_accuracy,
+        "speed": cmd_speed,
+        "startup": cmd_startup,
+        "scale": cmd_scale,
+        "report": cmd_report,
+        "warm": cmd_warm,
+        "opacus-timeline": cmd_opacus_timeline,
+    }[a.cmd](a)
     return 0
 
 

@@ -8,6 +8,7 @@ the transfers, the noise and the server step; evaluation and ε reports are outs
 
     .venv/bin/python docs/benchmarks/federated_overhead.py --rounds 60
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,12 +35,29 @@ def main() -> None:
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, executor, actors in (("in-process loop", "local", 1), ("Ray, 1 actor", "ray", 1), ("Ray, 2 actors", "ray", 2),
-                                       ("in-process loop (2 shares)", "local", 2)):
+        for name, executor, actors in (
+            ("in-process loop", "local", 1),
+            ("Ray, 1 actor", "ray", 1),
+            ("Ray, 2 actors", "ray", 2),
+            ("in-process loop (2 shares)", "local", 2),
+        ):
             cfg = FederatedConfig(
-                dataset="generated", generated_size=round(60_000 / 0.7), num_clients=a.clients, clients_per_round=float(a.per_round),
-                noise_multiplier=1.0, rounds=a.rounds, target_epsilon=8.0, target_delta=1e-6, executor=executor, num_actors=actors,
-                eval_every=a.rounds, log_model=False, quiet=True, seed=0, tracking_uri=f"sqlite:///{tmp}/mlflow.db", storage_path=f"{tmp}/runs",
+                dataset="generated",
+                generated_size=round(60_000 / 0.7),
+                num_clients=a.clients,
+                clients_per_round=float(a.per_round),
+                noise_multiplier=1.0,
+                rounds=a.rounds,
+                target_epsilon=8.0,
+                target_delta=1e-6,
+                executor=executor,
+                num_actors=actors,
+                eval_every=a.rounds,
+                log_model=False,
+                quiet=True,
+                seed=0,
+                tracking_uri=f"sqlite:///{tmp}/mlflow.db",
+                storage_path=f"{tmp}/runs",
             )
             out = run_federated(cfg)
             secs = out["round_seconds"][5:]  # the first rounds warm up
@@ -47,8 +65,10 @@ def main() -> None:
             print(f"{name}: {1 / statistics.median(secs):.2f} rounds/s", flush=True)
     ray.shutdown()
     base = results["in-process loop"][0]
-    print(f"\nK={a.clients:,}, m={a.per_round} expected clients per round (Poisson), {a.rounds} rounds (median of rounds 6–{a.rounds}); "
-          f"generated 8×8 data, 6 examples per client (non-IID), MLP, E=1, B=10;")
+    print(
+        f"\nK={a.clients:,}, m={a.per_round} expected clients per round (Poisson), {a.rounds} rounds (median of rounds 6–{a.rounds}); "
+        f"generated 8×8 data, 6 examples per client (non-IID), MLP, E=1, B=10;"
+    )
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {platform.machine()}, {time.strftime('%Y-%m-%d')}\n")
     print("| executor | s per round (median) | rounds/s | vs in-process loop |")
     print("|---|---|---|---|")

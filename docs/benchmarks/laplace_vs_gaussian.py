@@ -14,6 +14,7 @@ Every step is a release; T releases compose. This script prints:
 Model, data, lot size (512), epochs (60, 147 steps) and optimiser are those of
 methods_digits.py. Test accuracy is the mean over seeds 0–2.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -35,7 +36,9 @@ LOT, EPOCHS, DELTA, SEEDS = 512, 60, 1e-5, 3
 GAUSSIAN_EPSILONS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 
 
-def train(seed: int, *, laplace_eps0: float | None = None, target_epsilon: float | None = None) -> tuple[float, float, int]:
+def train(
+    seed: int, *, laplace_eps0: float | None = None, target_epsilon: float | None = None
+) -> tuple[float, float, int]:
     data = load_digits()
     torch.manual_seed(0)
     model = build_model("mlp", data.input_shape, data.num_classes)
@@ -45,12 +48,27 @@ def train(seed: int, *, laplace_eps0: float | None = None, target_epsilon: float
         q = dpcore.sample_rate_from_lot_size(LOT, len(data.train))
         steps = dpcore.steps_for_epochs(EPOCHS, q)
         composed = dpcore.epsilon([(PrivacyEvent(POISSON_LAPLACE, 1.0 / laplace_eps0, q), steps)], DELTA)
-        kw = dict(noise="laplace", clip_norm_type="l1", noise_multiplier=1.0 / laplace_eps0, target_epsilon=composed * (1 + 1e-9))
+        kw = dict(
+            noise="laplace",
+            clip_norm_type="l1",
+            noise_multiplier=1.0 / laplace_eps0,
+            target_epsilon=composed * (1 + 1e-9),
+        )
     else:
         kw = dict(target_epsilon=target_epsilon)
     private = dpcore.make_private(
-        model, opt, F.cross_entropy, dataset_size=len(data.train), lot_size=LOT, epochs=EPOCHS, target_delta=DELTA,
-        clip_norm=1.0, seed=seed, physical_batch_size=LOT, epsilon_every=10**9, **kw,
+        model,
+        opt,
+        F.cross_entropy,
+        dataset_size=len(data.train),
+        lot_size=LOT,
+        epochs=EPOCHS,
+        target_delta=DELTA,
+        clip_norm=1.0,
+        seed=seed,
+        physical_batch_size=LOT,
+        epsilon_every=10**9,
+        **kw,
     )
     x_train = data.inputs("train")
     for lot in private.sampler:
@@ -66,7 +84,7 @@ def main() -> int:
     q = dpcore.sample_rate_from_lot_size(LOT, n)
     steps = dpcore.steps_for_epochs(EPOCHS, q)
     print(f"## 1. The claim: Laplace of scale Δ₁/ε₀ per step, T={steps} steps (digits, lot {LOT} of N={n})\n")
-    print("| claimed ε (per-step ε₀) | composed ε, full batch (q=1) | composed ε, Poisson q={:.3f} |".format(q))
+    print(f"| claimed ε (per-step ε₀) | composed ε, full batch (q=1) | composed ε, Poisson q={q:.3f} |")
     print("|---|---|---|")
     for eps0 in (0.5, 1.0, 2.0):
         full = dpcore.epsilon([(PrivacyEvent(LAPLACE, 1.0 / eps0), steps)], DELTA)
@@ -80,7 +98,10 @@ def main() -> int:
         accs = [train(s, target_epsilon=eps)[0] for s in range(SEEDS)]
         gaussian[eps] = statistics.mean(accs)
         print(f"gaussian ε={eps:g}: {gaussian[eps]:.3f}", file=sys.stderr, flush=True)
-    print("| Laplace form: per-step ε₀ (b = C/ε₀) | its test accuracy | its composed ε (PLD) | smallest Gaussian-form ε reaching that accuracy (its accuracy) |")
+    print(
+        "| Laplace form: per-step ε₀ (b = C/ε₀) | its test accuracy | its composed ε (PLD) | smallest Gaussian-form ε "
+        "reaching that accuracy (its accuracy) |"
+    )
     print("|---|---|---|---|")
     for eps0 in (0.5, 1.0, 2.0, 8.0):
         runs = [train(s, laplace_eps0=eps0) for s in range(SEEDS)]
@@ -89,7 +110,10 @@ def main() -> int:
         reach = [e for e in GAUSSIAN_EPSILONS if gaussian[e] >= acc]
         match = f"{reach[0]:g} ({gaussian[reach[0]]:.3f})" if reach else f"> {GAUSSIAN_EPSILONS[-1]:g}"
         print(f"| {eps0:g} | {acc:.3f} | {composed:.1f} | {match} |", flush=True)
-    print("\nGaussian form at each ε (test accuracy, mean of 3 seeds): " + ", ".join(f"ε={e:g}: {a:.3f}" for e, a in gaussian.items()))
+    print(
+        "\nGaussian form at each ε (test accuracy, mean of 3 seeds): "
+        + ", ".join(f"ε={e:g}: {a:.3f}" for e, a in gaussian.items())
+    )
     return 0
 
 

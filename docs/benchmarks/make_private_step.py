@@ -40,19 +40,34 @@ def setup(mode: str, seed: int):
     model = build_model("cnn", (1, 28, 28), 10)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if mode == "non-private":
+
         def step(x, y):
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(model(x), y).backward()
             opt.step()
+
         return step
-    extra = {"epsilon every step": {"epsilon_every": 1}, "old defaults": {"epsilon_every": 1, "clipping": "vmap"}}.get(mode, {})
-    private = dpcore.make_private(model, opt, F.cross_entropy, dataset_size=N, lot_size=LOT, epochs=EPOCHS,
-                                  target_epsilon=3.0, target_delta=1e-5, clip_norm=1.0, **extra)
+    extra = {"epsilon every step": {"epsilon_every": 1}, "old defaults": {"epsilon_every": 1, "clipping": "vmap"}}.get(
+        mode, {}
+    )
+    private = dpcore.make_private(
+        model,
+        opt,
+        F.cross_entropy,
+        dataset_size=N,
+        lot_size=LOT,
+        epochs=EPOCHS,
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        clip_norm=1.0,
+        **extra,
+    )
     private.ledger.allowance(dpcore.PrivacyEvent.dpsgd_step(private.optimizer.noise_multiplier, LOT / N))
 
     def step(x, y):
         private.optimizer.accumulate(x, y)
         private.optimizer.step()
+
     return step
 
 
@@ -82,13 +97,17 @@ def main(argv=None) -> int:
             steps[m](*b)
             times[m].append(time.perf_counter() - t0)
     base = statistics.median(times["non-private"])
-    print(f"MNIST CNN, expected lot {LOT}, {a.threads} thread(s), {a.rounds} interleaved rounds, median; torch {torch.__version__}")
+    print(
+        f"MNIST CNN, expected lot {LOT}, {a.threads} thread(s), {a.rounds} interleaved rounds, median; torch {torch.__version__}"
+    )
     print("| step | ms/step | × non-private |")
     print("|---|---|---|")
     for m in modes:
         med = statistics.median(times[m])
-        label = {"epsilon every step": "make_private(..., epsilon_every=1)",
-                 "old defaults": "make_private(..., epsilon_every=1, clipping='vmap'): the defaults until 2026-11-23"}.get(m, m)
+        label = {
+            "epsilon every step": "make_private(..., epsilon_every=1)",
+            "old defaults": "make_private(..., epsilon_every=1, clipping='vmap'): the defaults until 2026-11-23",
+        }.get(m, m)
         print(f"| {label} | {1000 * med:.1f} | {med / base:.2f} |")
     return 0
 

@@ -18,6 +18,7 @@ clip 1.0, δ=1e-5, σ calibrated by PLD for each ε. Methods:
 that choice is hyperparameter selection on private data and is not covered by the guarantee
 (as in the papers). The table reports test accuracy on the 359 test images.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,9 +60,20 @@ def train(method: str, eps: float, seed: int, choices: dict, diagnostics: bool =
             "BAM": {"method": "bam", "ascent": choices["bam_lambda"]},
         }[method]
     private = dpcore.make_private(
-        model, opt, F.cross_entropy, dataset_size=len(data.train), lot_size=LOT, epochs=EPOCHS, target_epsilon=eps,
-        target_delta=DELTA, clip_norm=CLIP, seed=seed, physical_batch_size=LOT, epsilon_every=10**9,
-        diagnostics=diagnostics, **extra,
+        model,
+        opt,
+        F.cross_entropy,
+        dataset_size=len(data.train),
+        lot_size=LOT,
+        epochs=EPOCHS,
+        target_epsilon=eps,
+        target_delta=DELTA,
+        clip_norm=CLIP,
+        seed=seed,
+        physical_batch_size=LOT,
+        epsilon_every=10**9,
+        diagnostics=diagnostics,
+        **extra,
     )
     t0 = time.perf_counter()
     x_train = data.inputs("train")
@@ -117,7 +129,11 @@ def table(seeds: int) -> None:
             accs = [r["test"] for r in runs]
             sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
             cells.append(f"{statistics.mean(accs):.3f} ± {sd:.3f}")
-            print(f"ε={eps:g} {m}: {accs} ({statistics.mean(r['seconds'] for r in runs):.1f}s/run)", file=sys.stderr, flush=True)
+            print(
+                f"ε={eps:g} {m}: {accs} ({statistics.mean(r['seconds'] for r in runs):.1f}s/run)",
+                file=sys.stderr,
+                flush=True,
+            )
         lines.append(f"| {eps:g} | {sigma:.2f} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
     print(f"\ntest accuracy, mean ± sd over seeds 0–{seeds - 1}; {time.time() - t0:.0f}s wall; choices {choices}")
@@ -138,16 +154,28 @@ def figure(eps: float, seeds: int, out: Path) -> None:
         for s in range(seeds):
             r = train(m, eps, s, choices, diagnostics=True)
             curves.append([h["bias"] for h in r["history"]])
-            coss.append([h["cos_per_example_ascent"] if m == "BAM" else h["cos_previous_private"] for h in r["history"]])
+            coss.append(
+                [h["cos_per_example_ascent"] if m == "BAM" else h["cos_previous_private"] for h in r["history"]]
+            )
         bias = np.mean(np.array(curves), axis=0)
         steps = np.arange(1, len(bias) + 1)
         axes[0].plot(steps, bias, color=color, label=m)
         if m in ("DP-SAT", "BAM"):
-            axes[1].plot(steps, np.nanmean(np.array(coss), axis=0), color=color,
-                         label=f"{m}: {'per-example g_i' if m == 'BAM' else 'previous private ĝ'}")
-        summary.append((m, float(bias[: len(bias) // 2].mean()), float(bias[len(bias) // 2 :].mean()), float(bias.mean())))
-    axes[0].set(xlabel="step", ylabel="‖ĝ_clip − ĝ‖ (lot mean)", title=f"Bias of the clipped mean at θ, digits, ε={eps:g}")
-    axes[1].set(xlabel="step", ylabel="cosine with the lot gradient ĝ", title="Ascent direction vs. non-private gradient")
+            axes[1].plot(
+                steps,
+                np.nanmean(np.array(coss), axis=0),
+                color=color,
+                label=f"{m}: {'per-example g_i' if m == 'BAM' else 'previous private ĝ'}",
+            )
+        summary.append(
+            (m, float(bias[: len(bias) // 2].mean()), float(bias[len(bias) // 2 :].mean()), float(bias.mean()))
+        )
+    axes[0].set(
+        xlabel="step", ylabel="‖ĝ_clip − ĝ‖ (lot mean)", title=f"Bias of the clipped mean at θ, digits, ε={eps:g}"
+    )
+    axes[1].set(
+        xlabel="step", ylabel="cosine with the lot gradient ĝ", title="Ascent direction vs. non-private gradient"
+    )
     axes[1].axhline(0, color="black", lw=0.5)
     for ax in axes:
         ax.grid(alpha=0.3)
@@ -171,7 +199,11 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    {"tune": lambda: tune(a.seeds), "table": lambda: table(a.seeds), "figure": lambda: figure(a.epsilon, a.seeds, a.out)}[a.what]()
+    {
+        "tune": lambda: tune(a.seeds),
+        "table": lambda: table(a.seeds),
+        "figure": lambda: figure(a.epsilon, a.seeds, a.out),
+    }[a.what]()
     return 0
 
 

@@ -43,7 +43,9 @@ def cache_dir(storage_path: str | Path, manifest: dict, key: str) -> Path:
 
 
 @torch.no_grad()
-def _transform(front: nn.Module, data_dir: Path, split: str, rank: int, world: int, progress) -> tuple[torch.Tensor, torch.Tensor]:
+def _transform(
+    front: nn.Module, data_dir: Path, split: str, rank: int, world: int, progress
+) -> tuple[torch.Tensor, torch.Tensor]:
     part = open_split(data_dir, split, rank, world)
     outs = []
     for lo in range(0, len(part), CHUNK):
@@ -56,7 +58,9 @@ def _transform(front: nn.Module, data_dir: Path, split: str, rank: int, world: i
     return torch.cat(outs), part.y
 
 
-def ensure_features(data_dir: str | Path, manifest: dict, front: nn.Module, key: str, storage_path: str | Path, stream=sys.stderr) -> tuple[Path, dict]:
+def ensure_features(
+    data_dir: str | Path, manifest: dict, front: nn.Module, key: str, storage_path: str | Path, stream=sys.stderr
+) -> tuple[Path, dict]:
     """The ingested dataset of ``front``'s features of ``data_dir`` (computed now if it is not
     cached yet, else verified). Returns (its folder, its manifest)."""
     out = cache_dir(storage_path, manifest, key)
@@ -73,14 +77,19 @@ def ensure_features(data_dir: str | Path, manifest: dict, front: nn.Module, key:
     def progress(n: int) -> None:
         done[0] += n
         if stream is not None:
-            stream.write(f"\rcomputing {key} features once for {manifest['name']}: {done[0]}/{total} examples  {time.monotonic() - t0:4.0f}s")
+            stream.write(
+                f"\rcomputing {key} features once for {manifest['name']}: {done[0]}/{total} examples  {time.monotonic() - t0:4.0f}s"
+            )
             stream.flush()
 
     front = front.eval()
     splits = {}
     for split in ("train", "val", "test"):
         if split == "train":
-            shards = [_transform(front, Path(data_dir), split, r, manifest["num_shards"], progress) for r in range(manifest["num_shards"])]
+            shards = [
+                _transform(front, Path(data_dir), split, r, manifest["num_shards"], progress)
+                for r in range(manifest["num_shards"])
+            ]
             splits[split] = shards
         else:
             splits[split] = [_transform(front, Path(data_dir), split, 0, 1, progress)]

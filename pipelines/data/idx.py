@@ -104,11 +104,14 @@ def _read_tensor(path: Path) -> torch.Tensor:
             tmp.flush()
             return read_sn3_pascalvincent_tensor(tmp.name, strict=True)
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
-        raise DPConfigError(f"{path} is not a complete gzip file ({e}): it is truncated or corrupt. Re-install or re-download it.") from None
+        raise DPConfigError(
+            f"{path} is not a complete gzip file ({e}): it is truncated or corrupt. Re-install or re-download it."
+        ) from None
     except (AssertionError, RuntimeError, KeyError, IndexError, ValueError) as e:
         detail = f" ({e})" if str(e) else ""
         raise DPConfigError(
-            f"{path} is not a valid IDX file{detail}: its header or its size is wrong (truncated or corrupt?). Re-install or re-download it."
+            f"{path} is not a valid IDX file{detail}: its header or its size is wrong (truncated or corrupt?). "
+            "Re-install or re-download it."
         ) from None
 
 
@@ -116,7 +119,9 @@ def read_idx_split(images_path: Path, labels_path: Path, num_classes: int = 10) 
     """(images uint8 [N, 1, H, W], labels int64 [N]) from an IDX pair, checked."""
     x = _read_tensor(images_path)
     if x.dtype != torch.uint8 or x.ndim != 3:
-        raise DPConfigError(f"{images_path} holds {x.dtype} data of shape {tuple(x.shape)}; expected uint8 images [N, H, W].")
+        raise DPConfigError(
+            f"{images_path} holds {x.dtype} data of shape {tuple(x.shape)}; expected uint8 images [N, H, W]."
+        )
     y = _read_tensor(labels_path)
     if y.dtype != torch.uint8 or y.ndim != 1:
         raise DPConfigError(f"{labels_path} holds {y.dtype} data of shape {tuple(y.shape)}; expected uint8 labels [N].")

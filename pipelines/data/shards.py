@@ -65,7 +65,9 @@ def sha256_file(path: Path) -> str:
 
 
 def _schema(width: int) -> pa.Schema:
-    return pa.schema([("index", pa.int64()), ("image", pa.binary(width)), ("label", pa.int64()), ("split", pa.string())])
+    return pa.schema(
+        [("index", pa.int64()), ("image", pa.binary(width)), ("label", pa.int64()), ("split", pa.string())]
+    )
 
 
 def _write_file(path: Path, x: torch.Tensor, y: torch.Tensor, first_index: int, split: str) -> None:
@@ -101,7 +103,9 @@ def ingest(dataset: Dataset, out_dir: str | Path, num_shards: int = 2) -> Path:
     bounds = np.linspace(0, n_train, num_shards + 1).round().astype(int)
     train = [(dataset.train.x[lo:hi], dataset.train.y[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
     splits = {"train": train, "val": [(dataset.val.x, dataset.val.y)], "test": [(dataset.test.x, dataset.test.y)]}
-    out = ingest_arrays(splits, out_dir, dataset.name, dataset.num_classes, dataset.normalization, dataset.split_info, dataset.source)
+    out = ingest_arrays(
+        splits, out_dir, dataset.name, dataset.num_classes, dataset.normalization, dataset.split_info, dataset.source
+    )
     mark_verified(out)  # hashed as it was written: the next run need not hash again
     return out
 
@@ -127,11 +131,21 @@ def ingest_arrays(
         for shard, (x, y) in enumerate(splits[split]):
             fname = f"train-{shard:05d}-of-{num_shards:05d}.arrow" if split == "train" else f"{split}.arrow"
             if tuple(x.shape[1:]) != tuple(x0.shape[1:]) or x.dtype != x0.dtype:
-                raise DPConfigError(f"{split} shard {shard} holds {x.dtype} {tuple(x.shape[1:])}, the first training shard {x0.dtype} {tuple(x0.shape[1:])}.")
+                raise DPConfigError(
+                    f"{split} shard {shard} holds {x.dtype} {tuple(x.shape[1:])}, the first training shard {x0.dtype} "
+                    f"{tuple(x0.shape[1:])}."
+                )
             _write_file(out / fname, x, y, first if split == "train" else 0, split)
             first += len(y) if split == "train" else 0
             entries.append(
-                {"split": split, "shard": shard, "file": fname, "rows": int(len(y)), "bytes": (out / fname).stat().st_size, "sha256": sha256_file(out / fname)}
+                {
+                    "split": split,
+                    "shard": shard,
+                    "file": fname,
+                    "rows": int(len(y)),
+                    "bytes": (out / fname).stat().st_size,
+                    "sha256": sha256_file(out / fname),
+                }
             )
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -212,7 +226,10 @@ def _write_stamp(data_dir: Path, manifest: dict) -> None:
     path = _stamp_path(data_dir)
     if path is None:
         return
-    stamp = {"manifest": _stat_key(data_dir / MANIFEST), "files": {e["file"]: [*_stat_key(data_dir / e["file"]), e["sha256"]] for e in manifest["files"]}}
+    stamp = {
+        "manifest": _stat_key(data_dir / MANIFEST),
+        "files": {e["file"]: [*_stat_key(data_dir / e["file"]), e["sha256"]] for e in manifest["files"]},
+    }
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".stamp-")
         with os.fdopen(fd, "w") as f:
@@ -253,7 +270,9 @@ def _check_structure(path: Path, entry: dict, manifest: dict, random_access: boo
             raise ValueError(f"{reader.num_record_batches} record batches, expected 1")
         batch = reader.get_batch(0)
     except (pa.ArrowInvalid, pa.ArrowException, OSError, ValueError) as e:
-        raise CorruptShardError(f"shard {path} cannot be read as an Arrow file ({e}); re-run the ingest step.") from None
+        raise CorruptShardError(
+            f"shard {path} cannot be read as an Arrow file ({e}); re-run the ingest step."
+        ) from None
     width = int(math.prod(manifest["input_shape"])) * np.dtype(manifest["dtype"]).itemsize
     if batch.schema.field("image").type != pa.binary(width) or batch.num_rows != entry["rows"]:
         raise CorruptShardError(
@@ -348,7 +367,9 @@ def _mapped_tensor(batch: pa.RecordBatch, manifest: dict) -> torch.Tensor:
     col = batch.column("image")
     shape = tuple(manifest["input_shape"])
     dtype = np.dtype(manifest["dtype"])
-    raw = np.frombuffer(col.buffers()[1], dtype=np.uint8, count=len(col) * col.type.byte_width, offset=col.offset * col.type.byte_width)
+    raw = np.frombuffer(
+        col.buffers()[1], dtype=np.uint8, count=len(col) * col.type.byte_width, offset=col.offset * col.type.byte_width
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "non-writable": the map is read-only, and we never write to it
         return torch.from_numpy(raw.view(dtype).reshape((len(col),) + shape))
@@ -381,7 +402,11 @@ def open_split(data_dir: str | Path, split: str, rank: int = 0, world_size: int 
         labels.append(torch.from_numpy(batch.column("label").to_numpy(zero_copy_only=False).astype(np.int64)))
     dtype = torch.from_numpy(np.zeros(0, np.dtype(manifest["dtype"]))).dtype
     y = torch.cat(labels) if labels else torch.empty(0, dtype=torch.long)
-    return MappedSplit(MappedImages(parts, tuple(manifest["input_shape"]), dtype), y, Normalization.from_dict(manifest.get("normalization")))
+    return MappedSplit(
+        MappedImages(parts, tuple(manifest["input_shape"]), dtype),
+        y,
+        Normalization.from_dict(manifest.get("normalization")),
+    )
 
 
 def read_split(data_dir: str | Path, split: str, rank: int = 0, world_size: int = 1) -> Split:

@@ -68,7 +68,9 @@ class Normalization:
         mean = torch.tensor(self.mean, dtype=torch.float64)
         std = torch.tensor(self.std, dtype=torch.float64)
         if len(mean) != 1 and len(mean) != channels:
-            raise DPConfigError(f"the normalization has {len(mean)} channel constants but the data has {channels} channels.")
+            raise DPConfigError(
+                f"the normalization has {len(mean)} channel constants but the data has {channels} channels."
+            )
         return (self.scale / std).float().to(device), (-mean / std).float().to(device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +84,7 @@ class Normalization:
         return {"scale": self.scale, "mean": list(self.mean), "std": list(self.std)}
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "Normalization":
+    def from_dict(cls, d: dict | None) -> Normalization:
         if not d:
             return cls()
         return cls(float(d["scale"]), tuple(float(v) for v in d["mean"]), tuple(float(v) for v in d["std"]))
@@ -111,7 +113,7 @@ class Dataset:
     normalization: Normalization = field(default_factory=Normalization)
     source: dict = field(default_factory=dict)  # where the data came from (files, sizes), for the manifest
 
-    def with_train_subset(self, k: int) -> "Dataset":
+    def with_train_subset(self, k: int) -> Dataset:
         """Only the first ``k`` training examples. The training split is already in a public
         random order (a data-independent permutation), so they are a uniform random subset,
         chosen without looking at the data; validation and test are unchanged."""
@@ -155,7 +157,12 @@ def _split(name, x, y, num_classes, test_fraction, val_fraction, split_seed, **e
     test_idx, val_idx, train_idx = perm[:n_test], perm[n_test : n_test + n_val], perm[n_test + n_val :]
     if len(train_idx) == 0:
         raise DPConfigError(f"the dataset {name!r} has no training examples after the split (N={n}).")
-    info = {"source": "one pool", "test_fraction": test_fraction, "val_fraction": val_fraction, "split_seed": split_seed}
+    info = {
+        "source": "one pool",
+        "test_fraction": test_fraction,
+        "val_fraction": val_fraction,
+        "split_seed": split_seed,
+    }
     return Dataset(
         name,
         Split(x[train_idx], y[train_idx]),
@@ -238,13 +245,20 @@ def load_generated(
     for lo in range(0, generated_size, _GENERATED_CHUNK):
         hi = min(lo + _GENERATED_CHUNK, generated_size)
         noise = torch.randn((hi - lo,) + shape, generator=g)
-        x[lo:hi] = (128.0 + _GENERATED_GAIN * (prototypes[y[lo:hi]] + 1.5 * noise)).round_().clamp_(0, 255).to(torch.uint8)
+        x[lo:hi] = (
+            (128.0 + _GENERATED_GAIN * (prototypes[y[lo:hi]] + 1.5 * noise)).round_().clamp_(0, 255).to(torch.uint8)
+        )
     n_test = int(round(generated_size * test_fraction))
     n_val = int(round(generated_size * val_fraction))
     n_train = generated_size - n_test - n_val
     if n_train <= 0:
         raise DPConfigError(f"the dataset 'generated' has no training examples after the split (N={generated_size}).")
-    info = {"source": "generated (i.i.d.)", "test_fraction": test_fraction, "val_fraction": val_fraction, "seed": GENERATED_SEED}
+    info = {
+        "source": "generated (i.i.d.)",
+        "test_fraction": test_fraction,
+        "val_fraction": val_fraction,
+        "seed": GENERATED_SEED,
+    }
     cut = (slice(0, n_train), slice(n_train, n_train + n_val), slice(n_train + n_val, generated_size))
     return Dataset(
         "generated",
@@ -266,7 +280,9 @@ def _require_dir(name: str, data_dir: str | None, download: bool) -> Path:
     if download:
         path.mkdir(parents=True, exist_ok=True)
     elif path.exists() and not path.is_dir():
-        raise DPConfigError(f"data_dir={data_dir!r} is a file, not a folder. Point --data-dir to the folder that holds {name}.")
+        raise DPConfigError(
+            f"data_dir={data_dir!r} is a file, not a folder. Point --data-dir to the folder that holds {name}."
+        )
     elif not path.is_dir():
         raise DPConfigError(
             f"data_dir={data_dir!r} does not exist. Point --data-dir to the folder that holds {name} "
@@ -278,7 +294,9 @@ def _require_dir(name: str, data_dir: str | None, download: bool) -> Path:
 _TORCHVISION = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "cifar10": "CIFAR10", "cifar100": "CIFAR100"}
 
 
-def load_idx(name: str, data_dir: str | None = None, download: bool = False, val_fraction: float = 0.1, split_seed: int = 0, **_) -> Dataset:
+def load_idx(
+    name: str, data_dir: str | None = None, download: bool = False, val_fraction: float = 0.1, split_seed: int = 0, **_
+) -> Dataset:
     """MNIST or Fashion-MNIST from IDX files as shipped (see :mod:`pipelines.data.idx`)."""
     if download:
         import torchvision
@@ -290,12 +308,18 @@ def load_idx(name: str, data_dir: str | None = None, download: bool = False, val
     x_tr, y_tr = read_idx_split(*files["train"])
     x_te, y_te = read_idx_split(*files["test"])
     if x_tr.shape[1:] != x_te.shape[1:]:
-        raise DPConfigError(f"{files['train'][0]} holds images of {tuple(x_tr.shape[2:])} but {files['test'][0]} of {tuple(x_te.shape[2:])}.")
+        raise DPConfigError(
+            f"{files['train'][0]} holds images of {tuple(x_tr.shape[2:])} but {files['test'][0]} of {tuple(x_te.shape[2:])}."
+        )
     source = {"files": {split: [str(p) for p in pair] for split, pair in files.items()}}
-    return _train_test(name, x_tr, y_tr, x_te, y_te, 10, val_fraction, split_seed, normalization=_published(name), source=source)
+    return _train_test(
+        name, x_tr, y_tr, x_te, y_te, 10, val_fraction, split_seed, normalization=_published(name), source=source
+    )
 
 
-def load_torchvision(name: str, data_dir: str | None = None, download: bool = False, val_fraction: float = 0.1, split_seed: int = 0, **_) -> Dataset:
+def load_torchvision(
+    name: str, data_dir: str | None = None, download: bool = False, val_fraction: float = 0.1, split_seed: int = 0, **_
+) -> Dataset:
     import torchvision
 
     root = _require_dir(name, data_dir, download)
@@ -316,11 +340,18 @@ def load_torchvision(name: str, data_dir: str | None = None, download: bool = Fa
 
     x_tr, y_tr = tensors(train)
     x_te, y_te = tensors(test)
-    return _train_test(name, x_tr, y_tr, x_te, y_te, len(train.classes), val_fraction, split_seed, normalization=_published(name))
+    return _train_test(
+        name, x_tr, y_tr, x_te, y_te, len(train.classes), val_fraction, split_seed, normalization=_published(name)
+    )
 
 
 def load_imagefolder(
-    data_dir: str | None = None, image_size: int | None = None, test_fraction: float = 0.2, val_fraction: float = 0.1, split_seed: int = 0, **_
+    data_dir: str | None = None,
+    image_size: int | None = None,
+    test_fraction: float = 0.2,
+    val_fraction: float = 0.1,
+    split_seed: int = 0,
+    **_,
 ) -> Dataset:
     import torchvision
     from torchvision.transforms import v2
@@ -333,11 +364,15 @@ def load_imagefolder(
         try:
             ds = torchvision.datasets.ImageFolder(str(folder), transform=tf)
         except (FileNotFoundError, RuntimeError) as e:
-            raise DPConfigError(f"{folder} is not an ImageFolder tree (one sub-folder of images per class): {e}") from None
+            raise DPConfigError(
+                f"{folder} is not an ImageFolder tree (one sub-folder of images per class): {e}"
+            ) from None
         xs, ys = zip(*(ds[i] for i in range(len(ds))))
         shapes = {tuple(x.shape) for x in xs}
         if len(shapes) > 1:
-            raise DPConfigError(f"images under {folder} have different sizes {sorted(shapes)[:3]}…; pass --image-size to resize them.")
+            raise DPConfigError(
+                f"images under {folder} have different sizes {sorted(shapes)[:3]}…; pass --image-size to resize them."
+            )
         return torch.stack(xs), torch.tensor(ys, dtype=torch.long), ds.classes
 
     norm = Normalization(1.0 / 255.0)  # pixels to [0, 1]: a fixed public scale, no statistic of the private images
@@ -347,7 +382,9 @@ def load_imagefolder(
         x_te, y_te, test_classes = load(test_dir)
         if test_classes != classes:
             raise DPConfigError(f"{root}/train and {test_dir} have different class folders.")
-        return _train_test("imagefolder", x_tr, y_tr, x_te, y_te, len(classes), val_fraction, split_seed, normalization=norm)
+        return _train_test(
+            "imagefolder", x_tr, y_tr, x_te, y_te, len(classes), val_fraction, split_seed, normalization=norm
+        )
     x, y, classes = load(root)
     return _split("imagefolder", x, y, len(classes), test_fraction, val_fraction, split_seed, normalization=norm)
 
