@@ -4,17 +4,10 @@ Imports only torch, numpy and dp_accounting. See DESIGN.md for the data flow of 
 and the privacy invariants that this package keeps.
 """
 
-from . import audit, federated
-from .accounting import (
-    ACCOUNTANTS,
-    PrivacyEvent,
-    calibrate_noise_multiplier,
-    dpsgd_epsilon,
-    epsilon,
-    max_steps,
-    moments_epsilon,
-    steps_for_epochs,
-)
+from . import accountants, accounting, audit, events, federated
+from .accountants import ACCOUNTANTS, epsilon
+from .accountants.calibration import calibrate_noise_multiplier, dpsgd_epsilon, max_steps, steps_for_epochs
+from .accountants.moments import moments_epsilon
 from .clipping import clipped_sum, per_sample_norms
 from .ema import ParameterEMA
 from .engine import PrivateTraining, build_private, make_private, plan
@@ -26,6 +19,7 @@ from .errors import (
     SeededRandomnessWarning,
     UnsupportedModuleError,
 )
+from .events import PrivacyEvent
 from .grad_sample import PerSampleGradients
 from .ledger import LedgerEntry, PrivacyLedger
 from .methods import METHODS, ascent_schedule, check_method_options
@@ -36,7 +30,10 @@ from .sampling import PoissonSampler, shard_indices
 from .validation import convert_batchnorm_to_groupnorm, sample_rate_from_lot_size, validate_model
 
 __all__ = [
+    "accountants",
+    "accounting",
     "audit",
+    "events",
     "federated",
     "ACCOUNTANTS",
     "BudgetExceededError",

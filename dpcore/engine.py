@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import accounting
-from .accounting import PrivacyEvent
+from .accountants import calibration, epsilon
 from .errors import DPConfigError
+from .events import POISSON_GAUSSIAN, POISSON_LAPLACE, PrivacyEvent
 from .grad_sample import LossFn
 from .ledger import PrivacyLedger
 from .methods import check_method_options
@@ -79,17 +79,17 @@ def plan(
     q = sample_rate_from_lot_size(lot_size, dataset_size)
     check_epsilon(target_epsilon)
     check_delta(target_delta, dataset_size=dataset_size)
-    steps = accounting.steps_for_epochs(epochs, q)
+    steps = calibration.steps_for_epochs(epochs, q)
     check_method_options(noise=noise, clip_norm_type="l1" if noise == "laplace" else "l2", accountant=accountant)
-    kind = accounting.POISSON_LAPLACE if noise == "laplace" else accounting.POISSON_GAUSSIAN
+    kind = POISSON_LAPLACE if noise == "laplace" else POISSON_GAUSSIAN
     prior = list(prior_groups)
-    if prior and accounting.epsilon(prior, target_delta, accountant) >= target_epsilon:
+    if prior and epsilon(prior, target_delta, accountant) >= target_epsilon:
         raise DPConfigError(
-            f"the run's other releases (DP-PCA) alone spend ε={accounting.epsilon(prior, target_delta, accountant):.4g} "
+            f"the run's other releases (DP-PCA) alone spend ε={epsilon(prior, target_delta, accountant):.4g} "
             f"≥ target_epsilon={target_epsilon}: nothing is left for training. Raise pca_noise_multiplier or target_epsilon."
         )
     if noise_multiplier is None:
-        sigma = accounting.calibrate_noise_multiplier(
+        sigma = calibration.calibrate_noise_multiplier(
             target_epsilon, target_delta, q, steps, accountant, prior_groups=prior, kind=kind
         )
         if max_noise_multiplier is not None and sigma > max_noise_multiplier:
@@ -101,14 +101,14 @@ def plan(
             )
     else:
         sigma = check_noise_multiplier(noise_multiplier)
-        allowed = accounting.max_steps(
+        allowed = calibration.max_steps(
             sigma,
             q,
             target_epsilon,
             target_delta,
             accountant,
             prior_groups=prior,
-            event=accounting.PrivacyEvent(kind, sigma, q),
+            event=PrivacyEvent.of(kind, sigma, q),
         )
         if allowed == 0:
             raise DPConfigError(

@@ -45,9 +45,9 @@ import math
 
 import torch
 
-from .accounting import POISSON_GAUSSIAN, PrivacyEvent
 from .clipping import clip_factors
 from .errors import DPConfigError
+from .events import PoissonGaussian, PrivacyEvent
 from .ledger import PrivacyLedger
 from .randomness import Randomness
 from .sampling import PoissonSampler
@@ -176,7 +176,7 @@ class ClientLevelDP:
 
     @property
     def event(self) -> PrivacyEvent:
-        return PrivacyEvent(POISSON_GAUSSIAN, self.noise_multiplier, self.sample_rate)
+        return PoissonGaussian(self.noise_multiplier, self.sample_rate)
 
     def sample_clients(self) -> torch.Tensor:
         """The next round's clients (sorted ids). Raises BudgetExceededError, before anything

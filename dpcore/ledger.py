@@ -32,9 +32,10 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from . import accounting
-from .accounting import PrivacyEvent, check_accountant
+from . import accountants
+from .accountants import calibration, check_accountant
 from .errors import BudgetExceededError, DPConfigError
+from .events import PrivacyEvent, compose
 from .validation import check_clip_norm, check_delta, check_epsilon
 
 COMMITTED = "committed"
@@ -71,7 +72,7 @@ class LedgerEntry:
 
     @property
     def event(self) -> PrivacyEvent:
-        return PrivacyEvent(self.kind, self.noise_multiplier, self.sample_rate)
+        return PrivacyEvent.of(self.kind, self.noise_multiplier, self.sample_rate)
 
 
 class PrivacyLedger:
@@ -191,7 +192,7 @@ class PrivacyLedger:
     def _epsilon_of(self, counts: Counter) -> float:
         key = tuple(sorted(((repr(e), c) for e, c in counts.items() if c > 0)))
         if key not in self._eps_cache:
-            self._eps_cache[key] = accounting.epsilon(list(counts.items()), self.target_delta, self.accountant)
+            self._eps_cache[key] = accountants.epsilon(list(counts.items()), self.target_delta, self.accountant)
         return self._eps_cache[key]
 
     def epsilon(self) -> float:
@@ -203,14 +204,14 @@ class PrivacyLedger:
 
     def to_dp_event(self):
         """The whole ledger as one dp_accounting event (for an independent check)."""
-        return accounting.compose(self.groups())
+        return compose(self.groups())
 
     # ----------------------------------------------------------------------------------
     def _allowance_key(self, event: PrivacyEvent, others) -> tuple:
         return (tuple(sorted((repr(e), c) for e, c in others if e != event and c > 0)), event)
 
     def prime_allowance(self, event: PrivacyEvent, other_groups, max_count: int) -> None:
-        """Seed the budget check with ``max_count`` = :func:`accounting.max_steps` of ``event``
+        """Seed the budget check with ``max_count`` = :func:`dpcore.accountants.calibration.max_steps` of ``event``
         next to ``other_groups``, computed elsewhere (the driver's plan) with this ledger's
         budget, δ and accountant. It is used only while the ledger's other releases are exactly
         ``other_groups``; any other history is computed afresh, as always."""
@@ -223,7 +224,7 @@ class PrivacyLedger:
         key = self._allowance_key(event, self._counts.items())
         if key not in self._allowance_cache:
             prior = [(e, c) for e, c in self._counts.items() if e != event and c > 0]
-            self._allowance_cache[key] = accounting.max_steps(
+            self._allowance_cache[key] = calibration.max_steps(
                 event.noise_multiplier,
                 event.sample_rate,
                 self.target_epsilon,

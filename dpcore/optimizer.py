@@ -33,9 +33,9 @@ import torch
 from torch import nn
 
 from . import fastclip
-from .accounting import POISSON_LAPLACE, PrivacyEvent
 from .clipping import clip_factors, clipped_sum, per_sample_norms
 from .errors import DPConfigError
+from .events import PoissonGaussian, PoissonLaplace, PrivacyEvent
 from .grad_sample import LossFn, PerSampleGradients
 from .ledger import PrivacyLedger
 from .methods import AscentArg, as_schedule, bookkeeping_applies, check_method_options
@@ -198,9 +198,9 @@ class DPOptimizer:
                 "build it from model.parameters() or freeze them (requires_grad=False)."
             )
         if noise == "laplace":
-            self.event = PrivacyEvent(POISSON_LAPLACE, self.noise_multiplier, self.sample_rate)
+            self.event: PrivacyEvent = PoissonLaplace(self.noise_multiplier, self.sample_rate)
         else:
-            self.event = PrivacyEvent.dpsgd_step(self.noise_multiplier, self.sample_rate)
+            self.event = PoissonGaussian(self.noise_multiplier, self.sample_rate)
         self.steps_taken = 0
         self._sum = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self._examples_in_lot = 0

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .accounting import GAUSSIAN, POISSON_GAUSSIAN, PrivacyEvent
 from .errors import DPConfigError
+from .events import Gaussian, PoissonGaussian, PrivacyEvent
 from .ledger import PrivacyLedger
 from .randomness import Randomness
 from .validation import check_noise_multiplier, check_sample_rate
@@ -41,8 +41,8 @@ def pca_event(noise_multiplier: float, sample_rate: float = 1.0) -> PrivacyEvent
     check_noise_multiplier(noise_multiplier, "pca_noise_multiplier")
     check_sample_rate(sample_rate, "pca_sample_rate")
     if sample_rate == 1.0:
-        return PrivacyEvent(GAUSSIAN, float(noise_multiplier))
-    return PrivacyEvent(POISSON_GAUSSIAN, float(noise_multiplier), float(sample_rate))
+        return Gaussian(float(noise_multiplier))
+    return PoissonGaussian(float(noise_multiplier), float(sample_rate))
 
 
 def normalized_rows(x: torch.Tensor) -> torch.Tensor:

@@ -282,13 +282,13 @@ def _spawn_two(mechanisms, dim, canaries, repetitions, noise_multiplier, sample_
 def claimed_epsilon(mechanism: str, noise_multiplier: float, sample_rate: float, delta: float) -> float:
     """The ledger's ε for one release of ``mechanism``."""
     if mechanism == "dpadam-laplace":
-        kind = dpcore.accounting.POISSON_LAPLACE
+        kind = dpcore.events.POISSON_LAPLACE
     elif mechanism == "pca" and sample_rate == 1.0:
-        kind = dpcore.accounting.GAUSSIAN
+        kind = dpcore.events.GAUSSIAN
     else:
-        kind = dpcore.accounting.POISSON_GAUSSIAN
+        kind = dpcore.events.POISSON_GAUSSIAN
     ledger = dpcore.PrivacyLedger(None, delta)
-    ledger.append(dpcore.PrivacyEvent(kind, noise_multiplier, sample_rate), step=1, clip_norm=1.0)
+    ledger.append(dpcore.PrivacyEvent.of(kind, noise_multiplier, sample_rate), step=1, clip_norm=1.0)
     return ledger.epsilon()
 
 

@@ -260,18 +260,18 @@ def plain_bisection_sigma(eps: float, delta: float, q: float, steps: int, rel_to
 
 def accounting_rows(eps: float = 2.0, delta: float = 1e-5, q: float = 4096 / 50000, steps: int = 915) -> list[dict]:
     """σ calibration against a plain bisection over dp_accounting's PLD, and ε after 10⁵ steps."""
-    from dpcore import accounting
+    from dpcore.accountants import calibration, pld
 
-    accounting._base_pld.cache_clear()
+    pld.base_pld.cache_clear()
     t0 = time.perf_counter()
-    ours = accounting.calibrate_noise_multiplier(eps, delta, q, steps)
+    ours = calibration.calibrate_noise_multiplier(eps, delta, q, steps)
     t_ours = time.perf_counter() - t0
     t0 = time.perf_counter()
     ref = plain_bisection_sigma(eps, delta, q, steps)
     t_ref = time.perf_counter() - t0
-    accounting._base_pld.cache_clear()
+    pld.base_pld.cache_clear()
     t0 = time.perf_counter()
-    e_long = accounting.epsilon([(accounting.PrivacyEvent.dpsgd_step(ours, q), 100_000)], delta, "pld")
+    e_long = dpcore.epsilon([(dpcore.PrivacyEvent.dpsgd_step(ours, q), 100_000)], delta, "pld")
     t_long = time.perf_counter() - t0
     return [
         {

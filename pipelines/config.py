@@ -281,7 +281,7 @@ class TrainConfig:
         dpcore.validation.check_clip_norm(self.clip_norm)
         if self.noise_multiplier is not None:
             dpcore.validation.check_noise_multiplier(self.noise_multiplier)
-        dpcore.accounting.check_accountant(self.accountant)
+        dpcore.accountants.check_accountant(self.accountant)
         for name in ("lot_size", "physical_batch_size", "num_workers", "generated_size"):
             dpcore.validation.check_positive_int(getattr(self, name), name)
         if (

@@ -198,7 +198,7 @@ class FederatedConfig:
             raise err(f"server_momentum={self.server_momentum!r} must lie in [0, 1).")
         dpcore.validation.check_epsilon(self.target_epsilon)
         dpcore.validation.check_delta(self.target_delta)
-        dpcore.accounting.check_accountant(self.accountant)
+        dpcore.accountants.check_accountant(self.accountant)
         if self.noise_multiplier is not None:
             dpcore.validation.check_noise_multiplier(self.noise_multiplier)
         if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 0:
@@ -387,7 +387,7 @@ def plan_federated(cfg: FederatedConfig) -> dict:
         z = float(cfg.noise_multiplier)
     event = dpcore.PrivacyEvent.dpsgd_step(z, q)
     if cfg.stopping == "delta":
-        fit = dpcore.accounting.max_steps_by_delta(
+        fit = dpcore.accountants.calibration.max_steps_by_delta(
             event, cfg.target_epsilon, cfg.target_delta, cfg.accountant, limit=cfg.rounds or 10**6
         )
     else:
@@ -614,7 +614,7 @@ def run_federated(cfg: FederatedConfig | None = None) -> dict:
                     )
                 if r % every == 0 or r == rounds:
                     eps = ledger.epsilon()
-                    dlt = dpcore.accounting.delta(ledger.groups(), cfg.target_epsilon, cfg.accountant)
+                    dlt = dpcore.accountants.delta(ledger.groups(), cfg.target_epsilon, cfg.accountant)
                     test_acc, test_loss = _evaluate(model, data.test)
                     val_acc, _ = _evaluate(model, data.val) if len(data.val) else (float("nan"), None)
                     elapsed = time.monotonic() - t_rounds
@@ -645,7 +645,7 @@ def run_federated(cfg: FederatedConfig | None = None) -> dict:
                 )
             seconds_rounds = time.monotonic() - t_rounds
         epsilon = ledger.epsilon()
-        dlt = dpcore.accounting.delta(ledger.groups(), cfg.target_epsilon, cfg.accountant) if len(ledger) else 0.0
+        dlt = dpcore.accountants.delta(ledger.groups(), cfg.target_epsilon, cfg.accountant) if len(ledger) else 0.0
         test_acc, _ = _evaluate(model, data.test)
         client.set_tag(run_id, "dp.epsilon", f"{epsilon:.6g}")
         client.set_tag(run_id, "dp.delta_at_target_epsilon", f"{dlt:.6g}")

@@ -182,7 +182,7 @@ def plan_run(cfg: TrainConfig) -> dict:
         cfg.target_delta,
         cfg.accountant,
         prior_groups=prior,
-        event=dpcore.PrivacyEvent(event_kind, sigma, q),
+        event=dpcore.PrivacyEvent.of(event_kind, sigma, q),
     )
     features = prepare_features(
         cfg, data_dir, manifest, model

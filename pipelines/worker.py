@@ -52,7 +52,7 @@ PCA_FILE = "pca.pt"
 
 def step_event(spec: dict) -> dpcore.PrivacyEvent:
     """The privacy event of one training step of the run (Gaussian or Laplace)."""
-    return dpcore.PrivacyEvent(
+    return dpcore.PrivacyEvent.of(
         spec.get("event_kind", "poisson_gaussian"), spec["noise_multiplier"], spec["sample_rate"]
     )
 

@@ -102,15 +102,15 @@ def test_by_default_the_ledger_composes_only_when_asked_and_the_budget_check_sta
     """epsilon_every=None (the default, also make_private's): no fresh composition per
     release. ε is composed on the first release of each kind and on request; the budget check
     refuses exactly the first release past the target."""
-    from dpcore import accounting
+    from dpcore import accountants
 
     ev = PrivacyEvent.dpsgd_step(1.5, 0.05)
     fit = dpcore.max_steps(1.5, 0.05, 1.0, 1e-5)
     ledger = dpcore.PrivacyLedger(1.0, 1e-5)
     assert ledger.allowance(ev) == fit  # the budget check's bound: found once, by bisection
     calls = []
-    real = accounting.epsilon
-    monkeypatch.setattr(accounting, "epsilon", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = accountants.epsilon
+    monkeypatch.setattr(accountants, "epsilon", lambda *a, **k: calls.append(a) or real(*a, **k))
     for step in range(1, fit + 1):
         ledger.append(ev, step=step, clip_norm=1.0)
     assert len(calls) == 1 and ledger.entries[0].epsilon is not None and ledger.entries[-1].epsilon is None
@@ -331,3 +331,51 @@ def test_max_steps_on_the_fine_grid_equals_a_fine_only_search():
             lambda t, ev=ev, eps=eps: epsilon([(ev, t)], 1e-5, "pld", PLD_VALUE_DISCRETIZATION) <= eps, 10**6
         )
         assert dpcore.max_steps(sigma, q, eps, 1e-5) == fine
+
+
+def test_events_are_typed_values_and_the_old_untyped_form_builds_them():
+    from dpcore import events
+
+    ev = PrivacyEvent("poisson_gaussian", 1.5, 0.05)
+    assert type(ev) is events.PoissonGaussian and ev == PrivacyEvent.dpsgd_step(1.5, 0.05)
+    assert PrivacyEvent.of("laplace", 2.0) == events.Laplace(2.0) != events.Gaussian(2.0)  # the type is part of the value
+    assert len({events.Gaussian(2.0), events.Gaussian(2.0), events.Laplace(2.0)}) == 2
+    for kind, cls in events.EVENTS.items():  # what a journal stores (the kind) rebuilds the same event
+        ev = cls(3.0, 1.0 if not cls.sampled else 0.1)
+        assert PrivacyEvent.of(ev.kind, ev.noise_multiplier, ev.sample_rate) == ev and ev.kind == kind
+    with pytest.raises(dpcore.DPConfigError, match="whole dataset"):
+        events.Gaussian(2.0, 0.5)
+    with pytest.raises(dpcore.DPConfigError, match="unknown"):
+        PrivacyEvent.of("exponential", 1.0)
+
+
+def test_an_accountant_added_to_the_registry_is_used_by_calibration_and_the_ledger_budget():
+    """One class meeting the protocol plus one register() call: the ledger, calibration and
+    max_steps use it by name. This one doubles RDP's ε, so everything must come out exactly as
+    RDP at half the target."""
+    from dpcore import accountants
+    from dpcore.accountants.rdp import RDP
+
+    class DoubleRDP(RDP):
+        name = "double_rdp"
+
+        def epsilon(self, groups, delta, *, coarse=False):
+            return 2.0 * super().epsilon(groups, delta, coarse=coarse)
+
+    accountants.register(DoubleRDP())
+    try:
+        ev = PrivacyEvent.dpsgd_step(1.2, 0.02)
+        fit = dpcore.max_steps(1.2, 0.02, 4.0, 1e-5, accountant="double_rdp")
+        assert fit == dpcore.max_steps(1.2, 0.02, 2.0, 1e-5, accountant="rdp") > 0
+        ledger = dpcore.PrivacyLedger(4.0, 1e-5, accountant="double_rdp")
+        for step in range(1, fit + 1):
+            ledger.append(ev, step=step, clip_norm=1.0)
+        with pytest.raises(dpcore.BudgetExceededError):
+            ledger.check(ev)
+        assert ledger.epsilon() == pytest.approx(2.0 * dpcore.epsilon([(ev, fit)], 1e-5, "rdp"))
+        sigma = dpcore.calibrate_noise_multiplier(4.0, 1e-5, 0.02, 500, accountant="double_rdp")
+        assert sigma == pytest.approx(dpcore.calibrate_noise_multiplier(2.0, 1e-5, 0.02, 500, accountant="rdp"), rel=0.01)
+    finally:
+        del accountants.ACCOUNTANTS["double_rdp"]
+    with pytest.raises(dpcore.DPConfigError, match="unknown"):
+        dpcore.PrivacyLedger(1.0, 1e-5, accountant="double_rdp")

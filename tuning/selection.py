@@ -23,7 +23,7 @@ import math
 import dp_accounting
 
 import dpcore
-from dpcore.accounting import _quiet_absl
+from dpcore.accountants.rdp import quiet_absl
 
 DISTRIBUTIONS = ("poisson", "negative-binomial")
 
@@ -58,7 +58,7 @@ def selection_event(
 def total_epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
     """ε at δ of a (selection) event, by dp_accounting's RDP accountant."""
     acc = dp_accounting.rdp.RdpAccountant()
-    with _quiet_absl():
+    with quiet_absl():
         acc.compose(event)
         return float(acc.get_epsilon(delta))
 
