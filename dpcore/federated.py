@@ -50,6 +50,7 @@ from .errors import DPConfigError
 from .events import PoissonGaussian, PrivacyEvent
 from .ledger import PrivacyLedger
 from .randomness import Randomness
+from .release import release
 from .sampling import PoissonSampler
 from .validation import check_clip_norm, check_noise_multiplier, check_positive_int
 
@@ -187,27 +188,42 @@ class ClientLevelDP:
     def release(
         self, update_sum: torch.Tensor, *, count: int, bits_sum: float | None = None, step: int | None = None
     ) -> torch.Tensor:
-        """Ledger the round, then return (Σ Δ̄_k + N(0, z_Δ²S²I)) / m in float32.
+        """Release the round (:func:`dpcore.release.release`: check → noise once → ÷ m →
+        record) and return (Σ Δ̄_k + N(0, z_Δ²S²I)) / m in float32.
 
         ``update_sum`` is the sum of the sampled clients' clipped updates (flat) and ``count``
         the number of clients in it (server-side only, never released). With adaptive clipping
         ``bits_sum`` = Σ_k 1[‖Δ_k‖ ≤ S] over the same clients; the centred sum
-        Σ_k (b_k − ½) is noised, and S is updated for the next round after the release."""
+        Σ_k (b_k − ½) is noised in the same release (its share of the event's noise), and S
+        is updated for the next round from it."""
         if (bits_sum is None) != (self.adaptive is None):
             raise ValueError("bits_sum is required with adaptive clipping and must be None without it.")
         step = self.rounds + 1 if step is None else int(step)
         s = self.clip_norm
-        self.ledger.append(self.event, step=step, clip_norm=s)  # the record comes first
-        self.rounds += 1
-        noise = self._noise.normal(update_sum.shape, std=self.update_noise_multiplier * s, dtype=torch.float64)
-        average = (update_sum.to(torch.float64) + noise) / self.expected_clients
+        sums = [update_sum.to(torch.float64)]
+        stds = [self.update_noise_multiplier * s]
         if self.adaptive is not None:
             # Σ(b_k − ½) uses the realised count, which the server knows but never releases:
             # only the noised centred sum leaves.
-            centred = float(bits_sum) - 0.5 * int(count)
-            noisy = centred + float(self._noise.normal((1,), std=self.adaptive.quantile_noise, dtype=torch.float64)[0])
-            self.clip_norm = self.adaptive.update(noisy / self.expected_clients + 0.5)
-        return average.to(torch.float32)
+            sums.append(torch.tensor([float(bits_sum) - 0.5 * int(count)], dtype=torch.float64))
+            stds.append(self.adaptive.quantile_noise)
+
+        def noise():
+            return [self._noise.normal(t.shape, std=std, dtype=torch.float64) for t, std in zip(sums, stds)]
+
+        out = release(
+            sums,
+            event=self.event,
+            ledger=self.ledger,
+            noise=noise,
+            expected_size=self.expected_clients,
+            step=step,
+            clip_norm=s,
+        )
+        self.rounds += 1
+        if self.adaptive is not None:
+            self.clip_norm = self.adaptive.update(float(out[1][0]) + 0.5)
+        return out[0].to(torch.float32)
 
     def state_dict(self) -> dict:
         return {

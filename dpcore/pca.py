@@ -25,6 +25,7 @@ from .errors import DPConfigError
 from .events import Gaussian, PoissonGaussian, PrivacyEvent
 from .ledger import PrivacyLedger
 from .randomness import Randomness
+from .release import release
 from .validation import check_noise_multiplier, check_sample_rate
 
 
@@ -113,14 +114,16 @@ def release_gram(
     d = x[0].numel() if x.shape[0] else int(torch.tensor(x.shape[1:]).prod())
     event = pca_event(noise_multiplier, sample_rate)
     if ledger is not None:
-        ledger.check(event)
+        ledger.check(event)  # before the rows are even sampled
     a = normalized_rows(x)
     if sample_rate < 1.0:
         a = a[randomness.uniform(a.shape[0]) < sample_rate]
     gram = a.T @ a
-    released = 0.5 * (gram + gram.T) + symmetric_noise(d, noise_multiplier, randomness)  # exactly symmetric
-    if ledger is not None:
-        ledger.append(event, step=0, clip_norm=1.0)
+    sums = [0.5 * (gram + gram.T)]  # exactly symmetric, and so is the noise
+    noise = lambda: [symmetric_noise(d, noise_multiplier, randomness)]  # noqa: E731
+    if ledger is None:  # the caller records ``event`` itself
+        return sums[0] + noise()[0], event
+    (released,) = release(sums, event=event, ledger=ledger, noise=noise, step=0, clip_norm=1.0)
     return released, event
 
 

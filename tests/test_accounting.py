@@ -338,7 +338,8 @@ def test_events_are_typed_values_and_the_old_untyped_form_builds_them():
 
     ev = PrivacyEvent("poisson_gaussian", 1.5, 0.05)
     assert type(ev) is events.PoissonGaussian and ev == PrivacyEvent.dpsgd_step(1.5, 0.05)
-    assert PrivacyEvent.of("laplace", 2.0) == events.Laplace(2.0) != events.Gaussian(2.0)  # the type is part of the value
+    # the type is part of the value
+    assert PrivacyEvent.of("laplace", 2.0) == events.Laplace(2.0) != events.Gaussian(2.0)
     assert len({events.Gaussian(2.0), events.Gaussian(2.0), events.Laplace(2.0)}) == 2
     for kind, cls in events.EVENTS.items():  # what a journal stores (the kind) rebuilds the same event
         ev = cls(3.0, 1.0 if not cls.sampled else 0.1)
@@ -374,7 +375,9 @@ def test_an_accountant_added_to_the_registry_is_used_by_calibration_and_the_ledg
             ledger.check(ev)
         assert ledger.epsilon() == pytest.approx(2.0 * dpcore.epsilon([(ev, fit)], 1e-5, "rdp"))
         sigma = dpcore.calibrate_noise_multiplier(4.0, 1e-5, 0.02, 500, accountant="double_rdp")
-        assert sigma == pytest.approx(dpcore.calibrate_noise_multiplier(2.0, 1e-5, 0.02, 500, accountant="rdp"), rel=0.01)
+        assert sigma == pytest.approx(
+            dpcore.calibrate_noise_multiplier(2.0, 1e-5, 0.02, 500, accountant="rdp"), rel=0.01
+        )
     finally:
         del accountants.ACCOUNTANTS["double_rdp"]
     with pytest.raises(dpcore.DPConfigError, match="unknown"):
