@@ -25,35 +25,22 @@ parameters were discarded); the re-run steps are appended again as committed ent
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from . import accountants
-from .accountants import calibration, check_accountant
-from .errors import BudgetExceededError, DPConfigError
-from .events import PrivacyEvent, compose
-from .validation import check_clip_norm, check_delta, check_epsilon
+from .. import accountants
+from ..accountants import calibration, check_accountant
+from ..errors import BudgetExceededError, DPConfigError
+from ..events import PrivacyEvent, compose
+from ..validation import check_clip_norm, check_delta, check_epsilon
+from . import views
+from .journal import Journal
 
 COMMITTED = "committed"
 ROLLED_BACK = "rolled_back"
-
-COLUMNS = (
-    "index",
-    "step",
-    "kind",
-    "sample_rate",
-    "noise_multiplier",
-    "clip_norm",
-    "status",
-    "epsilon",
-    "delta",
-    "accountant",
-    "timestamp",
-)
 
 
 @dataclass
@@ -112,58 +99,24 @@ class PrivacyLedger:
         self._allowance_cache: dict[tuple, int] = {}
         self._eps_cache: dict[tuple, float] = {}
         self.journal = None if journal is None else os.fspath(journal)
-        if self.journal is not None:
-            if os.path.exists(self.journal) and os.path.getsize(self.journal) > 0:
-                self._replay_journal()
+        self._journal = None if journal is None else Journal(journal)
+        if self._journal is not None:
+            if self._journal.exists():
+                self._replay(self._journal.read())
             else:
-                self._write(
-                    {
-                        "op": "header",
-                        "target_epsilon": self.target_epsilon,
-                        "target_delta": self.target_delta,
-                        "accountant": self.accountant,
-                    }
-                )
+                self._write({"op": "header", **self._budget()})
 
     # ----------------------------------------------------------------------------------
-    def _write(self, record: dict) -> None:
-        if self.journal is None:
-            return
-        with open(self.journal, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+    def _budget(self) -> dict:
+        return {"target_epsilon": self.target_epsilon, "target_delta": self.target_delta, "accountant": self.accountant}
 
-    def _replay_journal(self) -> None:
-        with open(self.journal, "rb") as f:
-            raw = f.read()
-        lines = raw.split(b"\n")
-        complete = raw.endswith(b"\n")
-        if complete:
-            lines = lines[:-1]
-        records, good_bytes = [], 0
-        for i, line in enumerate(lines):
-            try:
-                records.append(json.loads(line.decode("utf-8")))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                if i == len(lines) - 1:  # a torn last line: the crash came mid-write, before append returned
-                    break
-                raise DPConfigError(
-                    f"ledger journal {self.journal} is corrupt at line {i + 1}; it cannot be trusted."
-                ) from None
-            good_bytes += len(line) + 1
-        if good_bytes != len(raw):
-            # Cut a torn last line (or end a last line that lacks its newline) so that the next
-            # record starts on a line of its own.
-            with open(self.journal, "r+b") as f:
-                f.truncate(min(good_bytes, len(raw)))
-                if good_bytes > len(raw):
-                    f.seek(0, os.SEEK_END)
-                    f.write(b"\n")
-                f.flush()
-                os.fsync(f.fileno())
+    def _write(self, record: dict) -> None:
+        if self._journal is not None:
+            self._journal.write(record)
+
+    def _replay(self, records: list[dict]) -> None:
         header = records[0] if records else {}
-        mine = {"target_epsilon": self.target_epsilon, "target_delta": self.target_delta, "accountant": self.accountant}
+        mine = self._budget()
         if header.get("op") != "header" or any(header.get(k) != v for k, v in mine.items()):
             raise DPConfigError(
                 f"ledger journal {self.journal} belongs to a run with a different budget, δ or accountant "
@@ -189,7 +142,8 @@ class PrivacyLedger:
         """Every release (committed and rolled back), grouped as (event, count)."""
         return sorted(self._counts.items(), key=lambda kv: repr(kv[0]))
 
-    def _epsilon_of(self, counts: Counter) -> float:
+    def epsilon_of(self, counts: Counter) -> float:
+        """ε of the releases ``counts`` (event → count) with this ledger's δ and accountant, cached."""
         key = tuple(sorted(((repr(e), c) for e, c in counts.items() if c > 0)))
         if key not in self._eps_cache:
             self._eps_cache[key] = accountants.epsilon(list(counts.items()), self.target_delta, self.accountant)
@@ -197,7 +151,7 @@ class PrivacyLedger:
 
     def epsilon(self) -> float:
         """The cumulative ε of every release so far, at the run's δ. Also stored on the last entry."""
-        eps = self._epsilon_of(self._counts)
+        eps = self.epsilon_of(self._counts)
         if self._entries:
             self._entries[-1].epsilon = eps
         return eps
@@ -273,7 +227,7 @@ class PrivacyLedger:
         )
         self._entries.append(entry)
         if first_of_kind or (self.epsilon_every is not None and len(self._entries) % self.epsilon_every == 0):
-            entry.epsilon = self._epsilon_of(self._counts)
+            entry.epsilon = self.epsilon_of(self._counts)
         self._write({"op": "append", **asdict(entry)})
         return entry
 
@@ -337,47 +291,9 @@ class PrivacyLedger:
         self._allowance_cache.clear()
 
     def runs(self) -> list[dict]:
-        """The ledger for a person to read: one row per run of consecutive releases that are
-        identical (kind, q, σ, C, status), like dp_accounting's self-composed events, with the
-        run's count, first and last step, and the cumulative ε after its last release (composed
-        here: one composition per row, not per release)."""
-        rows: list[dict] = []
-        counts: Counter[PrivacyEvent] = Counter()
-        for e in self._entries:
-            key = (e.kind, e.sample_rate, e.noise_multiplier, e.clip_norm, e.status)
-            if rows and rows[-1]["_key"] == key:
-                rows[-1]["count"] += 1
-                rows[-1]["last_step"] = e.step
-            else:
-                rows.append(
-                    {
-                        "_key": key,
-                        "kind": e.kind,
-                        "count": 1,
-                        "first_step": e.step,
-                        "last_step": e.step,
-                        "sample_rate": e.sample_rate,
-                        "noise_multiplier": e.noise_multiplier,
-                        "clip_norm": e.clip_norm,
-                        "status": e.status,
-                    }
-                )
-            counts[e.event] += 1
-            rows[-1]["_counts"] = Counter(counts)
-        for r in rows:
-            del r["_key"]
-            r["epsilon_after"] = self._epsilon_of(r.pop("_counts"))
-            r["delta"] = self.target_delta
-            r["accountant"] = self.accountant
-        return rows
+        """The ledger for a person to read: one row per run of identical releases (:func:`.views.runs`)."""
+        return views.runs(self)
 
     def to_columns(self) -> dict[str, list]:
-        """Plain columns (lists of Python scalars), ready for ``pyarrow.table``. ε is NaN where
-        it was not computed (see ``epsilon_every``)."""
-        cols: dict[str, list] = {c: [] for c in COLUMNS}
-        for e in self._entries:
-            d = asdict(e)
-            for c in COLUMNS:
-                v = d[c]
-                cols[c].append(float("nan") if (c == "epsilon" and v is None) else v)
-        return cols
+        """Plain columns, one row per release, ready for ``pyarrow.table`` (:func:`.views.columns`)."""
+        return views.columns(self)
