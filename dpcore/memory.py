@@ -104,3 +104,66 @@ def fit_batch_size(probe: Callable[[int], object], upper: int, budget_bytes: int
     chosen = upper if fits >= upper else 2 ** int(math.log2(fits))
     report["physical_batch_size"] = chosen
     return report
+
+
+def fit_optimizer(opt, x: torch.Tensor, y: torch.Tensor, budget_bytes: int) -> dict:
+    """Set ``opt.physical_batch_size`` (a :class:`dpcore.DPOptimizer`) to the largest power of
+    two, at most its current value, whose measured peak memory fits ``budget_bytes``.
+
+    The probes run the optimizer's own per-example path (BAM's ascent, DP-SAT's diagnostics
+    pair, and, before book-keeping is verified, both book-keeping and vmap) on batches shaped
+    like ``x``; their sums are thrown away, nothing is released, sampled or ledgered, and the
+    augmentation stream is put back. Only the shapes and dtypes of ``x`` and ``y`` are used: the
+    probes run on random inputs and zero targets of those shapes, so the measured sizes (which
+    the pipeline logs) are not a statistic of the training data. Returns the measurement report.
+    """
+    from . import fastclip
+    from .clipping import clipped_sum
+
+    upper = opt.physical_batch_size
+    if len(x) == 0:
+        return {"physical_batch_size": upper, "measured": False, "reason": "no examples to probe with"}
+    need = min(upper, max(PROBE_BATCHES))
+    g = torch.Generator().manual_seed(0)
+    shape = (need, *x.shape[1:])
+    if x.is_floating_point():
+        x = torch.randn(shape, generator=g, dtype=x.dtype).to(x.device)
+    else:
+        x = torch.zeros(shape, dtype=x.dtype, device=x.device)
+    y = torch.zeros((need, *y.shape[1:]), dtype=y.dtype, device=y.device)
+    fast = opt.lot.fast if opt.lot.fast is not None and opt.lot.fast.active else None
+    method = opt.method.name
+
+    def probe(b: int):
+        xb, yb = x[:b], y[:b]
+        if opt.augment is not None:
+            xb = opt.lot.augmented(xb)
+        if fast is not None:
+            try:
+                fast.clipper.clipped_sum(xb, yb, opt.clip_norm, {})
+            except fastclip.Unsupported:
+                pass
+        if fast is None or not fast.verified:
+            alive = []  # per-example sets that training holds at the same time
+            if method == "bam":  # the ascent's memory, whatever λ is at step 0
+                per_sample, at_theta = opt.grad_sampler.bam(xb, yb, 1.0, opt.method.bam_variant)
+                alive.append(at_theta)
+            else:
+                per_sample = opt.grad_sampler(xb, yb)
+                if method == "dpsat" and opt.diagnostics_enabled:  # a second set, at θ
+                    alive.append(opt.grad_sampler(xb, yb))
+            clipped_sum(per_sample, opt.clip_norm, ord=opt.norm_ord)
+            alive.clear()
+
+    augment = opt.augment
+    saved = augment.state_dict() if augment is not None and hasattr(augment, "state_dict") else None
+    try:
+        device = next(iter(opt.params.values())).device
+        report = fit_batch_size(probe, upper, int(budget_bytes), device)
+    finally:
+        if saved is not None:
+            augment.load_state_dict(saved)
+    if report["physical_batch_size"] < upper:
+        opt.physical_batch_size = report["physical_batch_size"]
+    report["physical_batch_size"] = opt.physical_batch_size
+    return report

@@ -530,7 +530,7 @@ def test_resnet9_stays_on_book_keeping_and_the_float64_check_tells_right_from_wr
         warnings.simplefilter("error", UserWarning)  # no fall-back warning
         opt.accumulate(x, y)
     assert opt.clipping == "bookkeeping" and opt._fast_verified
-    assert opt._agree_in_float64(x, y) is not None
+    assert opt._fast._agree_in_float64(x, y) is not None
     m64 = copy.deepcopy(model).double()
     fast = {}
     BookKeepingClipper(m64, ce).clipped_sum(x.double(), y, 0.5, fast)
@@ -539,7 +539,7 @@ def test_resnet9_stays_on_book_keeping_and_the_float64_check_tells_right_from_wr
         assert torch.allclose(fast[k], ref[k], rtol=0, atol=1e-9), (k, (fast[k] - ref[k]).abs().max())
     mixing = nn.Sequential(nn.Linear(4, 8), Center(), nn.Tanh(), nn.Linear(8, 3))
     opt = _bk_optimizer(mixing)
-    assert opt._agree_in_float64(torch.randn(16, 4), torch.randint(0, 3, (16,))) is None
+    assert opt._fast._agree_in_float64(torch.randn(16, 4), torch.randint(0, 3, (16,))) is None
 
 
 @pytest.mark.parametrize("offset", [0.0, 1e3, 1e6, 1e8])

@@ -60,7 +60,7 @@ def test_probing_releases_nothing_and_training_then_uses_the_picked_size():
     before = [p.detach().clone() for p in opt.params.values()]
     report = opt.fit_physical_batch_size(x, y, 2**40)
     assert report["physical_batch_size"] == 256
-    assert opt.steps_taken == 0 and len(opt.ledger.entries) == 0 and not opt._lot_open
+    assert opt.steps_taken == 0 and len(opt.ledger.entries) == 0 and not opt.lot.open
     assert all(float(s.abs().sum()) == 0 for s in opt._sum.values())
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, opt.params.values()))
     # A shard smaller than the probes: its examples are repeated; an empty one is not probed.

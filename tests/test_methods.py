@@ -260,7 +260,7 @@ def test_laplace_noise_has_the_stated_scale_and_contributions_are_l1_clipped():
         opt.accumulate(x[i : i + 1], y[i : i + 1])
         contribution = sum(float(s.abs().sum()) for s in opt._sum.values())
         assert contribution <= 0.3
-        opt._reset_lot()
+        opt.lot.reset()
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,0 +1,120 @@
+"""The lot being summed: per physical batch, the method's per-example vectors, each clipped to
+C, added into one sum. Memory is bounded by the physical batch size, and physical batches never
+change the sum (invariant: each example's contribution has norm ≤ C, whatever the method).
+
+Which vectors are clipped is the method's (:mod:`dpcore.methods`: BAM's ascent-point
+gradients, DP-SAT's shifted weights); how the clipped sum is computed is vmap
+(:mod:`dpcore.clipping`) or book-keeping once checked against it (:mod:`dpcore.fastpath`).
+Nothing here is released: :class:`dpcore.DPOptimizer` releases :attr:`ClippedLot.sums`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .clipping import clipped_sum
+from .diagnostics import LotDiagnostics
+from .errors import DPConfigError
+from .fastpath import CheckedBookKeeping
+from .methods import Method
+
+Params = dict[str, torch.Tensor]
+
+
+class ClippedLot:
+    def __init__(
+        self,
+        params: Params,
+        *,
+        clip_norm: float,
+        norm_ord: int,
+        method: Method,
+        grad_sampler,
+        physical_batch_size: int,
+        fast: CheckedBookKeeping | None = None,
+        diag: LotDiagnostics | None = None,
+        augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        multiplicity: int = 1,
+    ):
+        self.params, self.clip_norm, self.norm_ord, self.method = params, clip_norm, norm_ord, method
+        self.grad_sampler, self.physical_batch_size, self.fast, self.diag = (
+            grad_sampler,
+            physical_batch_size,
+            fast,
+            diag,
+        )
+        self.augment, self.multiplicity = augment, multiplicity
+        self.sums = {n: torch.zeros_like(p) for n, p in params.items()}
+        self.examples = self.nonfinite = 0
+        self.open = False
+        self.saved: Params | None = None  # DP-SAT: θ while the weights are shifted
+
+    def begin(self, step: int, previous: Params | None) -> None:
+        """Open the lot (once): the method may move the weights for it (DP-SAT)."""
+        if not self.open:
+            self.open = True
+            self.saved = self.method.begin_lot(self.params, previous, step)
+
+    def add(self, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
+        """Add the clipped per-example vectors of (x, y), one physical batch at a time."""
+        for start in range(0, x.shape[0], self.physical_batch_size):
+            self._add(x[start : start + self.physical_batch_size], y[start : start + self.physical_batch_size], step)
+
+    def _add(self, xb: torch.Tensor, yb: torch.Tensor, step: int) -> None:
+        xb = self.augmented(xb) if self.augment is not None else xb
+        fast = self.fast is not None and self.fast.active
+        bad = self.fast.clipped_sum(xb, yb, self.sums, self.grad_sampler) if fast else None
+        if bad is None:
+            vectors = self.method.per_example(self.grad_sampler, xb, yb, step)
+            per_sample, at_theta = vectors if vectors is not None else (self.grad_sampler(xb, yb), None)
+            _, bad = clipped_sum(per_sample, self.clip_norm, out=self.sums, ord=self.norm_ord)
+            if self.diag is not None:  # the diagnostics are about the plain gradients at θ
+                if at_theta is None:
+                    at_theta = per_sample if self.saved is None else self.grad_sampler(xb, yb, params=self.saved)
+                self.diag.accumulate(at_theta)
+        self.nonfinite += bad
+        self.examples += xb.shape[0]
+
+    def augmented(self, xb: torch.Tensor) -> torch.Tensor:
+        out, k = self.augment(xb), self.multiplicity
+        if out.shape[:2] != (xb.shape[0], k):
+            raise DPConfigError(
+                f"augment returned shape {tuple(out.shape)}; it must return [batch, K={k}, ...] "
+                f"for a batch of shape {tuple(xb.shape)}."
+            )
+        return out
+
+    def add_coordinates(self, coords: torch.Tensor, value: float) -> None:
+        """One example per coordinate c (of the flattened sums, in order) whose clipped vector
+        is ``value``·e_c: white-box audit canaries. |value| ≤ C, checked here."""
+        if not (abs(float(value)) <= self.clip_norm):
+            raise DPConfigError(
+                f"a canary gradient of norm {abs(float(value)):.6g} exceeds clip_norm={self.clip_norm}: it is not clipped."
+            )
+        total = sum(s.numel() for s in self.sums.values())
+        coords = torch.as_tensor(coords, dtype=torch.long).flatten()
+        if len(coords) and (int(coords.min()) < 0 or int(coords.max()) >= total):
+            raise ValueError(f"canary coordinates must lie in [0, {total}).")
+        start = 0
+        for s in self.sums.values():
+            mine = coords[(coords >= start) & (coords < start + s.numel())] - start
+            flat = s.view(-1)
+            ones = torch.full((len(mine),), float(value), dtype=flat.dtype, device=flat.device)
+            flat.index_add_(0, mine.to(flat.device), ones)
+            start += s.numel()
+        self.examples += len(coords)
+
+    def restore(self) -> None:
+        """Put the weights back exactly where the lot found them (DP-SAT)."""
+        self.method.end_lot(self.params, self.saved)
+        self.saved = None
+
+    def reset(self) -> None:
+        for s in self.sums.values():
+            s.zero_()
+        self.examples = self.nonfinite = 0
+        self.open = False
+        if self.diag is not None:
+            self.diag.reset()
