@@ -6,7 +6,7 @@ bias magnitude over training (BAM Fig. 2, must-show 3).
     .venv/bin/python docs/benchmarks/methods_digits.py figure   # docs/figures/bias_digits.png
 
 Every run is dpcore's private step in process (the code each Ray worker runs; the Ray runs of
-the same methods are in tests/test_pipeline_methods.py), on the main job's digits split and MLP
+the same methods are in tests/pipelines/test_methods_on_ray.py), on the main job's digits split and MLP
 (64 → 128 → 10, the same initial weights), expected lot 512 (Poisson), 60 epochs (147 steps),
 clip 1.0, δ=1e-5, σ calibrated by PLD for each ε. Methods:
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import dpcore
 
-from .helpers import tiny_mlp
+from ..helpers import tiny_mlp
 
 GOOD = dict(dataset_size=1000, lot_size=100, epochs=2, target_epsilon=2.0, target_delta=1e-5, clip_norm=1.0)
 

@@ -160,8 +160,8 @@ def test_bad_audit_input():
 
 # ------------------------------------------------------------------------------------------
 # The one-run audit of a training run on Ray is tested on the killed-worker run of
-# tests/test_pipeline_methods.py (gradient canaries, restored from the checkpoint) and on the
-# e2e run of tests/test_pipeline_e2e.py (black-box input canaries).
+# tests/pipelines/test_methods_on_ray.py (gradient canaries, restored from the checkpoint) and on the
+# e2e run of tests/pipelines/test_sharded_training.py (black-box input canaries).
 def test_one_run_audit_bad_input(tmp_path):
     from pipelines.config import TrainConfig
     from pipelines.train import plan_run

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _load(name):

@@ -14,7 +14,7 @@ import dpcore
 from dpcore.clipping import clipped_sum
 from dpcore.grad_sample import PerSampleGradients
 
-from .helpers import ce, tiny_mlp
+from ..helpers import ce, tiny_mlp
 
 
 def _optimizer(model, *, sigma, clip, q, n, randomness, ledger=None, opt=None, **kw):

@@ -13,7 +13,7 @@ import dpcore
 from dpcore.clipping import clipped_sum, per_sample_norms
 from dpcore.grad_sample import PerSampleGradients
 
-from .helpers import ce, loop_clipped_sum, tiny_cnn, tiny_mlp
+from ..helpers import ce, loop_clipped_sum, tiny_cnn, tiny_mlp
 
 
 def _contribution_norm(sums: dict) -> float:

@@ -14,7 +14,7 @@ from dpcore.grad_sample import PerSampleGradients
 from pipelines.data import load_dataset
 from pipelines.models import build_model, resnet9, wide_resnet
 
-from .helpers import ce, loop_clipped_sum
+from ..helpers import ce, loop_clipped_sum
 
 
 def _write_idx(path, array: np.ndarray):

@@ -18,7 +18,7 @@ import dpcore
 from dpcore.clipping import clipped_sum
 from dpcore.grad_sample import PerSampleGradients
 
-from .helpers import ce, tiny_mlp
+from ..helpers import ce, tiny_mlp
 
 
 def test_adam_moments_equal_recomputation_from_noised_gradients_alone():

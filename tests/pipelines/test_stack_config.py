@@ -1,5 +1,5 @@
 """Fast checks of the stack and job commands' own logic (the services themselves are started in
-tests/test_platform.py): redaction, defaults from the environment, addresses, local checks."""
+tests/pipelines/test_stack.py): redaction, defaults from the environment, addresses, local checks."""
 
 from __future__ import annotations
 

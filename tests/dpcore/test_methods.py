@@ -18,7 +18,7 @@ from dpcore.accounting import GAUSSIAN, POISSON_GAUSSIAN, POISSON_LAPLACE
 from dpcore.clipping import per_sample_norms
 from dpcore.pca import normalized_rows
 
-from .helpers import ce
+from ..helpers import ce
 
 warnings.simplefilter("ignore", dpcore.SeededRandomnessWarning)
 

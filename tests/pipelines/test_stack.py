@@ -25,7 +25,7 @@ from pipelines import stack as stk
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts"
 FAST = ["--checkpoint-every", "1000"]  # one checkpoint at the end: each report costs Ray Train ~2 s
 

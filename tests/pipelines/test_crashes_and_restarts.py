@@ -13,7 +13,7 @@ import dpcore
 from pipelines.config import TrainConfig
 from pipelines.train import run
 
-from .test_pipeline_e2e import dp_accounting_epsilon
+from .test_sharded_training import dp_accounting_epsilon
 
 pytestmark = pytest.mark.slow
 
