@@ -254,15 +254,21 @@ def main(argv: list[str] | None = None) -> int:
 
         return federated_main(rest, prog=f"{PROG} federated")
     if cmd == "stack":
-        from .stack import main as stack_main
+        from .ops.stack import main as stack_main
 
         return stack_main(rest)
-    if cmd in ("submit", "status", "logs", "stop"):
-        from . import jobs
+    if cmd == "submit":  # the CLI composes pipelines and tuning: a sweep's config is checked by tuning
+        from tuning.sweep import check_args
+
+        from .ops import jobs
+
+        return jobs.main_submit(rest, prog=f"{PROG} submit", sweep_checker=check_args)
+    if cmd in ("status", "logs", "stop"):
+        from .ops import jobs
 
         return getattr(jobs, f"main_{cmd}")(rest, prog=f"{PROG} {cmd}")
     if cmd == "bench":
-        from .bench import main as bench_main
+        from .ops.bench import main as bench_main
 
         return bench_main(rest)
     return commands[cmd](rest)

@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import dpcore
@@ -339,7 +340,7 @@ def ray_cluster(cfg: TrainConfig):
         ray.shutdown()
 
 
-def _fit(spec: dict, cfg: TrainConfig):
+def _fit(spec: dict, cfg: TrainConfig, pruner=None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -360,7 +361,7 @@ def _fit(spec: dict, cfg: TrainConfig):
         )
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=spec,
+        train_loop_config={**spec, "pruner": pruner},  # the pruner is not part of the run's record
         scaling_config=scaling,
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         run_config=RunConfig(
@@ -504,16 +505,16 @@ def run(
     resume_changes: dict | None = None,
     parent_run_id: str | None = None,
     extra_tags: dict | None = None,
-    optuna_trial: dict | None = None,
+    pruner: Callable[[float, int], bool] | None = None,
 ) -> dict:
     """Plan, train on Ray, log to MLflow. Returns a summary (run id, ε, accuracy, ...).
 
     With ``resume`` (an MLflow run id) the earlier run is continued with its own config; its
     tracking URI is ``cfg.tracking_uri``, and ``resume_changes`` may change only the options
     in :data:`RESUME_MAY_CHANGE`. A sweep passes ``parent_run_id`` (the run is nested under
-    it), ``extra_tags``, and ``optuna_trial`` = {"storage", "study", "trial_id"}: rank 0 then
-    reports the validation accuracy of every checkpoint to that trial and stops the run early
-    when Optuna's pruner says so (``summary["pruned"]``)."""
+    it), ``extra_tags``, and a ``pruner``: rank 0 then calls ``pruner(validation_accuracy, step)``
+    at every checkpoint and stops the run early when it returns True (``summary["pruned"]``).
+    The sweep's pruner reports to its Optuna trial (:class:`tuning.pruning.TrialPruner`)."""
     import mlflow
     from mlflow import MlflowClient
 
@@ -524,7 +525,6 @@ def run(
         trace("run() start")
         spec = plan_run(cfg)
         trace("planned")
-        spec["optuna"] = optuna_trial
     client = MlflowClient(spec["tracking_uri"])
     mlflow.set_tracking_uri(spec["tracking_uri"])
     if resume is None:
@@ -558,7 +558,7 @@ def run(
             JournalProgress(spec, enabled=not cfg.quiet),
         ):
             trace("cluster ready")
-            result = _fit(spec, cfg)
+            result = _fit(spec, cfg, pruner)
         if result.error is not None:
             raise _worker_dp_error(result.error) or result.error
         ledger = open_run_ledger(spec)

@@ -656,8 +656,8 @@ def _report(
             test_acc = test_loss = float("nan")  # NaN metrics are not logged
             if final or cfg.test_every_report:
                 test_acc, test_loss = evaluate(eval_model, held_out["test"], device)
-            if spec.get("optuna") and not final:
-                pruned = tracker.prune(val_acc, step)
+            if spec.get("pruner") is not None and not final:
+                pruned = bool(spec["pruner"](val_acc, step))
             metrics = {
                 "step": step,
                 "epsilon": private.ledger.epsilon(),
@@ -713,7 +713,7 @@ def _report(
         if cfg.diagnostics:  # NON-PRIVATE per-step BAM diagnostics (bias, a, c, ascent cosines)
             tracker.log_history(private.optimizer.diagnostics_history)
     private.optimizer.diagnostics_history.clear()  # every rank: only rank 0 logs them
-    if spec.get("optuna") and world > 1:
+    if spec.get("pruner") is not None and world > 1:
         box = [pruned]
         dist.broadcast_object_list(box, src=0)
         pruned = box[0]
@@ -727,8 +727,6 @@ class _Tracker:
         import threading
 
         self.run_id = spec["run_id"]
-        self.optuna = spec.get("optuna")
-        self._trial = None
         self._client = None
         self._pending_tags: dict[str, str] = {}
         # Importing MLflow takes about a second: do it beside the first steps, not before them.
@@ -753,20 +751,6 @@ class _Tracker:
     def tag(self, key: str, value: str) -> None:
         """Set a run tag with the next log (MLflow may still be loading)."""
         self._pending_tags[key] = value
-
-    def prune(self, value: float, step: int) -> bool:
-        """Report the validation accuracy to the sweep's Optuna trial; True if it should stop."""
-        if self._trial is None:
-            import optuna
-
-            storage = optuna.storages.RDBStorage(self.optuna["storage"])
-            median = self.optuna.get("median_pruner", {})  # the sweep's pruner (not kept in the storage)
-            study = optuna.load_study(
-                study_name=self.optuna["study"], storage=storage, pruner=optuna.pruners.MedianPruner(**median)
-            )
-            self._trial = optuna.trial.Trial(study, self.optuna["trial_id"])
-        self._trial.report(float(value), int(step))
-        return bool(self._trial.should_prune())
 
     def log(self, metrics: dict, step: int) -> None:
         from mlflow.entities import Metric, RunTag

@@ -41,6 +41,7 @@ import dpcore
 from pipelines.tracking import redact
 
 from . import selection
+from .pruning import TrialPruner
 from .space import SearchSpace, default_space, parse_space
 
 SAMPLERS = ("tpe", "random")
@@ -185,7 +186,12 @@ def _trial_task():
 
     @ray.remote(num_cpus=0, max_retries=0)
     def run_trial(
-        cfg_dict: dict, parent_run_id: str, tags: dict, optuna_trial: dict | None, heartbeat: dict | None, pid_file: str
+        cfg_dict: dict,
+        parent_run_id: str,
+        tags: dict,
+        pruner: TrialPruner | None,
+        heartbeat: dict | None,
+        pid_file: str,
     ) -> dict:
         """One trial: the main job as a child run. Sends the trial's heartbeat while it runs
         (first thing, before the heavy imports)."""
@@ -214,9 +220,7 @@ def _trial_task():
         try:
             with _w.catch_warnings():
                 _w.simplefilter("ignore", dpcore.SeededRandomnessWarning)
-                out = run(
-                    config_from_dict(cfg_dict), parent_run_id=parent_run_id, extra_tags=tags, optuna_trial=optuna_trial
-                )
+                out = run(config_from_dict(cfg_dict), parent_run_id=parent_run_id, extra_tags=tags, pruner=pruner)
         finally:
             stop.set()
         keys = (
@@ -479,12 +483,7 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
                         }
                         opt = None
                         if sweep.pruner == "median":
-                            opt = {
-                                "storage": sweep.storage,
-                                "study": sweep.study,
-                                "trial_id": trial._trial_id,
-                                "median_pruner": MEDIAN_PRUNER,
-                            }
+                            opt = TrialPruner(sweep.storage, sweep.study, trial._trial_id, MEDIAN_PRUNER)
                         hb = {
                             "storage": sweep.storage,
                             "interval": sweep.heartbeat_interval,
@@ -824,6 +823,13 @@ def build_parser(prog: str = "dp-platform sweep") -> argparse.ArgumentParser:
     )
     add_config_arguments(p)
     return p
+
+
+def check_args(argv: list[str]) -> None:
+    """Parse and validate a sweep's arguments (config file, then flags), as ``dp-platform submit
+    --sweep`` does before it uploads anything. Raises SystemExit on bad flags."""
+    ns = vars(build_parser().parse_args(argv))
+    load_sweep_config(ns.pop("config", None), ns)[1].validate()
 
 
 def load_sweep_config(path: str | None, args: dict) -> tuple[SweepConfig, Any]:

@@ -13,7 +13,7 @@ from pipelines import allocator
 applied = allocator.keep_freed_memory()
 import torch
 torch.set_num_threads(1)
-from pipelines.bench import MODELS, _data, _ours
+from pipelines.ops.bench import MODELS, _data, _ours
 make, shape, _ = MODELS["mnist_cnn"]
 x, y = _data(shape, 256)
 step, _ = _ours(make, x, y, "bookkeeping")

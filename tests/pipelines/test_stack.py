@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import stack as stk
+from pipelines.ops import stack as stk
 
 pytestmark = pytest.mark.slow
 

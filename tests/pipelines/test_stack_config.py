@@ -9,8 +9,8 @@ import stat
 import pytest
 
 import dpcore
-from pipelines import jobs, stack
 from pipelines.config import load_config
+from pipelines.ops import jobs, stack
 from pipelines.tracking import redact
 
 
@@ -131,13 +131,17 @@ def test_submit_checks_the_config_before_anything_is_uploaded(tmp_path):
         jobs.submit("configs/digits.yaml", ["--target-epsilon", "-1"], address="http://127.0.0.1:1", stack_dir=tmp_path)
     with pytest.raises(jobs.JobError, match="does not exist"):
         jobs.submit("configs/nope.yaml", [], address="http://127.0.0.1:1", stack_dir=tmp_path)
+    from tuning.sweep import check_args  # what the CLI hands to submit for a sweep
+
     with pytest.raises(jobs.JobError, match="arguments are invalid"):
-        jobs.check_locally("configs/digits.yaml", True, ["--n-trials", "many"])
+        jobs.check_locally("configs/digits.yaml", True, ["--n-trials", "many"], check_args)
+    with pytest.raises(jobs.JobError, match="no checker"):
+        jobs.check_locally("configs/digits.yaml", True, [])
     bad = tmp_path / "bad.yaml"
     bad.write_text("dataset: digits\nepohcs: 3\n")
     for sweep in (False, True):
         with pytest.raises(dpcore.DPConfigError, match="unknown config key 'epohcs'"):
-            jobs.check_locally(str(bad), sweep, [])
+            jobs.check_locally(str(bad), sweep, [], check_args)
     # a valid config passes, and the job runs the documented command
     jobs.check_locally("configs/digits.yaml", False, ["--epochs", "2"])
     assert jobs.entrypoint("configs/digits.yaml", False, ["--epochs", "2"]) == [

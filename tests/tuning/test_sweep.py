@@ -334,8 +334,11 @@ def test_sweep_cli_bad_input_exit_code(tmp_path):
 
 def test_rank0_reports_to_the_trial_and_obeys_the_median_pruner(tmp_path):
     """The worker-side hook of --pruner median: each checkpoint's validation accuracy goes to
-    the trial; a trial below the median of earlier trials at that step is told to stop."""
-    from pipelines.worker import _Tracker
+    the trial; a trial below the median of earlier trials at that step is told to stop. The
+    pruner travels to the worker pickled, as Ray sends it."""
+    import pickle
+
+    from tuning.pruning import TrialPruner
 
     storage = f"sqlite:///{tmp_path}/optuna.db"
     study = optuna.create_study(
@@ -349,16 +352,12 @@ def test_rank0_reports_to_the_trial_and_obeys_the_median_pruner(tmp_path):
         t.report(v, 10)
         study.tell(t, v)
     good, bad = study.ask(), study.ask()
-    spec = {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "run_id": None}
     median = {"n_startup_trials": 2, "n_warmup_steps": 0}
-    keep = _Tracker(
-        {**spec, "optuna": {"storage": storage, "study": "p", "trial_id": good._trial_id, "median_pruner": median}}
-    )
-    stop = _Tracker(
-        {**spec, "optuna": {"storage": storage, "study": "p", "trial_id": bad._trial_id, "median_pruner": median}}
-    )
-    assert keep.prune(0.95, 10) is False
-    assert stop.prune(0.2, 10) is True
+    keep = pickle.loads(pickle.dumps(TrialPruner(storage, "p", good._trial_id, median)))
+    stop = TrialPruner(storage, "p", bad._trial_id, median)
+    assert keep(0.95, 10) is False
+    assert stop(0.2, 10) is True
+    assert pickle.loads(pickle.dumps(stop))._trial is None  # a used pruner still pickles (without its connection)
     assert optuna.load_study(study_name="p", storage=storage).trials[3].intermediate_values == {10: 0.2}
 
 

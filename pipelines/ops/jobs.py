@@ -24,6 +24,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import dpcore
@@ -110,24 +111,28 @@ def entrypoint(config: str | None, sweep: bool, args: list[str]) -> list[str]:
     return ["python", *module, *([config] if config else []), *args]
 
 
-def check_locally(config: str | None, sweep: bool, args: list[str]) -> None:
-    """Parse and validate the config here, so that a bad one is refused before it is uploaded.
-    The data and the budget are checked again by the job, on the cluster."""
-    from .config import load_config
+def check_train_args(argv: list[str]) -> None:
+    """Parse and validate a training job's arguments (config file, then flags)."""
+    from ..config import load_config
+    from ..train import build_parser
 
-    if sweep:
-        from tuning.sweep import build_parser, load_sweep_config
-    else:
-        from .train import build_parser
+    ns = vars(build_parser().parse_args(argv))
+    path = ns.pop("config", None)
+    if ns.pop("resume", None) is None:
+        load_config(path, ns).validate()
+
+
+def check_locally(config: str | None, sweep: bool, args: list[str], checker: Callable | None = None) -> None:
+    """Parse and validate the config here, so that a bad one is refused before it is uploaded.
+    The data and the budget are checked again by the job, on the cluster. ``checker(argv)``
+    checks a sweep's arguments (the CLI hands in :func:`tuning.sweep.check_args`; pipelines
+    does not import tuning)."""
+    if sweep and checker is None:
+        raise JobError("a sweep's config cannot be checked here (no checker given); use --no-check.")
     try:
-        ns = vars(build_parser().parse_args([*([config] if config else []), *args]))
+        (checker if sweep else check_train_args)([*([config] if config else []), *args])
     except SystemExit:
         raise JobError("the job's arguments are invalid (see above); nothing was submitted.") from None
-    path = ns.pop("config", None)
-    if sweep:
-        load_sweep_config(path, ns)[1].validate()
-    elif ns.pop("resume", None) is None:
-        load_config(path, ns).validate()
 
 
 def submit(
@@ -139,12 +144,13 @@ def submit(
     stack_dir=None,
     check: bool = True,
     job_id: str | None = None,
+    sweep_checker: Callable | None = None,
 ) -> tuple[object, str]:
     if config is not None and not Path(working_dir, config).is_file() and not Path(config).is_file():
         raise JobError(f"config file {config!r} does not exist.")
     if check:
         local = str(Path(working_dir, config)) if config is not None and Path(working_dir, config).is_file() else config
-        check_locally(local, sweep, args)
+        check_locally(local, sweep, args, sweep_checker)
     if config is not None and Path(config).is_absolute():
         raise JobError(
             f"give the config as a path inside --working-dir ({working_dir}), not {config}: the job runs in its own copy of that folder."
@@ -187,7 +193,7 @@ def describe(info) -> str:
     took = ""
     if info.start_time and info.end_time:
         took = f"  ({(info.end_time - info.start_time) / 1000:.1f}s)"
-    from .tracking import redact
+    from ..tracking import redact
 
     line = f"{info.submission_id}  {info.status}{took}  {redact(info.entrypoint)}"
     if info.message and str(info.status) in ("FAILED", "STOPPED"):
@@ -205,7 +211,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
 
 
-def main_submit(argv: list[str], prog: str = "dp-platform submit") -> int:
+def main_submit(argv: list[str], prog: str = "dp-platform submit", sweep_checker: Callable | None = None) -> int:
     p = argparse.ArgumentParser(
         prog=prog,
         usage=f"{prog} [options] [CONFIG] [-- JOB OPTIONS]",
@@ -230,7 +236,15 @@ def main_submit(argv: list[str], prog: str = "dp-platform submit") -> int:
     args = argv[cut + 1 :]  # the job's own options: everything after --
     try:
         c, jid = submit(
-            a.config, args, a.sweep, a.address, a.working_dir, a.stack_dir, check=not a.no_check, job_id=a.job_id
+            a.config,
+            args,
+            a.sweep,
+            a.address,
+            a.working_dir,
+            a.stack_dir,
+            check=not a.no_check,
+            job_id=a.job_id,
+            sweep_checker=sweep_checker,
         )
     except (
         JobError,

@@ -38,8 +38,8 @@ import torch.nn.functional as F
 import dpcore
 from dpcore import native
 
-from . import allocator
-from .models import build_model, mlp
+from .. import allocator
+from ..models import build_model, mlp
 
 MODELS = {
     # name: (builder, input shape, batch)
@@ -211,7 +211,7 @@ def memory_rows(model_name: str, lots=(128, 4096), physical: int = 128, threads:
             [
                 sys.executable,
                 "-m",
-                "pipelines.bench",
+                "pipelines.ops.bench",
                 "--memory-child",
                 model_name,
                 str(lot),
