@@ -494,239 +494,237 @@ def run_federated(cfg: FederatedConfig | None = None) -> dict:
 
     client = MlflowClient(plan["tracking_uri"])
     mlflow.set_tracking_uri(plan["tracking_uri"])
-    exp = client.get_experiment_by_name(cfg.experiment)
-    exp_id = exp.experiment_id if exp is not None else client.create_experiment(cfg.experiment)
-    run_id = client.create_run(
-        exp_id, run_name=plan["run_name"], tags=_tags(cfg, plan, dp.update_noise_multiplier)
-    ).info.run_id
-    params_logged = {k: ("None" if v is None else str(v)) for k, v in cfg.to_dict().items()}
-    params_logged.update(
-        {
-            "plan.noise_multiplier": f"{plan['noise_multiplier']:.8g}",
-            "plan.update_noise_multiplier": f"{dp.update_noise_multiplier:.8g}",
-            "plan.sample_rate": f"{plan['sample_rate']:.8g}",
-            "plan.rounds": str(rounds),
-            "plan.rounds_that_fit_budget": str(plan["rounds_that_fit"]),
-            "plan.parameters": str(d),
-            "plan.client_examples_min_mean_max": "{} / {:.1f} / {}".format(*plan["client_sizes"]),
-        }
-    )
-    client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in params_logged.items()])
-    tracking.write_json_artifact(client, run_id, "config.json", cfg.to_dict())
-
-    every = cfg.eval_every or max(1, rounds // 20)
-    expected_down = cfg.clients_per_round * d * BYTES_PER_FLOAT
-    expected_up = cfg.clients_per_round * (d * BYTES_PER_FLOAT + (1 if adaptive else 0))
-    runner_args = dict(
-        x=data.train.x,
-        y=data.train.y,
-        order=plan["order"],
-        offsets=plan["offsets"],
-        model_name=cfg.model,
-        input_shape=tuple(data.input_shape),
-        num_classes=data.num_classes,
-        local_epochs=cfg.local_epochs,
-        local_batch_size=cfg.local_batch_size,
-        local_lr=cfg.local_lr,
-        shuffle_seed=cfg.split_seed,
-    )
-    status, t0 = "FAILED", time.monotonic()
-    realised = {"clients": 0, "bytes_down": 0, "bytes_up": 0}
-    history, round_seconds = [], []
-    done, pool = 0, None
-    audit = None
-    if cfg.audit_canaries:  # canary clients, simulated on the server: their clipped update is S(1 − 1e-6)·e_j
-        coords = torch.randperm(d, generator=torch.Generator().manual_seed(cfg.init_seed + 7919))[: cfg.audit_canaries]
-        member = randomness.spawn("audit-membership").uniform(cfg.audit_canaries) < cfg.audit_canary_rate
-        audit = {
-            "coords": coords,
-            "membership": member,
-            "in": coords[member],
-            "scores": torch.zeros(cfg.audit_canaries, dtype=torch.float64),
-            "sampling": randomness.spawn("audit-sampling"),
-        }
-    try:
-        with _cluster(cfg):
-            fault = (cfg.fault_at_round, cfg.fault_actor) if cfg.fault_at_round is not None else None
-            pool = (
-                RayPool(runner_args, cfg.num_actors, cfg.cpus_per_actor, cfg.max_actor_restarts, fault)
-                if cfg.executor == "ray"
-                else LocalPool(runner_args, int(cfg.cpus_per_actor))
-            )
-            t_rounds = time.monotonic()
-            for r in range(1, rounds + 1):
-                try:
-                    sampled = dp.sample_clients()
-                except dpcore.BudgetExceededError:
-                    break
-                t_round = time.monotonic()
-                ids = [int(k) for k in sampled]
-                shares = [ids[i :: cfg.num_actors] for i in range(cfg.num_actors)]
-                s = dp.clip_norm
-                results = pool.run_round(
-                    r, weights, shares, s, cfg.clip_policy == "median_nonprivate" or cfg.diagnostics
-                )
-                included = [k for res in results for k in res["clients"]]
-                if sorted(included) != ids:
-                    raise RuntimeError(
-                        f"round {r}: the clients' results do not match the sampled clients (lost or duplicated updates)"
-                    )
-                total = torch.zeros(d, dtype=torch.float64)
-                for res in results:  # actor order: the same sum whichever actor died
-                    total += res["sum"]
-                bits = sum(res["bits"] for res in results) if adaptive else None
-                count = len(ids)
-                if audit is not None:  # present canary clients join at rate q, like every client
-                    joined = audit["in"][audit["sampling"].uniform(len(audit["in"])) < dp.sample_rate]
-                    total.index_add_(
-                        0,
-                        joined,
-                        torch.full((len(joined),), s * (1.0 - dpcore.clipping.CLIP_MARGIN), dtype=torch.float64),
-                    )
-                    count += len(joined)
-                    bits = None if bits is None else bits + len(joined)  # ‖S(1 − 1e-6)e_j‖ ≤ S
-                noised = dp.release(total, count=count, bits_sum=bits, step=r)
-                if audit is not None:  # white-box score: the released update along each canary's coordinate
-                    audit["scores"] += noised[audit["coords"]].double()
-                if cfg.clip_policy == "median_nonprivate":  # NOT PRIVATE (diagnostics only, refused otherwise)
-                    norms = [n for res in results for n in res["norms"]]
-                    if norms:
-                        dp.clip_norm = nonprivate_median_clip_norm(norms)
-                load_flat(params, weights)
-                server_opt.zero_grad(set_to_none=False)
-                for p, g in zip(params, _unflatten(-noised, params)):
-                    p.grad = g
-                server_opt.step()
-                weights = torch.nn.utils.parameters_to_vector(params).detach().clone()
-                round_seconds.append(time.monotonic() - t_round)
-                done = r
-                realised["clients"] += len(ids)
-                realised["bytes_down"] += len(ids) * d * BYTES_PER_FLOAT
-                realised["bytes_up"] += len(ids) * (d * BYTES_PER_FLOAT + (1 if adaptive else 0))
-                metrics = {"clip_norm": s, "comm_expected_bytes_total": r * (expected_down + expected_up)}
-                if cfg.diagnostics:
-                    metrics.update(
-                        {
-                            "diag_clients": len(ids),
-                            "diag_bytes_down": len(ids) * d * BYTES_PER_FLOAT,
-                            "diag_bytes_up": len(ids) * (d * BYTES_PER_FLOAT + (1 if adaptive else 0)),
-                        }
-                    )
-                if r % every == 0 or r == rounds:
-                    eps = ledger.epsilon()
-                    dlt = dpcore.accountants.delta(ledger.groups(), cfg.target_epsilon, cfg.accountant)
-                    test_acc, test_loss = _evaluate(model, data.test)
-                    val_acc, _ = _evaluate(model, data.val) if len(data.val) else (float("nan"), None)
-                    elapsed = time.monotonic() - t_rounds
-                    metrics.update(
-                        {
-                            "epsilon": eps,
-                            "delta_at_target_epsilon": dlt,
-                            "test_accuracy": test_acc,
-                            "test_loss": test_loss,
-                            "val_accuracy": val_acc,
-                            "rounds_per_second": r / max(elapsed, 1e-9),
-                        }
-                    )
-                    history.append({"round": r, "epsilon": eps, "delta": dlt, "test_accuracy": test_acc})
-                    if not cfg.quiet:
-                        eta = (rounds - r) * elapsed / r
-                        print(
-                            f"[{'#' * int(24 * r / rounds):.<24}] round {r}/{rounds}  ε={eps:.3f}  δ(ε={cfg.target_epsilon:g})={dlt:.3g}  "
-                            f"S={s:.3g}  test acc={test_acc:.4f}  {elapsed:6.1f}s  ETA {eta:6.1f}s",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-                client.log_batch(
-                    run_id,
-                    metrics=[
-                        mlflow.entities.Metric(k, float(v), int(time.time() * 1000), r) for k, v in metrics.items()
-                    ],
-                )
-            seconds_rounds = time.monotonic() - t_rounds
-        epsilon = ledger.epsilon()
-        dlt = dpcore.accountants.delta(ledger.groups(), cfg.target_epsilon, cfg.accountant) if len(ledger) else 0.0
-        test_acc, _ = _evaluate(model, data.test)
-        client.set_tag(run_id, "dp.epsilon", f"{epsilon:.6g}")
-        client.set_tag(run_id, "dp.delta_at_target_epsilon", f"{dlt:.6g}")
-        tracking.log_ledger(client, run_id, ledger)
-        client.log_metric(run_id, "final_epsilon", epsilon)
-        client.log_metric(run_id, "final_test_accuracy", test_acc)
-        client.log_metric(run_id, "rounds", done)
-        audit_out = None
-        if audit is not None:
-            r = cfg.resolved_audit_guesses()
-            res = dpcore.audit.one_run_audit(
-                audit["scores"].numpy(), audit["membership"].numpy(), r - r // 2, r // 2, delta=cfg.target_delta
-            )
-            audit_out = {
-                "canaries": res.canaries,
-                "guesses": res.guesses,
-                "correct": res.correct,
-                "epsilon_lower_bound": res.epsilon_lower_bound,
-                "confidence": res.confidence,
-                "included": int(audit["membership"].sum()),
-                "scores": audit["scores"],
-                "coords": audit["coords"],
-                "membership": audit["membership"],
+    with tracking.mlflow_run(
+        client,
+        experiment=cfg.experiment,
+        run_name=plan["run_name"],
+        tags=_tags(cfg, plan, dp.update_noise_multiplier),
+        on_failure=lambda run_id: tracking.record_released(client, run_id, ledger),
+    ) as run_id:
+        params_logged = {k: ("None" if v is None else str(v)) for k, v in cfg.to_dict().items()}
+        params_logged.update(
+            {
+                "plan.noise_multiplier": f"{plan['noise_multiplier']:.8g}",
+                "plan.update_noise_multiplier": f"{dp.update_noise_multiplier:.8g}",
+                "plan.sample_rate": f"{plan['sample_rate']:.8g}",
+                "plan.rounds": str(rounds),
+                "plan.rounds_that_fit_budget": str(plan["rounds_that_fit"]),
+                "plan.parameters": str(d),
+                "plan.client_examples_min_mean_max": "{} / {:.1f} / {}".format(*plan["client_sizes"]),
             }
-            tracking.log_audit(client, run_id, audit_out, epsilon)
-        _plot(client, run_id, ledger, history, cfg)
-        version = None
-        if cfg.log_model:
-            reg = cfg.registered_model or f"dp-fedavg-{cfg.dataset}-{cfg.model.replace(':', '_')}"
-            example = data.test.x[:4].numpy().astype("float32")
-            version = tracking.log_model(
-                run_id,
-                model,
-                example,
-                None if reg.lower() == "none" else reg,
-                epsilon,
-                cfg.target_delta,
-                cfg.accountant,
-            )
-        status = "FINISHED"
-        return {
-            "run_id": run_id,
-            "tracking_uri": plan["tracking_uri"],
-            "dataset": data.name,
-            "num_clients": cfg.num_clients,
-            "clients_per_round": cfg.clients_per_round,
-            "rounds": done,
-            "planned_rounds": rounds,
-            "epsilon": epsilon,
-            "delta_at_target_epsilon": dlt,
-            "target_epsilon": cfg.target_epsilon,
-            "target_delta": cfg.target_delta,
-            "noise_multiplier": plan["noise_multiplier"],
-            "update_noise_multiplier": dp.update_noise_multiplier,
-            "sample_rate": plan["sample_rate"],
-            "test_accuracy": test_acc,
-            "final_clip_norm": dp.clip_norm,
-            "comm_expected_bytes": done * (expected_down + expected_up),
-            "comm_realised": realised,
-            "actor_restarts": pool.restarts if pool is not None else 0,
-            "seconds": time.monotonic() - t0,
-            "seconds_rounds": seconds_rounds,
-            "round_seconds": round_seconds,
-            "seconds_plan": t0 - t_plan,
-            "parameters": d,
-            "registered_model": None if version is None else f"{version.name} v{version.version}",
-            "ledger": ledger,
-            "model": model,
-            "history": history,
-            "audit": audit_out,
-        }
-    finally:
-        if pool is not None:
-            with contextlib.suppress(Exception):
-                pool.close()
-        if status != "FINISHED":
-            with contextlib.suppress(Exception):
-                if len(ledger):
-                    client.set_tag(run_id, "dp.epsilon", f"{ledger.epsilon():.6g}")
-                    tracking.log_ledger(client, run_id, ledger)
-        client.set_terminated(run_id, status=status)
+        )
+        client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in params_logged.items()])
+        tracking.write_json_artifact(client, run_id, "config.json", cfg.to_dict())
+
+        every = cfg.eval_every or max(1, rounds // 20)
+        expected_down = cfg.clients_per_round * d * BYTES_PER_FLOAT
+        expected_up = cfg.clients_per_round * (d * BYTES_PER_FLOAT + (1 if adaptive else 0))
+        runner_args = dict(
+            x=data.train.x,
+            y=data.train.y,
+            order=plan["order"],
+            offsets=plan["offsets"],
+            model_name=cfg.model,
+            input_shape=tuple(data.input_shape),
+            num_classes=data.num_classes,
+            local_epochs=cfg.local_epochs,
+            local_batch_size=cfg.local_batch_size,
+            local_lr=cfg.local_lr,
+            shuffle_seed=cfg.split_seed,
+        )
+        t0 = time.monotonic()
+        realised = {"clients": 0, "bytes_down": 0, "bytes_up": 0}
+        history, round_seconds = [], []
+        done, pool = 0, None
+        audit = None
+        if cfg.audit_canaries:  # canary clients, simulated on the server: their clipped update is S(1 − 1e-6)·e_j
+            coords = torch.randperm(d, generator=torch.Generator().manual_seed(cfg.init_seed + 7919))[
+                : cfg.audit_canaries
+            ]
+            member = randomness.spawn("audit-membership").uniform(cfg.audit_canaries) < cfg.audit_canary_rate
+            audit = {
+                "coords": coords,
+                "membership": member,
+                "in": coords[member],
+                "scores": torch.zeros(cfg.audit_canaries, dtype=torch.float64),
+                "sampling": randomness.spawn("audit-sampling"),
+            }
+        try:
+            with _cluster(cfg):
+                fault = (cfg.fault_at_round, cfg.fault_actor) if cfg.fault_at_round is not None else None
+                pool = (
+                    RayPool(runner_args, cfg.num_actors, cfg.cpus_per_actor, cfg.max_actor_restarts, fault)
+                    if cfg.executor == "ray"
+                    else LocalPool(runner_args, int(cfg.cpus_per_actor))
+                )
+                t_rounds = time.monotonic()
+                for r in range(1, rounds + 1):
+                    try:
+                        sampled = dp.sample_clients()
+                    except dpcore.BudgetExceededError:
+                        break
+                    t_round = time.monotonic()
+                    ids = [int(k) for k in sampled]
+                    shares = [ids[i :: cfg.num_actors] for i in range(cfg.num_actors)]
+                    s = dp.clip_norm
+                    results = pool.run_round(
+                        r, weights, shares, s, cfg.clip_policy == "median_nonprivate" or cfg.diagnostics
+                    )
+                    included = [k for res in results for k in res["clients"]]
+                    if sorted(included) != ids:
+                        raise RuntimeError(
+                            f"round {r}: the clients' results do not match the sampled clients (lost or duplicated updates)"
+                        )
+                    total = torch.zeros(d, dtype=torch.float64)
+                    for res in results:  # actor order: the same sum whichever actor died
+                        total += res["sum"]
+                    bits = sum(res["bits"] for res in results) if adaptive else None
+                    count = len(ids)
+                    if audit is not None:  # present canary clients join at rate q, like every client
+                        joined = audit["in"][audit["sampling"].uniform(len(audit["in"])) < dp.sample_rate]
+                        total.index_add_(
+                            0,
+                            joined,
+                            torch.full((len(joined),), s * (1.0 - dpcore.clipping.CLIP_MARGIN), dtype=torch.float64),
+                        )
+                        count += len(joined)
+                        bits = None if bits is None else bits + len(joined)  # ‖S(1 − 1e-6)e_j‖ ≤ S
+                    noised = dp.release(total, count=count, bits_sum=bits, step=r)
+                    if audit is not None:  # white-box score: the released update along each canary's coordinate
+                        audit["scores"] += noised[audit["coords"]].double()
+                    if cfg.clip_policy == "median_nonprivate":  # NOT PRIVATE (diagnostics only, refused otherwise)
+                        norms = [n for res in results for n in res["norms"]]
+                        if norms:
+                            dp.clip_norm = nonprivate_median_clip_norm(norms)
+                    load_flat(params, weights)
+                    server_opt.zero_grad(set_to_none=False)
+                    for p, g in zip(params, _unflatten(-noised, params)):
+                        p.grad = g
+                    server_opt.step()
+                    weights = torch.nn.utils.parameters_to_vector(params).detach().clone()
+                    round_seconds.append(time.monotonic() - t_round)
+                    done = r
+                    realised["clients"] += len(ids)
+                    realised["bytes_down"] += len(ids) * d * BYTES_PER_FLOAT
+                    realised["bytes_up"] += len(ids) * (d * BYTES_PER_FLOAT + (1 if adaptive else 0))
+                    metrics = {"clip_norm": s, "comm_expected_bytes_total": r * (expected_down + expected_up)}
+                    if cfg.diagnostics:
+                        metrics.update(
+                            {
+                                "diag_clients": len(ids),
+                                "diag_bytes_down": len(ids) * d * BYTES_PER_FLOAT,
+                                "diag_bytes_up": len(ids) * (d * BYTES_PER_FLOAT + (1 if adaptive else 0)),
+                            }
+                        )
+                    if r % every == 0 or r == rounds:
+                        eps = ledger.epsilon()
+                        dlt = dpcore.accountants.delta(ledger.groups(), cfg.target_epsilon, cfg.accountant)
+                        test_acc, test_loss = _evaluate(model, data.test)
+                        val_acc, _ = _evaluate(model, data.val) if len(data.val) else (float("nan"), None)
+                        elapsed = time.monotonic() - t_rounds
+                        metrics.update(
+                            {
+                                "epsilon": eps,
+                                "delta_at_target_epsilon": dlt,
+                                "test_accuracy": test_acc,
+                                "test_loss": test_loss,
+                                "val_accuracy": val_acc,
+                                "rounds_per_second": r / max(elapsed, 1e-9),
+                            }
+                        )
+                        history.append({"round": r, "epsilon": eps, "delta": dlt, "test_accuracy": test_acc})
+                        if not cfg.quiet:
+                            eta = (rounds - r) * elapsed / r
+                            print(
+                                f"[{'#' * int(24 * r / rounds):.<24}] round {r}/{rounds}  ε={eps:.3f}  "
+                                f"δ(ε={cfg.target_epsilon:g})={dlt:.3g}  "
+                                f"S={s:.3g}  test acc={test_acc:.4f}  {elapsed:6.1f}s  ETA {eta:6.1f}s",
+                                file=sys.stderr,
+                                flush=True,
+                            )
+                    client.log_batch(
+                        run_id,
+                        metrics=[
+                            mlflow.entities.Metric(k, float(v), int(time.time() * 1000), r) for k, v in metrics.items()
+                        ],
+                    )
+                seconds_rounds = time.monotonic() - t_rounds
+            epsilon = ledger.epsilon()
+            dlt = dpcore.accountants.delta(ledger.groups(), cfg.target_epsilon, cfg.accountant) if len(ledger) else 0.0
+            test_acc, _ = _evaluate(model, data.test)
+            client.set_tag(run_id, "dp.epsilon", f"{epsilon:.6g}")
+            client.set_tag(run_id, "dp.delta_at_target_epsilon", f"{dlt:.6g}")
+            tracking.log_ledger(client, run_id, ledger)
+            client.log_metric(run_id, "final_epsilon", epsilon)
+            client.log_metric(run_id, "final_test_accuracy", test_acc)
+            client.log_metric(run_id, "rounds", done)
+            audit_out = None
+            if audit is not None:
+                r = cfg.resolved_audit_guesses()
+                res = dpcore.audit.one_run_audit(
+                    audit["scores"].numpy(), audit["membership"].numpy(), r - r // 2, r // 2, delta=cfg.target_delta
+                )
+                audit_out = {
+                    "canaries": res.canaries,
+                    "guesses": res.guesses,
+                    "correct": res.correct,
+                    "epsilon_lower_bound": res.epsilon_lower_bound,
+                    "confidence": res.confidence,
+                    "included": int(audit["membership"].sum()),
+                    "scores": audit["scores"],
+                    "coords": audit["coords"],
+                    "membership": audit["membership"],
+                }
+                tracking.log_audit(client, run_id, audit_out, epsilon)
+            _plot(client, run_id, ledger, history, cfg)
+            version = None
+            if cfg.log_model:
+                reg = cfg.registered_model or f"dp-fedavg-{cfg.dataset}-{cfg.model.replace(':', '_')}"
+                example = data.test.x[:4].numpy().astype("float32")
+                version = tracking.log_model(
+                    run_id,
+                    model,
+                    example,
+                    None if reg.lower() == "none" else reg,
+                    epsilon,
+                    cfg.target_delta,
+                    cfg.accountant,
+                )
+            return {
+                "run_id": run_id,
+                "tracking_uri": plan["tracking_uri"],
+                "dataset": data.name,
+                "num_clients": cfg.num_clients,
+                "clients_per_round": cfg.clients_per_round,
+                "rounds": done,
+                "planned_rounds": rounds,
+                "epsilon": epsilon,
+                "delta_at_target_epsilon": dlt,
+                "target_epsilon": cfg.target_epsilon,
+                "target_delta": cfg.target_delta,
+                "noise_multiplier": plan["noise_multiplier"],
+                "update_noise_multiplier": dp.update_noise_multiplier,
+                "sample_rate": plan["sample_rate"],
+                "test_accuracy": test_acc,
+                "final_clip_norm": dp.clip_norm,
+                "comm_expected_bytes": done * (expected_down + expected_up),
+                "comm_realised": realised,
+                "actor_restarts": pool.restarts if pool is not None else 0,
+                "seconds": time.monotonic() - t0,
+                "seconds_rounds": seconds_rounds,
+                "round_seconds": round_seconds,
+                "seconds_plan": t0 - t_plan,
+                "parameters": d,
+                "registered_model": None if version is None else f"{version.name} v{version.version}",
+                "ledger": ledger,
+                "model": model,
+                "history": history,
+                "audit": audit_out,
+            }
+        finally:
+            if pool is not None:
+                with contextlib.suppress(Exception):
+                    pool.close()
 
 
 def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -16,6 +16,7 @@ What a run holds:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -24,6 +25,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -165,6 +167,56 @@ def params_of(cfg, spec: dict) -> dict[str, str]:
         }
     )
     return params
+
+
+@contextlib.contextmanager
+def mlflow_run(
+    client,
+    *,
+    experiment: str,
+    run_name: str | None = None,
+    tags: dict | None = None,
+    parent_run_id: str | None = None,
+    run_id: str | None = None,
+    find: str | None = None,
+    on_failure: Callable[[str], None] | None = None,
+):
+    """One MLflow run's lifecycle, the same for a training run, a federated run and a sweep's
+    parent run: create it in ``experiment`` (or continue ``run_id``, or the first run that the
+    filter ``find`` matches), yield its id, and on the way out mark it FINISHED, or FAILED after
+    ``on_failure(run_id)`` has recorded what it can (the ledger of what was released: the
+    releases that happened are part of the record even when the run failed)."""
+    created = False
+    if run_id is None:
+        exp = client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
+        found = client.search_runs([exp_id], filter_string=find, max_results=1) if find else []
+        if found:
+            run_id = found[0].info.run_id
+        else:
+            parent = {"mlflow.parentRunId": parent_run_id} if parent_run_id else {}
+            run_id = client.create_run(exp_id, run_name=run_name, tags={**(tags or {}), **parent}).info.run_id
+            created = True
+    status = "FAILED"
+    try:
+        if not created:  # a run continued: running again, with the caller's tags
+            client.update_run(run_id, status="RUNNING")
+            for k, v in (tags or {}).items():
+                client.set_tag(run_id, k, v)
+        yield run_id
+        status = "FINISHED"
+    finally:
+        if status != "FINISHED" and on_failure is not None:
+            with contextlib.suppress(Exception):
+                on_failure(run_id)
+        client.set_terminated(run_id, status=status)
+
+
+def record_released(client, run_id: str, ledger: dpcore.PrivacyLedger) -> None:
+    """The ε tag and the ledger of whatever was released (for a run that stops early)."""
+    if len(ledger):
+        client.set_tag(run_id, "dp.epsilon", f"{ledger.epsilon():.6g}")
+        log_ledger(client, run_id, ledger)
 
 
 def ledger_table(ledger: dpcore.PrivacyLedger):

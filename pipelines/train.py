@@ -527,20 +527,18 @@ def run(
         trace("planned")
     client = MlflowClient(spec["tracking_uri"])
     mlflow.set_tracking_uri(spec["tracking_uri"])
-    if resume is None:
-        exp = client.get_experiment_by_name(cfg.experiment)
-        exp_id = exp.experiment_id if exp is not None else client.create_experiment(cfg.experiment)
-        tags = {**tracking.dp_tags(cfg, spec), **(extra_tags or {})}
-        if parent_run_id is not None:
-            tags["mlflow.parentRunId"] = parent_run_id
-        mlrun = client.create_run(exp_id, run_name=spec["run_name"], tags=tags)
-        spec["run_id"] = mlrun.info.run_id
-    else:
-        client.update_run(spec["run_id"], status="RUNNING")
-    run_id = spec["run_id"]
-    t0 = time.monotonic()
-    status = "FAILED"
-    try:
+    tags = None if resume is not None else {**tracking.dp_tags(cfg, spec), **(extra_tags or {})}
+    with tracking.mlflow_run(
+        client,
+        experiment=cfg.experiment,
+        run_name=spec["run_name"],
+        tags=tags,
+        parent_run_id=parent_run_id,
+        run_id=spec["run_id"] if resume is not None else None,
+        on_failure=lambda run_id: tracking.record_released(client, run_id, open_run_ledger(spec)),
+    ) as run_id:
+        spec["run_id"] = run_id
+        t0 = time.monotonic()
         if resume is None:
             Path(spec["run_dir"]).mkdir(parents=True, exist_ok=True)
             open_run_ledger(spec)  # creates the journal (its header): workers refuse to train without it
@@ -601,7 +599,6 @@ def run(
                 cfg.target_delta,
                 cfg.accountant,
             )
-        status = "FINISHED"
         return {
             "run_id": run_id,
             "tracking_uri": spec["tracking_uri"],
@@ -630,15 +627,6 @@ def run(
             "ledger": ledger,
             "model": model,
         }
-    finally:
-        if status != "FINISHED":
-            # The releases that happened are part of the record even when the run failed.
-            with contextlib.suppress(Exception):
-                ledger = open_run_ledger(spec)
-                if len(ledger):
-                    client.set_tag(run_id, "dp.epsilon", f"{ledger.epsilon():.6g}")
-                    tracking.log_ledger(client, run_id, ledger)
-        client.set_terminated(run_id, status=status)
 
 
 def _worker_dp_error(error: BaseException) -> dpcore.DPError | None:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import dpcore
+from pipelines import tracking
 from pipelines.tracking import redact
 
 from . import selection
@@ -259,21 +260,6 @@ class Progress:
         self.stream.flush()
 
 
-def _find_or_create_parent(client, experiment: str, study: str, storage: str, tags: dict) -> str:
-    exp = client.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
-    storage = redact(storage)
-    found = client.search_runs(
-        [exp_id], filter_string=f"tags.`sweep.study` = '{study}' and tags.`sweep.storage` = '{storage}'"
-    )
-    if found:
-        client.update_run(found[0].info.run_id, status="RUNNING")
-        return found[0].info.run_id
-    return client.create_run(
-        exp_id, run_name=f"sweep-{study}", tags={"sweep.study": study, "sweep.storage": storage, **tags}
-    ).info.run_id
-
-
 def _fail_orphan_children(client, parent_id: str, trial_number: int) -> None:
     exp_id = client.get_run(parent_id).info.experiment_id
     for r in client.search_runs(
@@ -291,7 +277,6 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
     import ray
     from mlflow import MlflowClient
 
-    from pipelines import tracking
     from pipelines.models import build_run_model
     from pipelines.train import prepare_data, prepare_features, ray_cluster
 
@@ -438,20 +423,25 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
         "sweep.space": space.describe(),
         "sweep.n_trials": str(n_trials),
     }
-    parent_id = _find_or_create_parent(client, base.experiment, sweep.study, sweep.storage, parent_tags)
-    for k, v in parent_tags.items():
-        client.set_tag(parent_id, k, v)
-    if sel is not None:
-        client.log_metric(parent_id, "sweep_total_epsilon", sel["total_epsilon"])
-        client.set_tag(parent_id, "dp.sweep_total_epsilon", f"{sel['total_epsilon']:.6g}")
+    storage_tag = redact(sweep.storage)
+    with tracking.mlflow_run(
+        client,
+        experiment=base.experiment,
+        run_name=f"sweep-{sweep.study}",
+        tags={"sweep.study": sweep.study, "sweep.storage": storage_tag, **parent_tags},
+        find=f"tags.`sweep.study` = '{sweep.study}' and tags.`sweep.storage` = '{storage_tag}'",
+    ) as parent_id:
+        for k, v in parent_tags.items():
+            client.set_tag(parent_id, k, v)
+        if sel is not None:
+            client.log_metric(parent_id, "sweep_total_epsilon", sel["total_epsilon"])
+            client.set_tag(parent_id, "dp.sweep_total_epsilon", f"{sel['total_epsilon']:.6g}")
 
-    run_dir = Path(base.storage_path).resolve() / "sweeps" / sweep.study
-    run_dir.mkdir(parents=True, exist_ok=True)
-    progress = Progress(n_trials, not sweep.quiet)
-    finished_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-    randomness = dpcore.make_randomness(base.seed) if sel is not None else None
-    status = "FAILED"
-    try:
+        run_dir = Path(base.storage_path).resolve() / "sweeps" / sweep.study
+        run_dir.mkdir(parents=True, exist_ok=True)
+        progress = Progress(n_trials, not sweep.quiet)
+        finished_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+        randomness = dpcore.make_randomness(base.seed) if sel is not None else None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", dpcore.SeededRandomnessWarning)
             with ray_cluster(dataclasses.replace(base, num_workers=max(base.num_workers, sweep.max_concurrent))):
@@ -509,11 +499,7 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
                         progress.show(
                             sum(t.state in finished_states for t in trials), len(inflight), _best(study), note
                         )
-        summary = _finalise(study, sweep, base, client, parent_id, sel, n_trials)
-        status = "FINISHED"
-        return summary
-    finally:
-        client.set_terminated(parent_id, status=status)
+        return _finalise(study, sweep, base, client, parent_id, sel, n_trials)
 
 
 def _best(study) -> tuple | None:
@@ -627,7 +613,6 @@ def _register_best(client, base, attrs: dict) -> str | None:
     """Log the best trial's model (from its final checkpoint) into its run and register it."""
     import mlflow
 
-    from pipelines import tracking
     from pipelines.data import model_example
     from pipelines.train import load_final_model
 
