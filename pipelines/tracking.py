@@ -16,6 +16,11 @@ What a run holds:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .plan import RunPlan
+
 import contextlib
 import json
 import os
@@ -125,7 +130,7 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
             ) from None
 
 
-def dp_tags(cfg, spec: dict) -> dict[str, str]:
+def dp_tags(cfg, plan: RunPlan) -> dict[str, str]:
     tags = {
         "dp.delta": f"{cfg.target_delta:g}",
         "dp.target_epsilon": f"{cfg.target_epsilon:g}",
@@ -134,10 +139,10 @@ def dp_tags(cfg, spec: dict) -> dict[str, str]:
         "dp.sampling": "poisson",
         "dp.neighbouring": "add/remove one example",
         "dp.randomness": "secure" if cfg.seed is None else f"seeded (seed={cfg.seed}; not for production)",
-        "dp.noise_multiplier": f"{spec['noise_multiplier']:.6g}",
-        "dp.sample_rate": f"{spec['sample_rate']:.6g}",
-        "dp.run_dir": spec["run_dir"],
-        "dp.ray_run_name": spec["ray_run_name"],
+        "dp.noise_multiplier": f"{plan.noise_multiplier:.6g}",
+        "dp.sample_rate": f"{plan.sample_rate:.6g}",
+        "dp.run_dir": plan.run_dir,
+        "dp.ray_run_name": plan.ray_run_name,
         "dp.guarantee": "covers the training split only; validation/test splits, initial weights and hyperparameter "
         "selection are not covered",
         "dp.method": cfg.method + (f"-{cfg.bam_variant}" if cfg.method == "bam" else ""),
@@ -154,16 +159,16 @@ def dp_tags(cfg, spec: dict) -> dict[str, str]:
     return tags
 
 
-def params_of(cfg, spec: dict) -> dict[str, str]:
+def params_of(cfg, plan: RunPlan) -> dict[str, str]:
     params = {k: ("None" if v is None else redact(str(v))) for k, v in cfg.to_dict().items()}
     params.update(
         {
-            "plan.noise_multiplier": f"{spec['noise_multiplier']:.8g}",
+            "plan.noise_multiplier": f"{plan.noise_multiplier:.8g}",
             "plan.noise_multiplier_source": "given" if cfg.noise_multiplier is not None else "calibrated to (ε, δ)",
-            "plan.sample_rate": f"{spec['sample_rate']:.8g}",
-            "plan.steps": str(spec["steps"]),
-            "plan.dataset_size": str(spec["dataset_size"]),
-            "plan.checkpoint_every": str(spec["checkpoint_every"]),
+            "plan.sample_rate": f"{plan.sample_rate:.8g}",
+            "plan.steps": str(plan.steps),
+            "plan.dataset_size": str(plan.dataset_size),
+            "plan.checkpoint_every": str(plan.checkpoint_every),
         }
     )
     return params

@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
-import math
 import os
 import sys
 import threading
 import time
-import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -34,201 +31,16 @@ import dpcore
 from . import tracking
 from ._trace import trace
 from .config import TrainConfig, add_config_arguments, config_from_dict, load_config
-from .data.shards import FORMAT_VERSION
 from .models import build_run_model
-
-JOURNAL = "ledger.journal.jsonl"
-MAX_PCA_DIM = 8192  # a d×d float64 matrix of 512 MiB
-
-
-# ------------------------------------------------------------------------------------------
-# Planning (driver side, before any worker starts)
-def _source_fingerprint(cfg: TrainConfig) -> dict:
-    """What the raw data is, cheaply (names, sizes and times of its files; no reading): the key
-    of the ingest cache, so that a cached dataset is re-used without loading the source."""
-    from .data import IDX_DATASETS, find_idx_files
-
-    fingerprint = {
-        "name": cfg.dataset,
-        "format": FORMAT_VERSION,
-        "data_dir": cfg.data_dir,
-        "image_size": cfg.image_size,
-        "generated_size": cfg.generated_size,
-        "val_fraction": cfg.val_fraction,
-        "test_fraction": cfg.test_fraction,
-        "split_seed": cfg.split_seed,
-        "train_subset": cfg.train_subset,
-    }
-    files: list[Path] = []
-    if cfg.dataset in IDX_DATASETS and not cfg.download:
-        files = [p for pair in find_idx_files(cfg.dataset, cfg.data_dir).values() for p in pair]
-    elif cfg.data_dir and cfg.dataset in ("imagefolder", "cifar10", "cifar100"):  # trees a user may edit
-        root = Path(cfg.data_dir).expanduser()
-        files = [f for f in root.rglob("*") if f.is_file()] if root.is_dir() else []
-    fingerprint["files"] = sorted((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-    return fingerprint
-
-
-def prepare_data(cfg: TrainConfig) -> tuple[Path, dict]:
-    """An ingested, verified dataset for ``cfg``: ``data_dir`` itself if it is one, else the
-    dataset loaded and ingested once into ``storage_path/datasets`` (one shard per worker).
-    A cached ingest is re-used without loading the source again (its key is the source files'
-    names, sizes and times) while its verification holds."""
-    from .data import CorruptShardError, ingest, load_dataset, verify
-
-    if cfg.data_dir and (Path(cfg.data_dir).expanduser() / "manifest.json").is_file():
-        if cfg.train_subset:
-            raise dpcore.DPConfigError(
-                f"train_subset={cfg.train_subset} applies when the platform ingests the data itself; {cfg.data_dir} is "
-                "already ingested. Point --data-dir to the raw files, or ingest a smaller dataset."
-            )
-        path = Path(cfg.data_dir).expanduser().resolve()
-        return path, verify(path)
-    fingerprint = _source_fingerprint(cfg)
-    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    out = Path(cfg.storage_path).resolve() / "datasets" / f"{cfg.dataset}-{key}-{cfg.num_workers}shards"
-    if (out / "manifest.json").is_file():
-        try:
-            return out, verify(out)
-        except CorruptShardError:
-            pass  # our own cache: rewrite it
-    dataset = load_dataset(
-        cfg.dataset,
-        data_dir=cfg.data_dir,
-        download=cfg.download,
-        image_size=cfg.image_size,
-        generated_size=cfg.generated_size,
-        val_fraction=cfg.val_fraction,
-        test_fraction=cfg.test_fraction,
-        split_seed=cfg.split_seed,
-    ).with_train_subset(cfg.train_subset)
-    ingest(dataset, out, num_shards=cfg.num_workers)
-    return out, verify(out)
-
-
-def prepare_features(cfg: TrainConfig, data_dir: Path, manifest: dict, model) -> tuple[Path, dict] | None:
-    """The cached features of the model's public front end (ScatterNet), or None when the model
-    has none or the run augments its inputs (then the front end runs at every step)."""
-    from .data.features import ensure_features
-    from .models import split_public_front
-
-    front, _ = split_public_front(model)
-    if front is None or cfg.augmentation_multiplicity > 1:
-        return None
-    return ensure_features(
-        data_dir, manifest, front, front.cache_key(), cfg.storage_path, stream=None if cfg.quiet else sys.stderr
-    )
-
-
-def plan_run(cfg: TrainConfig) -> dict:
-    """Validate everything and plan the run. Raises DPConfigError before anything starts."""
-    cfg.validate()
-    tracking_uri = tracking.resolve_tracking_uri(cfg.tracking_uri)
-    tracking.check_tracking_uri(tracking_uri)
-    data_dir, manifest = prepare_data(cfg)
-    n = sum(e["rows"] for e in manifest["files"] if e["split"] == "train")
-    if cfg.num_workers > manifest["num_shards"]:
-        raise dpcore.DPConfigError(
-            f"num_workers={cfg.num_workers} but {data_dir} has {manifest['num_shards']} training shards; "
-            f"re-ingest with at least {cfg.num_workers} shards or use fewer workers."
-        )
-    input_shape = tuple(manifest["input_shape"])
-    prior = []
-    if cfg.pca_components:
-        d = math.prod(input_shape)
-        if d > MAX_PCA_DIM:
-            raise dpcore.DPConfigError(
-                f"DP-PCA on inputs of dimension {d} would need a {d}×{d} float64 matrix and its eigendecomposition "
-                f"on the driver; the limit is {MAX_PCA_DIM}. Resize the images (--image-size) or drop --pca-components."
-            )
-        dpcore.pca.check_pca_components(cfg.pca_components, d)
-        prior = [(dpcore.pca.pca_event(cfg.pca_noise_multiplier, cfg.pca_sample_rate), 1)]
-    if cfg.augmentation_multiplicity > 1 and len(input_shape) != 3:
-        raise dpcore.DPConfigError(
-            f"augmentation_multiplicity={cfg.augmentation_multiplicity} crops and flips images, but {cfg.dataset} has "
-            f"inputs of shape {input_shape}."
-        )
-    model = build_run_model(cfg, input_shape, manifest["num_classes"])
-    dpcore.validate_model(model)
-    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if cfg.audit_canaries and cfg.audit_kind == "input" and cfg.audit_canaries > n:
-        raise dpcore.DPConfigError(
-            f"audit_canaries={cfg.audit_canaries} input canaries would outnumber the {n} training examples; the model would "
-            f"learn mostly canaries. Use at most {n} (the paper uses m well below N)."
-        )
-    if cfg.audit_canaries and cfg.audit_kind == "gradient" and cfg.audit_canaries > n_params:
-        raise dpcore.DPConfigError(
-            f"audit_canaries={cfg.audit_canaries} gradient canaries do not fit: each needs a parameter coordinate of its own "
-            f"and model={cfg.model!r} has {n_params} trainable parameters. Use at most {n_params} canaries."
-        )
-    sigma, q, steps = dpcore.plan(
-        dataset_size=n,
-        lot_size=cfg.lot_size,
-        epochs=cfg.epochs,
-        target_epsilon=cfg.target_epsilon,
-        target_delta=cfg.target_delta,
-        noise_multiplier=cfg.noise_multiplier,
-        accountant=cfg.accountant,
-        max_noise_multiplier=None if cfg.noise_multiplier is not None else cfg.max_noise_multiplier,
-        noise=cfg.noise,
-        prior_groups=prior,
-    )
-    event_kind = dpcore.accounting.POISSON_LAPLACE if cfg.noise == "laplace" else dpcore.accounting.POISSON_GAUSSIAN
-    # How many steps the budget allows at this σ (≥ the planned steps): computed once here, so
-    # that the workers' budget check starts from it instead of searching again.
-    max_releases = dpcore.max_steps(
-        sigma,
-        q,
-        cfg.target_epsilon,
-        cfg.target_delta,
-        cfg.accountant,
-        prior_groups=prior,
-        event=dpcore.PrivacyEvent.of(event_kind, sigma, q),
-    )
-    features = prepare_features(
-        cfg, data_dir, manifest, model
-    )  # last: everything that can fail cheaply has been checked
-    every = cfg.checkpoint_every or max(1, math.ceil(steps / 10))
-    name = cfg.run_name or f"{cfg.dataset}-{cfg.model.replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
-    ray_run_name = f"{name}-{uuid.uuid4().hex[:6]}"
-    storage = Path(cfg.storage_path).resolve()
-    run_dir = storage / ray_run_name
-    return {
-        "config": cfg.to_dict(),
-        "run_name": name,
-        "ray_run_name": ray_run_name,
-        "storage_path": str(storage),
-        "run_dir": str(run_dir),
-        "journal": str(run_dir / JOURNAL),
-        "data_dir": str(data_dir),
-        "input_shape": list(manifest["input_shape"]),
-        # what the workers train on: the cached features of a public front end (ScatterNet), else the data itself
-        "train_data_dir": str(features[0]) if features else str(data_dir),
-        "features": features[1]["source"]["features"] if features else None,
-        "num_classes": manifest["num_classes"],
-        "split_info": manifest.get("split_info", {}),
-        "dataset_size": n,
-        "noise_multiplier": sigma,
-        "sample_rate": q,
-        "event_kind": event_kind,
-        "max_releases": max_releases,
-        "pca_path": str(run_dir / "pca.pt") if cfg.pca_components else None,
-        "audit_path": str(run_dir / "audit.pt") if cfg.audit_canaries else None,
-        "steps": steps,
-        "checkpoint_every": every,
-        "epsilon_every": max(1, steps // 20),
-        "tracking_uri": tracking_uri,
-        "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        "run_id": None,
-    }
+from .plan import RunPlan, plan_run
 
 
 # ------------------------------------------------------------------------------------------
 class JournalProgress:
     """Driver-side progress: follows the ledger journal that rank 0 fsyncs at every step."""
 
-    def __init__(self, spec: dict, enabled: bool, stream=sys.stderr):
-        self.path, self.total = Path(spec["journal"]), spec["steps"]
+    def __init__(self, plan: RunPlan, enabled: bool, stream=sys.stderr):
+        self.path, self.total = Path(plan.journal), plan.steps
         self.enabled, self.stream = enabled, stream
         self.interactive = enabled and stream.isatty()
         self._stop = threading.Event()
@@ -340,7 +152,7 @@ def ray_cluster(cfg: TrainConfig):
         ray.shutdown()
 
 
-def _fit(spec: dict, cfg: TrainConfig, pruner=None):
+def _fit(plan: RunPlan, cfg: TrainConfig, pruner=None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -361,12 +173,12 @@ def _fit(spec: dict, cfg: TrainConfig, pruner=None):
         )
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={**spec, "pruner": pruner},  # the pruner is not part of the run's record
+        train_loop_config={"plan": plan, "pruner": pruner},  # the pruner is not part of the run's record
         scaling_config=scaling,
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         run_config=RunConfig(
-            name=spec["ray_run_name"],
-            storage_path=spec["storage_path"],
+            name=plan.ray_run_name,
+            storage_path=plan.storage_path,
             failure_config=FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
         ),
@@ -374,42 +186,42 @@ def _fit(spec: dict, cfg: TrainConfig, pruner=None):
     return trainer.fit()
 
 
-def final_checkpoint(spec: dict, world: int, reported) -> str:
+def final_checkpoint(plan: RunPlan, world: int, reported) -> str:
     """The run's last complete checkpoint (the one with the most releases)."""
     from .worker import complete_checkpoints
 
-    candidates = complete_checkpoints(spec["run_dir"], reported)
+    candidates = complete_checkpoints(plan.run_dir, reported)
     if not candidates:
-        raise RuntimeError(f"no complete checkpoint under {spec['run_dir']}")
+        raise RuntimeError(f"no complete checkpoint under {plan.run_dir}")
     return candidates[-1][2]
 
 
-def load_final_model(spec: dict, checkpoint_path: str):
+def load_final_model(plan: RunPlan, checkpoint_path: str):
     """The run's model from a checkpoint: the EMA average when the run keeps one."""
     import torch
 
     from .worker import EMA_MODEL_FILE, MODEL_FILE, load_pca
 
-    cfg = config_from_dict(spec["config"])
-    model = build_run_model(cfg, tuple(spec["input_shape"]), spec["num_classes"], load_pca(spec))
+    cfg = config_from_dict(plan.config)
+    model = build_run_model(cfg, tuple(plan.input_shape), plan.num_classes, load_pca(plan))
     name = EMA_MODEL_FILE if cfg.ema_decay is not None else MODEL_FILE
     model.load_state_dict(torch.load(Path(checkpoint_path) / name, map_location="cpu"))
     return model.eval()
 
 
-def ensure_pca(spec: dict, cfg: TrainConfig, client, run_id: str) -> None:
+def ensure_pca(plan: RunPlan, cfg: TrainConfig, client, run_id: str) -> None:
     """DP-PCA (Abadi et al. §4) on the driver, before any worker starts: the release is checked
     against the budget and written to the run's ledger journal (step 0) before the components
     are saved for the workers. A resumed run re-uses the saved components; if the driver died
     between the release and the save, the release is made (and ledgered) again."""
-    if not cfg.pca_components or Path(spec["pca_path"]).is_file():
+    if not cfg.pca_components or Path(plan.pca_path).is_file():
         return
     import torch
 
     from .data import open_split
 
-    ledger = open_run_ledger(spec)
-    train = open_split(spec["data_dir"], "train")
+    ledger = open_run_ledger(plan)
+    train = open_split(plan.data_dir, "train")
     result = dpcore.dp_pca(
         train.batch(torch.arange(len(train))),
         cfg.pca_components,
@@ -418,19 +230,19 @@ def ensure_pca(spec: dict, cfg: TrainConfig, client, run_id: str) -> None:
         sample_rate=cfg.pca_sample_rate,
         ledger=ledger,
     )
-    tmp = Path(spec["pca_path"] + ".tmp")
+    tmp = Path(plan.pca_path + ".tmp")
     torch.save({"components": result.components, "eigenvalues": result.eigenvalues}, tmp)
-    os.replace(tmp, spec["pca_path"])
-    client.log_artifact(run_id, spec["pca_path"], "dp_pca")
+    os.replace(tmp, plan.pca_path)
+    client.log_artifact(run_id, plan.pca_path, "dp_pca")
 
 
-def ensure_audit(spec: dict, cfg: TrainConfig) -> None:
+def ensure_audit(plan: RunPlan, cfg: TrainConfig) -> None:
     """The one-run audit's canaries, drawn on the driver before any worker starts: m distinct
     parameter coordinates (public: a permutation seeded by init_seed) and which canaries are in
     the training data (each with probability audit_canary_rate, from the run's randomness:
     secure by default). Kept in the run directory for the workers and the final scoring; a
     resumed run re-uses them."""
-    if not cfg.audit_canaries or Path(spec["audit_path"]).is_file():
+    if not cfg.audit_canaries or Path(plan.audit_path).is_file():
         return
     import torch
 
@@ -443,30 +255,30 @@ def ensure_audit(spec: dict, cfg: TrainConfig) -> None:
     if cfg.audit_kind == "gradient":
         state = {
             "kind": "gradient",
-            "coords": torch.randperm(spec["parameters"], generator=g)[: cfg.audit_canaries],
+            "coords": torch.randperm(plan.parameters, generator=g)[: cfg.audit_canaries],
             "included": included,
         }
     else:  # out-of-distribution images (Gaussian noise, scaled like the data) with random labels
-        x = 3.0 * torch.randn((cfg.audit_canaries, *spec["input_shape"]), generator=g)
-        y = torch.randint(0, spec["num_classes"], (cfg.audit_canaries,), generator=g)
+        x = 3.0 * torch.randn((cfg.audit_canaries, *plan.input_shape), generator=g)
+        y = torch.randint(0, plan.num_classes, (cfg.audit_canaries,), generator=g)
         state = {"kind": "input", "x": x, "y": y, "included": included}
-    tmp = Path(spec["audit_path"] + ".tmp")
+    tmp = Path(plan.audit_path + ".tmp")
     torch.save(state, tmp)
-    os.replace(tmp, spec["audit_path"])
+    os.replace(tmp, plan.audit_path)
 
 
-def audit_result(spec: dict, cfg: TrainConfig, checkpoint: str) -> dict:
+def audit_result(plan: RunPlan, cfg: TrainConfig, checkpoint: str) -> dict:
     """Score the canaries, guess, and bound ε (Steinke et al.): the audit's summary. Gradient
     canaries: Σ_t ⟨released gradient_t, e_j⟩, accumulated by rank 0 and kept in the
     checkpoint. Input canaries: minus the final model's loss on each (a black-box score)."""
     import torch
     import torch.nn.functional as F
 
-    canaries = torch.load(spec["audit_path"])
+    canaries = torch.load(plan.audit_path)
     if canaries["kind"] == "gradient":
         scores = torch.load(Path(checkpoint) / "audit_scores.pt")
     else:
-        model = load_final_model(spec, checkpoint)
+        model = load_final_model(plan, checkpoint)
         with torch.no_grad():
             scores = -F.cross_entropy(model(canaries["x"]), canaries["y"], reduction="none").double()
     r = cfg.resolved_audit_guesses()
@@ -487,15 +299,15 @@ def audit_result(spec: dict, cfg: TrainConfig, checkpoint: str) -> dict:
     }
 
 
-def open_run_ledger(spec: dict) -> dpcore.PrivacyLedger:
+def open_run_ledger(plan: RunPlan) -> dpcore.PrivacyLedger:
     """The run's ledger, from its journal (every release, committed or rolled back)."""
-    cfg = spec["config"]
+    cfg = plan.config
     return dpcore.PrivacyLedger(
         cfg["target_epsilon"],
         cfg["target_delta"],
         cfg["accountant"],
-        epsilon_every=spec["epsilon_every"],
-        journal=spec["journal"],
+        epsilon_every=plan.epsilon_every,
+        journal=plan.journal,
     )
 
 
@@ -519,74 +331,74 @@ def run(
     from mlflow import MlflowClient
 
     if resume is not None:
-        spec, cfg = _resume_spec(resume, (cfg or TrainConfig()).tracking_uri, resume_changes or {})
+        plan, cfg = _resume_spec(resume, (cfg or TrainConfig()).tracking_uri, resume_changes or {})
     else:
         cfg = cfg or TrainConfig()
         trace("run() start")
-        spec = plan_run(cfg)
+        plan = plan_run(cfg)
         trace("planned")
-    client = MlflowClient(spec["tracking_uri"])
-    mlflow.set_tracking_uri(spec["tracking_uri"])
-    tags = None if resume is not None else {**tracking.dp_tags(cfg, spec), **(extra_tags or {})}
+    client = MlflowClient(plan.tracking_uri)
+    mlflow.set_tracking_uri(plan.tracking_uri)
+    tags = None if resume is not None else {**tracking.dp_tags(cfg, plan), **(extra_tags or {})}
     with tracking.mlflow_run(
         client,
         experiment=cfg.experiment,
-        run_name=spec["run_name"],
+        run_name=plan.run_name,
         tags=tags,
         parent_run_id=parent_run_id,
-        run_id=spec["run_id"] if resume is not None else None,
-        on_failure=lambda run_id: tracking.record_released(client, run_id, open_run_ledger(spec)),
+        run_id=plan.run_id if resume is not None else None,
+        on_failure=lambda run_id: tracking.record_released(client, run_id, open_run_ledger(plan)),
     ) as run_id:
-        spec["run_id"] = run_id
+        plan.run_id = run_id
         t0 = time.monotonic()
         if resume is None:
-            Path(spec["run_dir"]).mkdir(parents=True, exist_ok=True)
-            open_run_ledger(spec)  # creates the journal (its header): workers refuse to train without it
+            Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
+            open_run_ledger(plan)  # creates the journal (its header): workers refuse to train without it
             client.log_batch(
-                run_id, params=[mlflow.entities.Param(k, v) for k, v in tracking.params_of(cfg, spec).items()]
+                run_id, params=[mlflow.entities.Param(k, v) for k, v in tracking.params_of(cfg, plan).items()]
             )
             tracking.write_json_artifact(client, run_id, "config.json", cfg.to_dict())
-            tracking.write_json_artifact(client, run_id, "split.json", spec["split_info"])
-            tracking.write_json_artifact(client, run_id, "spec.json", spec)
-        ensure_pca(spec, cfg, client, run_id)
-        ensure_audit(spec, cfg)
+            tracking.write_json_artifact(client, run_id, "split.json", plan.split_info)
+            tracking.write_json_artifact(client, run_id, "spec.json", plan.to_dict())
+        ensure_pca(plan, cfg, client, run_id)
+        ensure_audit(plan, cfg)
         trace("mlflow run set up")
         with (
             contextlib.nullcontext() if cfg.in_process else ray_cluster(cfg),
-            JournalProgress(spec, enabled=not cfg.quiet),
+            JournalProgress(plan, enabled=not cfg.quiet),
         ):
             trace("cluster ready")
-            result = _fit(spec, cfg, pruner)
+            result = _fit(plan, cfg, pruner)
         if result.error is not None:
             raise _worker_dp_error(result.error) or result.error
-        ledger = open_run_ledger(spec)
+        ledger = open_run_ledger(plan)
         epsilon = ledger.epsilon()
         metrics = result.metrics or {}
-        checkpoint = final_checkpoint(spec, cfg.num_workers, result.checkpoint)
+        checkpoint = final_checkpoint(plan, cfg.num_workers, result.checkpoint)
         committed = ledger.committed_steps()
         meta = json.loads((Path(checkpoint) / "meta.json").read_text())
         if meta["releases"] != len(ledger) or meta["step"] != len(committed):
             raise RuntimeError(
                 f"the last checkpoint ({checkpoint}: step {meta['step']}) is not the end of the ledger ({len(committed)} committed steps)"
             )
-        model = load_final_model(spec, checkpoint)
+        model = load_final_model(plan, checkpoint)
         client.set_tag(run_id, "dp.epsilon", f"{epsilon:.6g}")
         from .worker import read_placement
 
-        placement = read_placement(spec)
+        placement = read_placement(plan)
         if placement:
             tracking.write_json_artifact(client, run_id, "placement.json", placement, artifact_path="ray")
             client.set_tag(run_id, "ray.nodes", str(len({p["node_id"] for p in placement})))
         tracking.log_ledger(client, run_id, ledger)
         client.log_metric(run_id, "final_epsilon", epsilon)
-        audit = audit_result(spec, cfg, checkpoint) if cfg.audit_canaries else None
+        audit = audit_result(plan, cfg, checkpoint) if cfg.audit_canaries else None
         if audit is not None:
             tracking.log_audit(client, run_id, audit, epsilon)
         tracking.plot_run(client, run_id, ledger)
 
         from .data import model_example
 
-        example = model_example(spec["data_dir"])
+        example = model_example(plan.data_dir)
         reg = cfg.registered_model or f"dp-{cfg.dataset}-{cfg.model.replace(':', '_')}"
         version = None
         if cfg.log_model:
@@ -601,13 +413,13 @@ def run(
             )
         return {
             "run_id": run_id,
-            "tracking_uri": spec["tracking_uri"],
+            "tracking_uri": plan.tracking_uri,
             "dataset": cfg.dataset,
-            "train_examples": spec["dataset_size"],
+            "train_examples": plan.dataset_size,
             "num_workers": cfg.num_workers,
             "nodes": len({p["node_id"] for p in placement}),
             "steps": len(committed),
-            "planned_steps": spec["steps"],
+            "planned_steps": plan.steps,
             "releases": len(ledger),
             "rolled_back": sum(e.status != "committed" for e in ledger.entries),
             "test_accuracy": metrics.get("test_accuracy", float("nan")),
@@ -615,15 +427,15 @@ def run(
             "epsilon": epsilon,
             "delta": cfg.target_delta,
             "accountant": cfg.accountant,
-            "noise_multiplier": spec["noise_multiplier"],
-            "sample_rate": spec["sample_rate"],
+            "noise_multiplier": plan.noise_multiplier,
+            "sample_rate": plan.sample_rate,
             "randomness": "secure" if cfg.seed is None else f"seeded (seed={cfg.seed})",
             "seconds": time.monotonic() - t0,
             "checkpoint": checkpoint,
             "registered_model": None if version is None else f"{version.name} v{version.version}",
             "pruned": bool(meta.get("pruned", False)),
             "audit": audit,
-            "spec": spec,
+            "spec": plan,
             "ledger": ledger,
             "model": model,
         }
@@ -645,8 +457,8 @@ def _worker_dp_error(error: BaseException) -> dpcore.DPError | None:
 RESUME_MAY_CHANGE = ("quiet", "max_failures", "ray_address")
 
 
-def _resume_spec(run_id: str, tracking_uri: str, changes: dict) -> tuple[dict, TrainConfig]:
-    """The spec of an earlier run, to continue it after the driver died."""
+def _resume_spec(run_id: str, tracking_uri: str, changes: dict) -> tuple[RunPlan, TrainConfig]:
+    """The plan of an earlier run, to continue it after the driver died."""
     import mlflow
     from mlflow import MlflowClient
 
@@ -663,20 +475,20 @@ def _resume_spec(run_id: str, tracking_uri: str, changes: dict) -> tuple[dict, T
     if run.info.status == "FINISHED":
         raise dpcore.DPConfigError(f"run {run_id} is already finished; there is nothing to resume.")
     path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="spec.json", tracking_uri=uri)
-    spec = json.loads(Path(path).read_text())
-    if not Path(spec["journal"]).is_file():
+    plan = RunPlan.from_dict(json.loads(Path(path).read_text()))
+    if not Path(plan.journal).is_file():
         raise dpcore.DPConfigError(
-            f"run {run_id}'s ledger journal {spec['journal']} is missing; without it the releases cannot be accounted for."
+            f"run {run_id}'s ledger journal {plan.journal} is missing; without it the releases cannot be accounted for."
         )
     from .worker import journal_is_locked
 
-    if journal_is_locked(spec["journal"]):
+    if journal_is_locked(plan.journal):
         raise dpcore.DPConfigError(
-            f"run {run_id} is still training somewhere (its ledger journal {spec['journal']} is locked by a worker). "
+            f"run {run_id} is still training somewhere (its ledger journal {plan.journal} is locked by a worker). "
             "Stop that job before resuming; two trainers on one run could spend the budget twice."
         )
-    spec["config"].update(changes)
-    return spec, config_from_dict(spec["config"])
+    plan.config.update(changes)
+    return plan, config_from_dict(plan.config)
 
 
 # ------------------------------------------------------------------------------------------

@@ -23,6 +23,11 @@ Nothing computed on training data leaves the worker except through the noised up
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .plan import RunPlan
+
 import hashlib
 import json
 import os
@@ -50,14 +55,12 @@ AUDIT_FILE = "audit_scores.pt"
 PCA_FILE = "pca.pt"
 
 
-def step_event(spec: dict) -> dpcore.PrivacyEvent:
+def step_event(plan: RunPlan) -> dpcore.PrivacyEvent:
     """The privacy event of one training step of the run (Gaussian or Laplace)."""
-    return dpcore.PrivacyEvent.of(
-        spec.get("event_kind", "poisson_gaussian"), spec["noise_multiplier"], spec["sample_rate"]
-    )
+    return plan.step_event()
 
 
-def method_options(cfg: TrainConfig, spec: dict, rank: int) -> dict:
+def method_options(cfg: TrainConfig, plan: RunPlan, rank: int) -> dict:
     """DPOptimizer's method arguments for the run's config."""
     augment = None
     if cfg.augmentation_multiplicity > 1:
@@ -69,7 +72,7 @@ def method_options(cfg: TrainConfig, spec: dict, rank: int) -> dict:
     return {
         "method": cfg.method,
         "ascent": dpcore.ascent_schedule(
-            cfg.resolved_ascent(), cfg.ascent_schedule, spec["steps"], cfg.ascent_warmup_fraction
+            cfg.resolved_ascent(), cfg.ascent_schedule, plan.steps, cfg.ascent_warmup_fraction
         ),
         "bam_variant": cfg.bam_variant,
         "noise": cfg.noise,
@@ -80,16 +83,16 @@ def method_options(cfg: TrainConfig, spec: dict, rank: int) -> dict:
     }
 
 
-def load_pca(spec: dict):
+def load_pca(plan: RunPlan):
     """The run's DP-PCA components (released by the driver before training), or None."""
-    if not spec.get("pca_path"):
+    if not plan.pca_path:
         return None
-    if not os.path.isfile(spec["pca_path"]):
+    if not os.path.isfile(plan.pca_path):
         raise dpcore.DPConfigError(
-            f"the run's DP-PCA projection {spec['pca_path']} does not exist on this node. The driver releases it "
+            f"the run's DP-PCA projection {plan.pca_path} does not exist on this node. The driver releases it "
             "before training; storage_path must be storage that every node shares."
         )
-    return torch.load(spec["pca_path"], map_location="cpu")["components"]
+    return torch.load(plan.pca_path, map_location="cpu")["components"]
 
 
 def make_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
@@ -219,7 +222,7 @@ def journal_is_locked(journal: str) -> bool:
 
 
 def open_ledger(
-    spec: dict, checkpoint_meta: dict | None, checkpoint_ledger: dict | None, rank: int, world: int
+    plan: RunPlan, checkpoint_meta: dict | None, checkpoint_ledger: dict | None, rank: int, world: int
 ) -> tuple[dpcore.PrivacyLedger, int]:
     """Open the run's ledger and decide how many more steps fit. Returns (ledger, allowance).
 
@@ -229,10 +232,10 @@ def open_ledger(
     broadcasts that number, so that every rank stops at the same step. Ranks ≥ 1 add no noise
     and keep a budget-free ledger only for their optimizer's bookkeeping.
     """
-    cfg = spec["config"]
+    cfg = plan.config
     allowance = None
     if rank == 0:
-        journal = spec["journal"]
+        journal = plan.journal
         if not os.path.isfile(journal):
             raise dpcore.DPConfigError(
                 f"the ledger journal {journal} does not exist on this node. The driver creates it before training; "
@@ -243,7 +246,7 @@ def open_ledger(
             cfg["target_epsilon"],
             cfg["target_delta"],
             cfg["accountant"],
-            epsilon_every=spec["epsilon_every"],
+            epsilon_every=plan.epsilon_every,
             journal=journal,
         )
         if checkpoint_ledger is not None and len(ledger) < len(checkpoint_ledger["entries"]):
@@ -252,23 +255,23 @@ def open_ledger(
                 f"{len(checkpoint_ledger['entries'])}: the journal was lost or truncated, so releases after the "
                 "checkpoint cannot be accounted for. Refusing to resume."
             )
-        if spec.get("pca_path") and not any(e.step == 0 for e in ledger.entries):
+        if plan.pca_path and not any(e.step == 0 for e in ledger.entries):
             raise dpcore.DPConfigError(
                 f"the run uses a DP-PCA projection but its ledger journal {journal} holds no release for it. "
                 "Refusing to train on a projection that is not accounted for."
             )
-        if spec.get("max_releases") is not None:  # the driver's plan: the budget check need not search again
+        if plan.max_releases is not None:  # the driver's plan: the budget check need not search again
             prior = (
                 [(dpcore.pca.pca_event(cfg["pca_noise_multiplier"], cfg["pca_sample_rate"]), 1)]
-                if spec.get("pca_path")
+                if plan.pca_path
                 else []
             )
-            ledger.prime_allowance(step_event(spec), prior, spec["max_releases"])
+            ledger.prime_allowance(step_event(plan), prior, plan.max_releases)
         after = checkpoint_meta["step"] if checkpoint_meta is not None else 0
         if any(e.status == COMMITTED and e.step > after for e in ledger.entries):
             ledger.mark_rolled_back(after)
-        left = ledger.allowance(step_event(spec))
-        allowance = int(min(max(left, 0), spec["steps"] - after))
+        left = ledger.allowance(step_event(plan))
+        allowance = int(min(max(left, 0), plan.steps - after))
     else:
         ledger = dpcore.PrivacyLedger(None, cfg["target_delta"], cfg["accountant"], epsilon_every=10**9)
     if world > 1:
@@ -341,7 +344,7 @@ def persist_checkpoint(src: Path, run_dir: Path, step: int, keep: int = 2) -> Pa
     return dest
 
 
-def find_checkpoint(spec: dict, reported, rank: int, world: int):
+def find_checkpoint(plan: RunPlan, reported, rank: int, world: int):
     """The checkpoint to restore: the latest complete one in the run's storage.
 
     Ray Train registers a reported checkpoint asynchronously, so a worker that dies right after
@@ -354,7 +357,7 @@ def find_checkpoint(spec: dict, reported, rank: int, world: int):
 
     choice = None
     if rank == 0:
-        candidates = complete_checkpoints(spec["run_dir"], reported)
+        candidates = complete_checkpoints(plan.run_dir, reported)
         choice = candidates[-1][2] if candidates else None
     if world > 1:
         box = [choice]
@@ -382,7 +385,7 @@ def memory_status() -> dict:
     return out
 
 
-def record_placement(spec: dict, rank: int, memory: dict | None = None) -> None:
+def record_placement(plan: RunPlan, rank: int, memory: dict | None = None) -> None:
     """Where this rank runs (Ray node, host, process), and with ``memory`` its memory use, in
     the run folder; the driver logs it (``ray/placement.json``). A restarted group overwrites
     it with its new placement."""
@@ -390,9 +393,9 @@ def record_placement(spec: dict, rank: int, memory: dict | None = None) -> None:
 
     import ray
 
-    d = Path(spec["run_dir"]) / "placement"
+    d = Path(plan.run_dir) / "placement"
     d.mkdir(parents=True, exist_ok=True)
-    if spec["config"].get("in_process") or not ray.is_initialized():
+    if plan.config.get("in_process") or not ray.is_initialized():
         # Ray Train's local mode: this process is the worker, even where the driver process
         # holds a Ray connection made for something else
         node_id, node_ip = f"in-process:{socket.gethostname()}", "127.0.0.1"
@@ -406,24 +409,25 @@ def record_placement(spec: dict, rank: int, memory: dict | None = None) -> None:
     os.replace(tmp, d / f"rank{rank}.json")
 
 
-def read_placement(spec: dict) -> list[dict]:
-    d = Path(spec["run_dir"]) / "placement"
+def read_placement(plan: RunPlan) -> list[dict]:
+    d = Path(plan.run_dir) / "placement"
     return [json.loads(f.read_text()) for f in sorted(d.glob("rank*.json"))] if d.is_dir() else []
 
 
-def train_loop_per_worker(spec: dict) -> None:
-    """Ray Train entry point. ``spec`` is built by the driver (:func:`pipelines.train.plan_run`)."""
+def train_loop_per_worker(plan: RunPlan, pruner=None) -> None:
+    """Ray Train entry point. ``plan`` is built by the driver (:func:`pipelines.plan.plan_run`);
+    ``pruner(validation_accuracy, step) -> stop?`` is called by rank 0 at each checkpoint."""
     import ray.train
 
     from .allocator import keep_freed_memory
 
     trace("worker entry")
     keep_freed_memory()  # this process is ours: reuse freed memory across steps (DP_MALLOC_TUNE=0: off)
-    cfg = config_from_dict(spec["config"])
+    cfg = config_from_dict(plan.config)
     _quiet_ray_train_logs()
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    record_placement(spec, rank)
+    record_placement(plan, rank)
     if cfg.use_gpu and cfg.in_process:
         device = torch.device("cuda", torch.cuda.current_device())
     elif cfg.use_gpu:
@@ -439,13 +443,13 @@ def train_loop_per_worker(spec: dict) -> None:
         warnings.simplefilter("ignore", dpcore.SeededRandomnessWarning)  # the driver already warned and tagged the run
 
     torch.manual_seed(cfg.init_seed)  # public: identical initial weights on every rank
-    model = build_run_model(cfg, tuple(spec["input_shape"]), spec["num_classes"], load_pca(spec)).to(device)
+    model = build_run_model(cfg, tuple(plan.input_shape), plan.num_classes, load_pca(plan)).to(device)
     # With cached features (ScatterNet), the workers read the features and train the rest of the model.
-    front, trained = split_public_front(model) if spec.get("features") else (None, model)
-    data_dir = spec.get("train_data_dir") or spec["data_dir"]
+    front, trained = split_public_front(model) if plan.features else (None, model)
+    data_dir = plan.train_data_dir or plan.data_dir
     extra = None
-    if rank == 0 and spec.get("audit_path"):
-        canaries = torch.load(spec["audit_path"])
+    if rank == 0 and plan.audit_path:
+        canaries = torch.load(plan.audit_path)
         if (
             canaries["kind"] == "input"
         ):  # black-box canaries in the data: rank 0's shard holds them, sampled like any example
@@ -464,7 +468,7 @@ def train_loop_per_worker(spec: dict) -> None:
 
     optimizer = make_optimizer(cfg, [p for p in model.parameters() if p.requires_grad])
 
-    checkpoint = find_checkpoint(spec, ray.train.get_checkpoint(), rank, world)
+    checkpoint = find_checkpoint(plan, ray.train.get_checkpoint(), rank, world)
     meta, rank_state, ckpt_ledger = None, None, None
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
@@ -481,16 +485,16 @@ def train_loop_per_worker(spec: dict) -> None:
     start_step = meta["step"] if meta is not None else 0
 
     trace("checkpoint looked up")
-    ledger, allowance = open_ledger(spec, meta, ckpt_ledger, rank, world)
+    ledger, allowance = open_ledger(plan, meta, ckpt_ledger, rank, world)
     trace("ledger opened")
     private = dpcore.build_private(
         trained,
         optimizer,
         F.cross_entropy,
-        noise_multiplier=spec["noise_multiplier"],
-        sample_rate=spec["sample_rate"],
-        steps=spec["steps"],
-        dataset_size=spec["dataset_size"],
+        noise_multiplier=plan.noise_multiplier,
+        sample_rate=plan.sample_rate,
+        steps=plan.steps,
+        dataset_size=plan.dataset_size,
         target_epsilon=cfg.target_epsilon if rank == 0 else None,  # rank 0 is the budget authority
         target_delta=cfg.target_delta,
         clip_norm=cfg.clip_norm,
@@ -502,7 +506,7 @@ def train_loop_per_worker(spec: dict) -> None:
         reduce_fn=allreduce_sum if world > 1 else None,
         physical_batch_size=cfg.physical_batch_size,
         clipping=cfg.clipping,
-        **method_options(cfg, spec, rank),
+        **method_options(cfg, plan, rank),
     )
     trace("private built")
     fitted = None
@@ -527,9 +531,7 @@ def train_loop_per_worker(spec: dict) -> None:
         )
 
     audit = None
-    if (
-        rank == 0 and spec.get("audit_path") and canaries["kind"] == "gradient"
-    ):  # white-box canaries live in rank 0's shard
+    if rank == 0 and plan.audit_path and canaries["kind"] == "gradient":  # white-box canaries live in rank 0's shard
         audit = {
             "coords": canaries["coords"],
             "in": canaries["coords"][canaries["included"]],
@@ -541,7 +543,7 @@ def train_loop_per_worker(spec: dict) -> None:
         audit_root = dpcore.make_randomness(cfg.seed)
         canary_value = cfg.clip_norm * (1.0 - dpcore.clipping.CLIP_MARGIN)
 
-    tracker = _Tracker(spec) if rank == 0 else None
+    tracker = _Tracker(plan) if rank == 0 else None
     if tracker is not None:
         # The path clipping="auto" chose from the model and method, before any data was seen.
         # (Whether the first-batch check later fell back to vmap depends on the private data,
@@ -551,7 +553,7 @@ def train_loop_per_worker(spec: dict) -> None:
         tracker.tag("physical_batch_size.fitted", str(fitted["physical_batch_size"]))
         if fitted.get("measured"):
             tracker.tag("physical_batch_size.per_example_mib", f"{fitted['per_example_bytes'] / 2**20:.3f}")
-    every = spec["checkpoint_every"]
+    every = plan.checkpoint_every
     last_step = start_step + allowance  # the plan, or fewer if rolled-back releases used up budget
     t_last, step_last = time.monotonic(), start_step
     step = start_step
@@ -559,7 +561,7 @@ def train_loop_per_worker(spec: dict) -> None:
 
     def report(rate):  # reads the loop's current ``step``
         return _report(
-            spec,
+            plan,
             cfg,
             private,
             model,
@@ -573,6 +575,7 @@ def train_loop_per_worker(spec: dict) -> None:
             held_out if rank == 0 else None,
             train,
             audit,
+            pruner,
         )
 
     trace("loop start")
@@ -583,9 +586,7 @@ def train_loop_per_worker(spec: dict) -> None:
         lot = private.sampler.sample()
         private.optimizer.accumulate(train.batch(lot), y_train[lot])
         if audit is not None:  # canaries in the data join the lot at rate q, like every example
-            sampled = audit["in"][
-                audit_root.spawn("audit-sampling", step).uniform(len(audit["in"])) < spec["sample_rate"]
-            ]
+            sampled = audit["in"][audit_root.spawn("audit-sampling", step).uniform(len(audit["in"])) < plan.sample_rate]
             private.optimizer.add_coordinate_examples(sampled, canary_value)
         private.optimizer.step()
         if audit is not None:  # white-box score: the released (noised) gradient along each canary
@@ -595,7 +596,7 @@ def train_loop_per_worker(spec: dict) -> None:
             ema.update()
         step += 1
         if cfg.fault_at_step == step and rank == cfg.fault_rank:
-            marker = Path(spec["run_dir"]) / "fault-injected"
+            marker = Path(plan.run_dir) / "fault-injected"
             if not marker.exists():
                 marker.write_text(f"rank {rank} died after step {step}\n")
                 os._exit(17)  # a hard crash: no cleanup, no report
@@ -608,7 +609,7 @@ def train_loop_per_worker(spec: dict) -> None:
             if pruned:  # Optuna's pruner stopped this trial (a sweep); every rank got the decision
                 break
     peak_anon = max(peak_anon, memory_status().get("rss_anon_mib", 0.0))
-    record_placement(spec, rank, {**memory_status(), "peak_rss_anon_mib": peak_anon})
+    record_placement(plan, rank, {**memory_status(), "peak_rss_anon_mib": peak_anon})
     # Restored right at the budget (the rolled-back releases used it up): the restored state
     # is the final one, but the ledger has grown since that checkpoint, so report it again.
     need = None
@@ -623,7 +624,21 @@ def train_loop_per_worker(spec: dict) -> None:
 
 
 def _report(
-    spec, cfg, private, model, ema, rank, world, step, last_step, rate, tracker, held_out, train, audit=None
+    plan,
+    cfg,
+    private,
+    model,
+    ema,
+    rank,
+    world,
+    step,
+    last_step,
+    rate,
+    tracker,
+    held_out,
+    train,
+    audit=None,
+    pruner=None,
 ) -> int:
     """Metrics (rank 0) and a checkpoint (every rank's part) in one ``ray.train.report``.
     Returns the number of ledger releases the checkpoint holds (rank 0; -1 elsewhere)."""
@@ -649,15 +664,15 @@ def _report(
                 eval_model = copy.deepcopy(model)
                 eval_model.load_state_dict(ema.averaged_state_dict())
                 torch.save(eval_model.state_dict(), d / EMA_MODEL_FILE)
-            if spec.get("features"):  # the held-out splits are features too: evaluate the rest of the model
+            if plan.features:  # the held-out splits are features too: evaluate the rest of the model
                 eval_model = split_public_front(eval_model)[1]
             device = next(model.parameters()).device
             val_acc, val_loss = evaluate(eval_model, held_out["val"], device)
             test_acc = test_loss = float("nan")  # NaN metrics are not logged
             if final or cfg.test_every_report:
                 test_acc, test_loss = evaluate(eval_model, held_out["test"], device)
-            if spec.get("pruner") is not None and not final:
-                pruned = bool(spec["pruner"](val_acc, step))
+            if pruner is not None and not final:
+                pruned = bool(pruner(val_acc, step))
             metrics = {
                 "step": step,
                 "epsilon": private.ledger.epsilon(),
@@ -666,13 +681,13 @@ def _report(
                 "test_accuracy": test_acc,
                 "test_loss": test_loss,
                 "steps_per_second": rate,
-                "expected_examples_per_second": rate * spec["sample_rate"] * spec["dataset_size"],
+                "expected_examples_per_second": rate * plan.sample_rate * plan.dataset_size,
                 "committed_steps": len(private.ledger.committed_steps()),
                 "releases": len(private.ledger),
                 "final": float(final),
             }
             if cfg.diagnostics:  # NON-PRIVATE: computed on rank 0's training shard, not noised
-                acc, loss = evaluate(split_public_front(model)[1] if spec.get("features") else model, train)
+                acc, loss = evaluate(split_public_front(model)[1] if plan.features else model, train)
                 first = torch.arange(min(512, len(train)))
                 norms = private.optimizer.diagnostics(train.batch(first), train.y[first])["per_sample_norms"]
                 metrics.update(
@@ -701,19 +716,19 @@ def _report(
                 "world_size": world,
                 "final": final or pruned,
                 "pruned": pruned,
-                "run_id": spec["run_id"],
+                "run_id": plan.run_id,
                 "files": files,
             }
             (d / "meta.json").write_text(json.dumps(meta))
         if cfg.in_process:  # Ray Train's local mode keeps no checkpoint: keep it in the run folder ourselves
-            persist_checkpoint(d, Path(spec["run_dir"]), step)
+            persist_checkpoint(d, Path(plan.run_dir), step)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
     if tracker is not None:
         tracker.log(metrics, step)
         if cfg.diagnostics:  # NON-PRIVATE per-step BAM diagnostics (bias, a, c, ascent cosines)
             tracker.log_history(private.optimizer.diagnostics_history)
     private.optimizer.diagnostics_history.clear()  # every rank: only rank 0 logs them
-    if spec.get("pruner") is not None and world > 1:
+    if pruner is not None and world > 1:
         box = [pruned]
         dist.broadcast_object_list(box, src=0)
         pruned = box[0]
@@ -723,14 +738,14 @@ def _report(
 class _Tracker:
     """Rank 0 logs each report's metrics to the run's MLflow run as they happen."""
 
-    def __init__(self, spec: dict):
+    def __init__(self, plan: RunPlan):
         import threading
 
-        self.run_id = spec["run_id"]
+        self.run_id = plan.run_id
         self._client = None
         self._pending_tags: dict[str, str] = {}
         # Importing MLflow takes about a second: do it beside the first steps, not before them.
-        self._loading = threading.Thread(target=self._connect, args=(spec["tracking_uri"],), daemon=True)
+        self._loading = threading.Thread(target=self._connect, args=(plan.tracking_uri,), daemon=True)
         self._loading.start()
 
     def _connect(self, uri: str) -> None:

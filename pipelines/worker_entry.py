@@ -7,12 +7,14 @@ import :mod:`pipelines.worker` when they run it.
 """
 
 
-def train_loop_per_worker(spec: dict) -> None:
+def train_loop_per_worker(config: dict) -> None:
+    """``config`` = {"plan": the run's :class:`pipelines.plan.RunPlan`, "pruner": a callable or None}."""
     from .worker import train_loop_per_worker as run
     from .worker import unlock_journal
 
+    plan = config["plan"]
     try:
-        run(spec)
+        run(plan, config.get("pruner"))
     finally:
-        if spec["config"].get("in_process"):  # this process goes on as the driver: let go of the run's journal
+        if plan.config.get("in_process"):  # this process goes on as the driver: let go of the run's journal
             unlock_journal()

@@ -37,3 +37,16 @@ def loop_clipped_sum(model, loss_fn, x, y, clip_norm):
 
 
 ce = F.cross_entropy
+
+
+def small_plan(**fields):
+    """A pipelines.plan.RunPlan with placeholder values, for unit tests of worker-side pieces."""
+    from pipelines.plan import RunPlan
+
+    defaults = dict(
+        config={}, run_name="t", ray_run_name="t-0", storage_path="", run_dir="", journal="", data_dir="",
+        input_shape=[1], train_data_dir="", features=None, num_classes=2, split_info={}, dataset_size=100,
+        noise_multiplier=1.0, sample_rate=0.1, event_kind="poisson_gaussian", max_releases=None, pca_path=None,
+        audit_path=None, steps=1, checkpoint_every=1, epsilon_every=1, tracking_uri="", parameters=1,
+    )  # fmt: skip
+    return RunPlan(**{**defaults, **fields})

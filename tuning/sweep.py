@@ -237,7 +237,7 @@ def _trial_task():
             "pruned",
         )
         summary = {k: out[k] for k in keys}
-        summary["val_examples"] = out["spec"]["split_info"].get("val_examples")
+        summary["val_examples"] = out["spec"].split_info.get("val_examples")
         summary["ledger_sigmas"] = sorted({e.noise_multiplier for e in out["ledger"].entries if e.step > 0})
         return summary
 
@@ -278,7 +278,8 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
     from mlflow import MlflowClient
 
     from pipelines.models import build_run_model
-    from pipelines.train import prepare_data, prepare_features, ray_cluster
+    from pipelines.plan import prepare_data, prepare_features
+    from pipelines.train import ray_cluster
 
     # ---- everything that can fail, before the study or any run is written ----------------
     sweep.validate()
@@ -614,15 +615,16 @@ def _register_best(client, base, attrs: dict) -> str | None:
     import mlflow
 
     from pipelines.data import model_example
+    from pipelines.plan import RunPlan
     from pipelines.train import load_final_model
 
     run_id = attrs["run_id"]
     spec_path = mlflow.artifacts.download_artifacts(
         run_id=run_id, artifact_path="spec.json", tracking_uri=client.tracking_uri
     )
-    spec = json.loads(Path(spec_path).read_text())
+    spec = RunPlan.from_dict(json.loads(Path(spec_path).read_text()))
     model = load_final_model(spec, attrs["checkpoint"])
-    example = model_example(spec["data_dir"])
+    example = model_example(spec.data_dir)
     name = base.registered_model or f"dp-sweep-{base.dataset}-{base.model.replace(':', '_')}"
     mlflow.set_tracking_uri(client.tracking_uri)
     version = tracking.log_model(

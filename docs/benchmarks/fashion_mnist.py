@@ -117,13 +117,13 @@ def plan_and_data(config: Path, overrides: dict | None = None):
     the tensors the workers train on."""
     from pipelines.config import load_config
     from pipelines.data import open_split
-    from pipelines.train import plan_run
+    from pipelines.plan import plan_run
 
     cfg = load_config(config, {"quiet": True, **(overrides or {})})
     spec = plan_run(cfg)
 
     def tensors(split):
-        m = open_split(spec["train_data_dir"], split)
+        m = open_split(spec.train_data_dir, split)
         return m.batch(torch.arange(len(m))), m.y
 
     return cfg, spec, {s: tensors(s) for s in ("train", "val", "test")}
@@ -133,8 +133,8 @@ def trained_module(cfg, spec, seed: int):
     from pipelines.models import build_run_model, split_public_front
 
     torch.manual_seed(seed)  # the workers seed with init_seed before building: the same weights
-    model = build_run_model(cfg, tuple(spec["input_shape"]), spec["num_classes"])
-    return split_public_front(model)[1] if spec["features"] else model
+    model = build_run_model(cfg, tuple(spec.input_shape), spec.num_classes)
+    return split_public_front(model)[1] if spec.features else model
 
 
 @torch.no_grad()
@@ -166,8 +166,8 @@ def opacus_train(
     from pipelines.worker import make_optimizer
 
     (xtr, ytr), (xva, yva), (xte, yte) = data["train"], data["val"], data["test"]
-    n, q, sigma = len(ytr), spec["sample_rate"], spec["noise_multiplier"]
-    steps = steps or spec["steps"]
+    n, q, sigma = len(ytr), spec.sample_rate, spec.noise_multiplier
+    steps = steps or spec.steps
     module = trained_module(cfg, spec, seed)
     gsm = GradSampleModule(module)
     opt = DPOptimizer(
@@ -266,8 +266,8 @@ def cmd_accuracy(a) -> None:
 
 
 # ------------------------------------------------------------------------------------------
-def _journal_rate(spec: dict) -> tuple[float, int]:
-    recs = [json.loads(x) for x in Path(spec["journal"]).read_text().splitlines()]
+def _journal_rate(spec) -> tuple[float, int]:
+    recs = [json.loads(x) for x in Path(spec.journal).read_text().splitlines()]
     ts = [r["timestamp"] for r in recs if r.get("op") == "append" and r["step"] > 0]
     return (len(ts) - 1) / (ts[-1] - ts[0]), len(ts)
 
@@ -317,7 +317,7 @@ def speed_child(mode: str, config: Path, workdir: Path) -> dict:
     os.chdir(workdir)
     cfg, spec, data = plan_and_data(config)
     (xtr, ytr) = data["train"]
-    n, q = len(ytr), spec["sample_rate"]
+    n, q = len(ytr), spec.sample_rate
     epoch = int(round(1 / q))
     module = trained_module(cfg, spec, 0)
     g = torch.Generator().manual_seed(0)
@@ -336,7 +336,7 @@ def speed_child(mode: str, config: Path, workdir: Path) -> dict:
         gsm = GradSampleModule(module)
         opt = DPOptimizer(
             make_optimizer(cfg, module.parameters()),
-            noise_multiplier=spec["noise_multiplier"],
+            noise_multiplier=spec.noise_multiplier,
             max_grad_norm=cfg.clip_norm,
             expected_batch_size=int(round(q * n)),
         )
@@ -347,18 +347,18 @@ def speed_child(mode: str, config: Path, workdir: Path) -> dict:
             opt.step()
     else:
         ledger = dpcore.PrivacyLedger(
-            cfg.target_epsilon, cfg.target_delta, cfg.accountant, epsilon_every=spec["epsilon_every"]
+            cfg.target_epsilon, cfg.target_delta, cfg.accountant, epsilon_every=spec.epsilon_every
         )
         ledger.prime_allowance(
-            dpcore.PrivacyEvent.dpsgd_step(spec["noise_multiplier"], q), [], spec["max_releases"]
+            dpcore.PrivacyEvent.dpsgd_step(spec.noise_multiplier, q), [], spec.max_releases
         )  # as the workers do
         private = dpcore.build_private(
             module,
             make_optimizer(cfg, module.parameters()),
             F.cross_entropy,
-            noise_multiplier=spec["noise_multiplier"],
+            noise_multiplier=spec.noise_multiplier,
             sample_rate=q,
-            steps=spec["steps"],
+            steps=spec.steps,
             dataset_size=n,
             target_epsilon=cfg.target_epsilon,
             target_delta=cfg.target_delta,
@@ -444,7 +444,7 @@ def ingest_row(workdir: Path) -> dict:
     """Ingest of the real files (IDX .gz -> Arrow shards) and the ScatterNet feature cache, from cold."""
     from pipelines.config import TrainConfig
     from pipelines.models import build_run_model
-    from pipelines.train import prepare_data, prepare_features
+    from pipelines.plan import prepare_data, prepare_features
 
     storage = workdir / "ingest-probe"
     shutil.rmtree(storage, ignore_errors=True)  # from cold: nothing ingested, no features

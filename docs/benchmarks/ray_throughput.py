@@ -63,10 +63,10 @@ def ray_row(workers: int, root: str) -> dict:
     t0 = time.perf_counter()
     out = run(cfg)
     wall = time.perf_counter() - t0
-    records = [json.loads(x) for x in Path(out["spec"]["journal"]).read_text().splitlines()]
+    records = [json.loads(x) for x in Path(out["spec"].journal).read_text().splitlines()]
     ts = [r["timestamp"] for r in records if r["op"] == "append"]
     rate = (len(ts) - 1) / (ts[-1] - ts[0])
-    n = out["spec"]["dataset_size"]
+    n = out["spec"].dataset_size
     return {
         "setting": f"Ray Train, {workers} worker(s) × 1 CPU",
         "steps": len(ts),

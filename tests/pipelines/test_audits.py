@@ -164,7 +164,7 @@ def test_bad_audit_input():
 # e2e run of tests/pipelines/test_sharded_training.py (black-box input canaries).
 def test_one_run_audit_bad_input(tmp_path):
     from pipelines.config import TrainConfig
-    from pipelines.train import plan_run
+    from pipelines.plan import plan_run
 
     base = dict(storage_path=str(tmp_path / "runs"), tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     with pytest.raises(dpcore.DPConfigError, match="do not fit.*9610 trainable parameters"):

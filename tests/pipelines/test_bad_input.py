@@ -12,6 +12,8 @@ from pipelines.config import TrainConfig, load_config
 from pipelines.data import ingest, load_digits
 from pipelines.train import run
 
+from ..helpers import small_plan
+
 
 def _nothing_started(tmp_path: Path, ray_was_up: bool):
     import ray
@@ -150,14 +152,16 @@ def test_a_locked_journal_refuses_a_second_trainer(tmp_path):
     from pipelines.worker import journal_is_locked, open_ledger
 
     journal = str(tmp_path / "ledger.journal.jsonl")
-    spec = {
-        "config": {"target_epsilon": 2.0, "target_delta": 1e-5, "accountant": "pld"},
-        "journal": journal,
-        "epsilon_every": 1,
-        "noise_multiplier": 5.0,
-        "sample_rate": 0.1,
-        "steps": 10,
-    }
+    spec = small_plan(
+        **{
+            "config": {"target_epsilon": 2.0, "target_delta": 1e-5, "accountant": "pld"},
+            "journal": journal,
+            "epsilon_every": 1,
+            "noise_multiplier": 5.0,
+            "sample_rate": 0.1,
+            "steps": 10,
+        }
+    )
     with pytest.raises(dpcore.DPConfigError, match="does not exist on this node"):
         open_ledger(spec, None, None, rank=0, world=1)  # the driver creates it; never start a fresh one
     dpcore.PrivacyLedger(2.0, 1e-5, journal=journal)  # as the driver does
@@ -190,15 +194,17 @@ def test_a_worker_refuses_a_pca_projection_that_is_not_in_the_ledger(tmp_path):
     from pipelines.worker import open_ledger
 
     journal = str(tmp_path / "ledger.journal.jsonl")
-    spec = {
-        "config": {"target_epsilon": 2.0, "target_delta": 1e-5, "accountant": "pld"},
-        "journal": journal,
-        "epsilon_every": 1,
-        "noise_multiplier": 5.0,
-        "sample_rate": 0.1,
-        "steps": 10,
-        "pca_path": str(tmp_path / "pca.pt"),
-    }
+    spec = small_plan(
+        **{
+            "config": {"target_epsilon": 2.0, "target_delta": 1e-5, "accountant": "pld"},
+            "journal": journal,
+            "epsilon_every": 1,
+            "noise_multiplier": 5.0,
+            "sample_rate": 0.1,
+            "steps": 10,
+            "pca_path": str(tmp_path / "pca.pt"),
+        }
+    )
     dpcore.PrivacyLedger(2.0, 1e-5, journal=journal)
     with pytest.raises(dpcore.DPConfigError, match="holds no release for it"):
         open_ledger(spec, None, None, rank=0, world=1)

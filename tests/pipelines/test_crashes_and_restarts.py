@@ -110,7 +110,7 @@ def test_killed_worker_resumes_from_checkpoint_and_the_ledger_keeps_every_releas
     )
     out = run(cfg)
     spec = out["spec"]
-    assert (Path(spec["run_dir"]) / "fault-injected").exists()
+    assert (Path(spec.run_dir) / "fault-injected").exists()
     ledger = out["ledger"]
     entries = ledger.entries
     committed = [e.step for e in entries if e.status == "committed"]
@@ -128,12 +128,12 @@ def test_killed_worker_resumes_from_checkpoint_and_the_ledger_keeps_every_releas
     assert out["epsilon"] <= cfg.target_epsilon
     assert math.isclose(out["epsilon"], reference, rel_tol=1e-6)
     # σ was calibrated for 12 releases; the rolled-back ones use up budget, so fewer steps commit.
-    assert len(committed) + len(rolled) <= spec["steps"] + 1
-    assert len(committed) < spec["steps"]
+    assert len(committed) + len(rolled) <= spec.steps + 1
+    assert len(committed) < spec.steps
     # One more release would not have fitted.
-    assert ledger.allowance(dpcore.PrivacyEvent.dpsgd_step(spec["noise_multiplier"], spec["sample_rate"])) < 1
+    assert ledger.allowance(dpcore.PrivacyEvent.dpsgd_step(spec.noise_multiplier, spec.sample_rate)) < 1
     # The journal records the rollback.
-    ops = [json.loads(line)["op"] for line in Path(spec["journal"]).read_text().splitlines()]
+    ops = [json.loads(line)["op"] for line in Path(spec.journal).read_text().splitlines()]
     assert ops.count("rollback") == 1
     # Diagnostics mode: training-data statistics are logged, and the run says it is non-private.
     import mlflow
@@ -168,7 +168,7 @@ def test_a_crash_after_the_last_step_finishes_from_the_checkpoint_at_the_budget(
         quiet=True,
     )
     out = run(cfg)
-    assert out["spec"]["steps"] == steps and out["spec"]["dataset_size"] == 1258
+    assert out["spec"].steps == steps and out["spec"].dataset_size == 1258
     last_ckpt = (steps - 1) // 4 * 4  # the fault comes before the report of step `steps`
     entries = out["ledger"].entries
     assert len(entries) == steps  # every release the budget allowed, and not one more

@@ -38,10 +38,10 @@ def test_an_in_process_run_trains_ledgers_and_checkpoints_without_a_cluster(tmp_
     assert ray.is_initialized() == was_up  # no cluster was started (or joined) for it
     assert out["steps"] == out["planned_steps"] > 0 and out["rolled_back"] == 0
     assert out["epsilon"] <= 3.0 and out["test_accuracy"] > 0.5
-    placement = json.loads((Path(out["spec"]["run_dir"]) / "placement" / "rank0.json").read_text())
+    placement = json.loads((Path(out["spec"].run_dir) / "placement" / "rank0.json").read_text())
     assert placement["node_id"].startswith("in-process") and placement["memory"]["peak_rss_mib"] > 0
     # Ray Train's local mode keeps no checkpoint: the worker persisted the last two itself.
-    kept = sorted(p.name for p in Path(out["spec"]["run_dir"]).glob("checkpoint_local_*"))
+    kept = sorted(p.name for p in Path(out["spec"].run_dir).glob("checkpoint_local_*"))
     assert len(kept) == 2 and out["checkpoint"].endswith(kept[-1])
     meta = json.loads((Path(out["checkpoint"]) / "meta.json").read_text())
     assert meta["step"] == out["steps"] and meta["releases"] == len(out["ledger"])
@@ -50,7 +50,7 @@ def test_an_in_process_run_trains_ledgers_and_checkpoints_without_a_cluster(tmp_
     # the journal lock was let go: another run of this process could take it
     from pipelines.worker import journal_is_locked
 
-    assert not journal_is_locked(out["spec"]["journal"])
+    assert not journal_is_locked(out["spec"].journal)
 
 
 def test_in_process_needs_one_worker_and_no_fault_injection(tmp_path):

@@ -75,7 +75,7 @@ def test_bam_with_dp_pca_ledgers_the_projection_and_composes_it(bam_pca):
 def test_bam_run_model_has_the_frozen_projection_and_ema_weights(bam_pca):
     spec = bam_pca["spec"]
     model = load_final_model(spec, bam_pca["checkpoint"])
-    comps = torch.load(spec["pca_path"])["components"]
+    comps = torch.load(spec.pca_path)["components"]
     assert isinstance(model[0], dpcore.PCAProjection) and torch.equal(model[0].components, comps)
     raw = torch.load(Path(bam_pca["checkpoint"]) / "model.pt")
     ema = torch.load(Path(bam_pca["checkpoint"]) / "ema_model.pt")
@@ -165,7 +165,7 @@ def test_a_killed_worker_restarts_a_dpsat_ema_pca_augmented_run(ray_cluster, tmp
         )
     )
     spec = out["spec"]
-    assert (Path(spec["run_dir"]) / "fault-injected").exists()
+    assert (Path(spec.run_dir) / "fault-injected").exists()
     entries = out["ledger"].entries
     assert (entries[0].step, entries[0].kind, entries[0].status) == (0, GAUSSIAN, "committed")
     rolled = [e.step for e in entries if e.status == "rolled_back"]

@@ -53,5 +53,5 @@ def test_scatternet_on_a_real_5000_example_subset_reaches_the_stated_accuracy_at
     out = run(cfg)
     assert out["dataset"] == "fashion-mnist" and out["train_examples"] == 5000
     assert out["epsilon"] <= 3.0 and out["steps"] == out["planned_steps"] == 50
-    assert out["spec"]["features"].startswith("scatter-J2-L8-1x28x28")  # the ScatterNet features were cached and used
+    assert out["spec"].features.startswith("scatter-J2-L8-1x28x28")  # the ScatterNet features were cached and used
     assert out["test_accuracy"] >= MIN_TEST_ACCURACY, out["test_accuracy"]

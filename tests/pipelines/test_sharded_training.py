@@ -132,7 +132,7 @@ def test_logged_model_loads_and_predicts_like_the_checkpoint(e2e):
     assert math.isclose(float(version.tags["dp.epsilon"]), e2e["epsilon"], rel_tol=1e-5)
     assert float(version.tags["dp.delta"]) == 1e-5
     mlflow.set_tracking_uri(e2e["tracking_uri"])
-    split = open_split(e2e["spec"]["data_dir"], "test")
+    split = open_split(e2e["spec"].data_dir, "test")
     test = SimpleNamespace(x=split.batch(torch.arange(len(split))), y=split.y)
     loaded = mlflow.pytorch.load_model("models:/dp-e2e-test/1")
     ours = load_final_model(e2e["spec"], e2e["checkpoint"])

@@ -1,0 +1,259 @@
+"""The run's plan: everything decided on the driver, once, before any worker starts.
+
+:func:`plan_run` validates the config, checks the tracking store, prepares (ingests and
+verifies) the data, builds and validates the model, calibrates σ from (ε, δ), N, the lot size
+and the epochs, and bounds the number of releases the budget allows. Anything that can fail
+fails here, before any budget is spent. The result is a :class:`RunPlan`: the workers, the
+driver's MLflow logging and a resumed run all read the same typed plan (MLflow keeps it as the
+run's ``spec.json`` artifact).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import dpcore
+
+from . import tracking
+from .config import TrainConfig
+from .data.shards import FORMAT_VERSION
+from .models import build_run_model
+
+
+@dataclass
+class RunPlan:
+    """A run as planned on the driver (the workers get exactly this)."""
+
+    config: dict  # the run's TrainConfig, as a dict (YAML keys)
+    run_name: str
+    ray_run_name: str
+    storage_path: str
+    run_dir: str
+    journal: str  # the ledger's append-only journal: created by the driver, required by rank 0
+    data_dir: str  # the ingested, verified dataset
+    input_shape: list
+    train_data_dir: str  # what the workers train on: cached public features (ScatterNet), else data_dir
+    features: str | None
+    num_classes: int
+    split_info: dict
+    dataset_size: int  # N, the training split (all shards)
+    noise_multiplier: float  # σ
+    sample_rate: float  # q
+    event_kind: str  # the privacy event of one step (dpcore.events)
+    max_releases: int  # how many steps the budget allows at this σ (≥ steps)
+    pca_path: str | None
+    audit_path: str | None
+    steps: int
+    checkpoint_every: int
+    epsilon_every: int
+    tracking_uri: str
+    parameters: int  # trainable parameters
+    run_id: str | None = None  # the MLflow run, once it exists
+    extra: dict = field(default_factory=dict)  # keys of older plans this version does not know
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        return {**d.pop("extra"), **d}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunPlan:
+        known = {f.name for f in fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in d.items() if k in known}, extra={k: v for k, v in d.items() if k not in known})
+
+    def step_event(self) -> dpcore.PrivacyEvent:
+        """The privacy event of one training step (Gaussian or Laplace)."""
+        return dpcore.PrivacyEvent.of(self.event_kind, self.noise_multiplier, self.sample_rate)
+
+
+JOURNAL = "ledger.journal.jsonl"
+MAX_PCA_DIM = 8192  # a d×d float64 matrix of 512 MiB
+
+
+# ------------------------------------------------------------------------------------------
+# Planning (driver side, before any worker starts)
+def _source_fingerprint(cfg: TrainConfig) -> dict:
+    """What the raw data is, cheaply (names, sizes and times of its files; no reading): the key
+    of the ingest cache, so that a cached dataset is re-used without loading the source."""
+    from .data import IDX_DATASETS, find_idx_files
+
+    fingerprint = {
+        "name": cfg.dataset,
+        "format": FORMAT_VERSION,
+        "data_dir": cfg.data_dir,
+        "image_size": cfg.image_size,
+        "generated_size": cfg.generated_size,
+        "val_fraction": cfg.val_fraction,
+        "test_fraction": cfg.test_fraction,
+        "split_seed": cfg.split_seed,
+        "train_subset": cfg.train_subset,
+    }
+    files: list[Path] = []
+    if cfg.dataset in IDX_DATASETS and not cfg.download:
+        files = [p for pair in find_idx_files(cfg.dataset, cfg.data_dir).values() for p in pair]
+    elif cfg.data_dir and cfg.dataset in ("imagefolder", "cifar10", "cifar100"):  # trees a user may edit
+        root = Path(cfg.data_dir).expanduser()
+        files = [f for f in root.rglob("*") if f.is_file()] if root.is_dir() else []
+    fingerprint["files"] = sorted((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return fingerprint
+
+
+def prepare_data(cfg: TrainConfig) -> tuple[Path, dict]:
+    """An ingested, verified dataset for ``cfg``: ``data_dir`` itself if it is one, else the
+    dataset loaded and ingested once into ``storage_path/datasets`` (one shard per worker).
+    A cached ingest is re-used without loading the source again (its key is the source files'
+    names, sizes and times) while its verification holds."""
+    from .data import CorruptShardError, ingest, load_dataset, verify
+
+    if cfg.data_dir and (Path(cfg.data_dir).expanduser() / "manifest.json").is_file():
+        if cfg.train_subset:
+            raise dpcore.DPConfigError(
+                f"train_subset={cfg.train_subset} applies when the platform ingests the data itself; {cfg.data_dir} is "
+                "already ingested. Point --data-dir to the raw files, or ingest a smaller dataset."
+            )
+        path = Path(cfg.data_dir).expanduser().resolve()
+        return path, verify(path)
+    fingerprint = _source_fingerprint(cfg)
+    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    out = Path(cfg.storage_path).resolve() / "datasets" / f"{cfg.dataset}-{key}-{cfg.num_workers}shards"
+    if (out / "manifest.json").is_file():
+        try:
+            return out, verify(out)
+        except CorruptShardError:
+            pass  # our own cache: rewrite it
+    dataset = load_dataset(
+        cfg.dataset,
+        data_dir=cfg.data_dir,
+        download=cfg.download,
+        image_size=cfg.image_size,
+        generated_size=cfg.generated_size,
+        val_fraction=cfg.val_fraction,
+        test_fraction=cfg.test_fraction,
+        split_seed=cfg.split_seed,
+    ).with_train_subset(cfg.train_subset)
+    ingest(dataset, out, num_shards=cfg.num_workers)
+    return out, verify(out)
+
+
+def prepare_features(cfg: TrainConfig, data_dir: Path, manifest: dict, model) -> tuple[Path, dict] | None:
+    """The cached features of the model's public front end (ScatterNet), or None when the model
+    has none or the run augments its inputs (then the front end runs at every step)."""
+    from .data.features import ensure_features
+    from .models import split_public_front
+
+    front, _ = split_public_front(model)
+    if front is None or cfg.augmentation_multiplicity > 1:
+        return None
+    return ensure_features(
+        data_dir, manifest, front, front.cache_key(), cfg.storage_path, stream=None if cfg.quiet else sys.stderr
+    )
+
+
+def plan_run(cfg: TrainConfig) -> RunPlan:
+    """Validate everything and plan the run. Raises DPConfigError before anything starts."""
+    cfg.validate()
+    tracking_uri = tracking.resolve_tracking_uri(cfg.tracking_uri)
+    tracking.check_tracking_uri(tracking_uri)
+    data_dir, manifest = prepare_data(cfg)
+    n = sum(e["rows"] for e in manifest["files"] if e["split"] == "train")
+    if cfg.num_workers > manifest["num_shards"]:
+        raise dpcore.DPConfigError(
+            f"num_workers={cfg.num_workers} but {data_dir} has {manifest['num_shards']} training shards; "
+            f"re-ingest with at least {cfg.num_workers} shards or use fewer workers."
+        )
+    input_shape = tuple(manifest["input_shape"])
+    prior = []
+    if cfg.pca_components:
+        d = math.prod(input_shape)
+        if d > MAX_PCA_DIM:
+            raise dpcore.DPConfigError(
+                f"DP-PCA on inputs of dimension {d} would need a {d}×{d} float64 matrix and its eigendecomposition "
+                f"on the driver; the limit is {MAX_PCA_DIM}. Resize the images (--image-size) or drop --pca-components."
+            )
+        dpcore.pca.check_pca_components(cfg.pca_components, d)
+        prior = [(dpcore.pca.pca_event(cfg.pca_noise_multiplier, cfg.pca_sample_rate), 1)]
+    if cfg.augmentation_multiplicity > 1 and len(input_shape) != 3:
+        raise dpcore.DPConfigError(
+            f"augmentation_multiplicity={cfg.augmentation_multiplicity} crops and flips images, but {cfg.dataset} has "
+            f"inputs of shape {input_shape}."
+        )
+    model = build_run_model(cfg, input_shape, manifest["num_classes"])
+    dpcore.validate_model(model)
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if cfg.audit_canaries and cfg.audit_kind == "input" and cfg.audit_canaries > n:
+        raise dpcore.DPConfigError(
+            f"audit_canaries={cfg.audit_canaries} input canaries would outnumber the {n} training examples; the model would "
+            f"learn mostly canaries. Use at most {n} (the paper uses m well below N)."
+        )
+    if cfg.audit_canaries and cfg.audit_kind == "gradient" and cfg.audit_canaries > n_params:
+        raise dpcore.DPConfigError(
+            f"audit_canaries={cfg.audit_canaries} gradient canaries do not fit: each needs a parameter coordinate of its own "
+            f"and model={cfg.model!r} has {n_params} trainable parameters. Use at most {n_params} canaries."
+        )
+    sigma, q, steps = dpcore.plan(
+        dataset_size=n,
+        lot_size=cfg.lot_size,
+        epochs=cfg.epochs,
+        target_epsilon=cfg.target_epsilon,
+        target_delta=cfg.target_delta,
+        noise_multiplier=cfg.noise_multiplier,
+        accountant=cfg.accountant,
+        max_noise_multiplier=None if cfg.noise_multiplier is not None else cfg.max_noise_multiplier,
+        noise=cfg.noise,
+        prior_groups=prior,
+    )
+    event_kind = dpcore.events.POISSON_LAPLACE if cfg.noise == "laplace" else dpcore.events.POISSON_GAUSSIAN
+    # How many steps the budget allows at this σ (≥ the planned steps): computed once here, so
+    # that the workers' budget check starts from it instead of searching again.
+    max_releases = dpcore.max_steps(
+        sigma,
+        q,
+        cfg.target_epsilon,
+        cfg.target_delta,
+        cfg.accountant,
+        prior_groups=prior,
+        event=dpcore.PrivacyEvent.of(event_kind, sigma, q),
+    )
+    features = prepare_features(
+        cfg, data_dir, manifest, model
+    )  # last: everything that can fail cheaply has been checked
+    every = cfg.checkpoint_every or max(1, math.ceil(steps / 10))
+    name = cfg.run_name or f"{cfg.dataset}-{cfg.model.replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
+    ray_run_name = f"{name}-{uuid.uuid4().hex[:6]}"
+    storage = Path(cfg.storage_path).resolve()
+    run_dir = storage / ray_run_name
+    return RunPlan(
+        **{
+            "config": cfg.to_dict(),
+            "run_name": name,
+            "ray_run_name": ray_run_name,
+            "storage_path": str(storage),
+            "run_dir": str(run_dir),
+            "journal": str(run_dir / JOURNAL),
+            "data_dir": str(data_dir),
+            "input_shape": list(manifest["input_shape"]),
+            # what the workers train on: the cached features of a public front end (ScatterNet), else the data itself
+            "train_data_dir": str(features[0]) if features else str(data_dir),
+            "features": features[1]["source"]["features"] if features else None,
+            "num_classes": manifest["num_classes"],
+            "split_info": manifest.get("split_info", {}),
+            "dataset_size": n,
+            "noise_multiplier": sigma,
+            "sample_rate": q,
+            "event_kind": event_kind,
+            "max_releases": max_releases,
+            "pca_path": str(run_dir / "pca.pt") if cfg.pca_components else None,
+            "audit_path": str(run_dir / "audit.pt") if cfg.audit_canaries else None,
+            "steps": steps,
+            "checkpoint_every": every,
+            "epsilon_every": max(1, steps // 20),
+            "tracking_uri": tracking_uri,
+            "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        }
+    )
