@@ -188,7 +188,7 @@ def _fit(plan: RunPlan, cfg: TrainConfig, pruner=None):
 
 def final_checkpoint(plan: RunPlan, world: int, reported) -> str:
     """The run's last complete checkpoint (the one with the most releases)."""
-    from .worker import complete_checkpoints
+    from .checkpoint import complete_checkpoints
 
     candidates = complete_checkpoints(plan.run_dir, reported)
     if not candidates:
@@ -200,7 +200,8 @@ def load_final_model(plan: RunPlan, checkpoint_path: str):
     """The run's model from a checkpoint: the EMA average when the run keeps one."""
     import torch
 
-    from .worker import EMA_MODEL_FILE, MODEL_FILE, load_pca
+    from .checkpoint import EMA_MODEL_FILE, MODEL_FILE
+    from .worker import load_pca
 
     cfg = config_from_dict(plan.config)
     model = build_run_model(cfg, tuple(plan.input_shape), plan.num_classes, load_pca(plan))
@@ -383,7 +384,7 @@ def run(
             )
         model = load_final_model(plan, checkpoint)
         client.set_tag(run_id, "dp.epsilon", f"{epsilon:.6g}")
-        from .worker import read_placement
+        from .placement import read_placement
 
         placement = read_placement(plan)
         if placement:
@@ -480,7 +481,7 @@ def _resume_spec(run_id: str, tracking_uri: str, changes: dict) -> tuple[RunPlan
         raise dpcore.DPConfigError(
             f"run {run_id}'s ledger journal {plan.journal} is missing; without it the releases cannot be accounted for."
         )
-    from .worker import journal_is_locked
+    from .run_ledger import journal_is_locked
 
     if journal_is_locked(plan.journal):
         raise dpcore.DPConfigError(

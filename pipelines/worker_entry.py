@@ -9,8 +9,8 @@ import :mod:`pipelines.worker` when they run it.
 
 def train_loop_per_worker(config: dict) -> None:
     """``config`` = {"plan": the run's :class:`pipelines.plan.RunPlan`, "pruner": a callable or None}."""
+    from .run_ledger import unlock_journal
     from .worker import train_loop_per_worker as run
-    from .worker import unlock_journal
 
     plan = config["plan"]
     try:

@@ -301,7 +301,7 @@ def platform_row(config: Path, label: str, workdir: Path, overrides: dict) -> di
 
 
 def _placement(spec):
-    from pipelines.worker import read_placement
+    from pipelines.placement import read_placement
 
     return read_placement(spec)
 
@@ -310,7 +310,8 @@ def speed_child(mode: str, config: Path, workdir: Path) -> dict:
     """One epoch of lots in this process (2 torch threads): non-private, Opacus or dpcore."""
     import dpcore
     from pipelines.allocator import keep_freed_memory
-    from pipelines.worker import make_optimizer, memory_status
+    from pipelines.placement import memory_status
+    from pipelines.worker import make_optimizer
 
     keep_freed_memory()  # as the workers do
     torch.set_num_threads(2)

@@ -23,7 +23,7 @@ from dp_accounting import pld
 from pipelines.config import TrainConfig
 from pipelines.data import open_split
 from pipelines.train import load_final_model, run
-from pipelines.worker import param_checksum
+from pipelines.report import param_checksum
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,226 @@
+"""What a worker reports: every ``checkpoint_every`` steps, metrics (rank 0: ε, validation and
+test accuracy and loss, throughput) together with a checkpoint (every rank's part), through one
+``ray.train.report``; rank 0 also logs the metrics to the run's MLflow run as they happen."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .checkpoint import AUDIT_FILE, EMA_MODEL_FILE, LEDGER_FILE, MODEL_FILE, STATE_FILE, persist_checkpoint
+from .data import sha256_file
+from .models import split_public_front
+
+if TYPE_CHECKING:
+    from .plan import RunPlan
+
+
+def param_checksum(model: torch.nn.Module) -> str:
+    """SHA-256 of every parameter's bytes, in order: equal iff the parameters are bit-identical."""
+    h = hashlib.sha256()
+    for name, p in model.state_dict().items():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def evaluate(model, split, device=None, batch: int = 2048) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) of ``model`` on ``split``: anything with ``batch(idx,
+    device)`` and labels ``y`` (a mapped split: read in chunks, never loaded whole), or a pair
+    (inputs, labels) of tensors."""
+    if isinstance(split, tuple):
+        x_all, labels = split
+        inputs = lambda idx: x_all[idx]  # noqa: E731
+    else:
+        labels = split.y
+        inputs = lambda idx: split.batch(idx, device)  # noqa: E731
+    n = len(labels)
+    if n == 0:
+        return float("nan"), float("nan")
+    model.eval()
+    correct, loss = 0, 0.0
+    for lo in range(0, n, batch):
+        idx = torch.arange(lo, min(n, lo + batch))
+        out = model(inputs(idx))
+        y = labels[idx.to(labels.device)].to(out.device)
+        correct += (out.argmax(1) == y).sum().item()
+        loss += F.cross_entropy(out, y, reduction="sum").item()
+    model.train()
+    return correct / n, loss / n
+
+
+def report(
+    plan,
+    cfg,
+    private,
+    model,
+    ema,
+    rank,
+    world,
+    step,
+    last_step,
+    rate,
+    tracker,
+    held_out,
+    train,
+    audit=None,
+    pruner=None,
+) -> int:
+    """Metrics (rank 0) and a checkpoint (every rank's part) in one ``ray.train.report``.
+    Returns the number of ledger releases the checkpoint holds (rank 0; -1 elsewhere)."""
+    import ray.train
+
+    final = step == last_step
+    pruned = False
+    checksum = param_checksum(model)
+    metrics: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        rank_state = {"sampler": private.sampler.state_dict(), "noise": private.optimizer.randomness.state_dict()}
+        if private.optimizer.augment is not None:
+            rank_state["augment"] = private.optimizer.augment.state_dict()
+        torch.save(rank_state, d / f"rank-{rank}.pt")
+        info = {"file_sha256": sha256_file(d / f"rank-{rank}.pt"), "param_sha256": checksum, "step": step}
+        (d / f"rank-{rank}.json").write_text(json.dumps(info))
+        if rank == 0:
+            eval_model = model
+            if ema is not None:  # De et al.: evaluate (and publish) the averaged parameters
+                import copy
+
+                eval_model = copy.deepcopy(model)
+                eval_model.load_state_dict(ema.averaged_state_dict())
+                torch.save(eval_model.state_dict(), d / EMA_MODEL_FILE)
+            if plan.features:  # the held-out splits are features too: evaluate the rest of the model
+                eval_model = split_public_front(eval_model)[1]
+            device = next(model.parameters()).device
+            val_acc, val_loss = evaluate(eval_model, held_out["val"], device)
+            test_acc = test_loss = float("nan")  # NaN metrics are not logged
+            if final or cfg.test_every_report:
+                test_acc, test_loss = evaluate(eval_model, held_out["test"], device)
+            if pruner is not None and not final:
+                pruned = bool(pruner(val_acc, step))
+            metrics = {
+                "step": step,
+                "epsilon": private.ledger.epsilon(),
+                "val_accuracy": val_acc,
+                "val_loss": val_loss,
+                "test_accuracy": test_acc,
+                "test_loss": test_loss,
+                "steps_per_second": rate,
+                "expected_examples_per_second": rate * plan.sample_rate * plan.dataset_size,
+                "committed_steps": len(private.ledger.committed_steps()),
+                "releases": len(private.ledger),
+                "final": float(final),
+            }
+            if cfg.diagnostics:  # NON-PRIVATE: computed on rank 0's training shard, not noised
+                acc, loss = evaluate(split_public_front(model)[1] if plan.features else model, train)
+                first = torch.arange(min(512, len(train)))
+                norms = private.optimizer.diagnostics(train.batch(first), train.y[first])["per_sample_norms"]
+                metrics.update(
+                    {
+                        "diag_train_accuracy": acc,
+                        "diag_train_loss": loss,
+                        "diag_clip_fraction": float((norms > cfg.clip_norm).float().mean()),
+                        "diag_nonfinite_skipped": float(private.optimizer.diagnostics()["nonfinite_examples_skipped"]),
+                    }
+                )
+            torch.save(model.state_dict(), d / MODEL_FILE)
+            opt_state = private.optimizer.state_dict()
+            shared = {"optimizer": {k: v for k, v in opt_state.items() if k != "randomness"}}
+            if ema is not None:
+                shared["ema"] = ema.state_dict()
+            torch.save(shared, d / STATE_FILE)
+            (d / LEDGER_FILE).write_text(json.dumps(private.ledger.state_dict()))
+            names = (MODEL_FILE, STATE_FILE, LEDGER_FILE) + ((EMA_MODEL_FILE,) if ema is not None else ())
+            if audit is not None:
+                torch.save(audit["scores"], d / AUDIT_FILE)
+                names += (AUDIT_FILE,)
+            files = {n: sha256_file(d / n) for n in names}
+            meta = {
+                "step": step,
+                "releases": len(private.ledger),
+                "world_size": world,
+                "final": final or pruned,
+                "pruned": pruned,
+                "run_id": plan.run_id,
+                "files": files,
+            }
+            (d / "meta.json").write_text(json.dumps(meta))
+        if cfg.in_process:  # Ray Train's local mode keeps no checkpoint: keep it in the run folder ourselves
+            persist_checkpoint(d, Path(plan.run_dir), step)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+    if tracker is not None:
+        tracker.log(metrics, step)
+        if cfg.diagnostics:  # NON-PRIVATE per-step BAM diagnostics (bias, a, c, ascent cosines)
+            tracker.log_history(private.optimizer.diagnostics_history)
+    private.optimizer.diagnostics_history.clear()  # every rank: only rank 0 logs them
+    if pruner is not None and world > 1:
+        box = [pruned]
+        dist.broadcast_object_list(box, src=0)
+        pruned = box[0]
+    return (len(private.ledger) if rank == 0 else -1), pruned
+
+
+class Tracker:
+    """Rank 0 logs each report's metrics to the run's MLflow run as they happen."""
+
+    def __init__(self, plan: RunPlan):
+        import threading
+
+        self.run_id = plan.run_id
+        self._client = None
+        self._pending_tags: dict[str, str] = {}
+        # Importing MLflow takes about a second: do it beside the first steps, not before them.
+        self._loading = threading.Thread(target=self._connect, args=(plan.tracking_uri,), daemon=True)
+        self._loading.start()
+
+    def _connect(self, uri: str) -> None:
+        try:
+            from mlflow import MlflowClient
+
+            self._client = MlflowClient(uri)
+        except BaseException as e:  # raised where the client is first used
+            self._client = e
+
+    @property
+    def client(self):
+        self._loading.join()
+        if isinstance(self._client, BaseException):
+            raise self._client
+        return self._client
+
+    def tag(self, key: str, value: str) -> None:
+        """Set a run tag with the next log (MLflow may still be loading)."""
+        self._pending_tags[key] = value
+
+    def log(self, metrics: dict, step: int) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        client = self.client
+        ts = int(time.time() * 1000)
+        batch = [Metric(k, float(v), ts, step) for k, v in metrics.items() if k not in ("step", "final") and v == v]
+        tags = [RunTag(k, v) for k, v in self._pending_tags.items()]
+        client.log_batch(self.run_id, metrics=batch, tags=tags)
+        self._pending_tags.clear()
+
+    def log_history(self, records: list[dict]) -> None:
+        """One metric per key and step (``diag_<key>``), in batches of at most 1000."""
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        batch = [
+            Metric(f"diag_{k}", float(v), ts, int(r["step"]))
+            for r in records
+            for k, v in r.items()
+            if k != "step" and v == v
+        ]
+        for i in range(0, len(batch), 1000):
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])

@@ -1,0 +1,121 @@
+"""The run's ledger on the workers: rank 0 alone holds the journal (under an exclusive lock) and
+decides how many more steps the budget allows; every rank gets that number."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .plan import RunPlan
+
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+import dpcore
+from dpcore.ledger import COMMITTED
+
+_JOURNAL_LOCK = None  # the open lock file of this process's journal (rank 0); released when the process dies
+
+
+def lock_journal(journal: str) -> None:
+    """Take the run's exclusive journal lock for this process (rank 0) or fail: two worker
+    groups appending to one journal would each check the budget against only their own
+    releases. The lock is released by the OS when the process ends, however it ends."""
+    import fcntl
+
+    global _JOURNAL_LOCK
+    if _JOURNAL_LOCK is not None and _JOURNAL_LOCK.name == journal + ".lock":
+        return
+    f = open(journal + ".lock", "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise dpcore.DPConfigError(
+            f"another process holds the ledger journal {journal} of this run (an earlier driver's workers are "
+            "still training?). Stop them first; two trainers on one journal could spend the budget twice."
+        ) from None
+    _JOURNAL_LOCK = f
+
+
+def unlock_journal() -> None:
+    global _JOURNAL_LOCK
+    if _JOURNAL_LOCK is not None:
+        _JOURNAL_LOCK.close()  # closing the file releases its flock
+        _JOURNAL_LOCK = None
+
+
+def journal_is_locked(journal: str) -> bool:
+    import fcntl
+
+    if not Path(journal + ".lock").exists():
+        return False
+    with open(journal + ".lock", "a+") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        return False
+
+
+def open_ledger(
+    plan: RunPlan, checkpoint_meta: dict | None, checkpoint_ledger: dict | None, rank: int, world: int
+) -> tuple[dpcore.PrivacyLedger, int]:
+    """Open the run's ledger and decide how many more steps fit. Returns (ledger, allowance).
+
+    Rank 0 is the only budget authority: it locks and opens the journal that the driver
+    created (every release so far), checks it against the checkpoint, marks the releases after
+    the checkpoint as rolled back, computes how many more releases fit the budget, and
+    broadcasts that number, so that every rank stops at the same step. Ranks ≥ 1 add no noise
+    and keep a budget-free ledger only for their optimizer's bookkeeping.
+    """
+    cfg = plan.config
+    allowance = None
+    if rank == 0:
+        journal = plan.journal
+        if not os.path.isfile(journal):
+            raise dpcore.DPConfigError(
+                f"the ledger journal {journal} does not exist on this node. The driver creates it before training; "
+                "storage_path must be storage that every node shares. Refusing to train without the run's ledger."
+            )
+        lock_journal(journal)
+        ledger = dpcore.PrivacyLedger(
+            cfg["target_epsilon"],
+            cfg["target_delta"],
+            cfg["accountant"],
+            epsilon_every=plan.epsilon_every,
+            journal=journal,
+        )
+        if checkpoint_ledger is not None and len(ledger) < len(checkpoint_ledger["entries"]):
+            raise dpcore.DPConfigError(
+                f"the ledger journal {journal} holds {len(ledger)} releases but the checkpoint holds "
+                f"{len(checkpoint_ledger['entries'])}: the journal was lost or truncated, so releases after the "
+                "checkpoint cannot be accounted for. Refusing to resume."
+            )
+        if plan.pca_path and not any(e.step == 0 for e in ledger.entries):
+            raise dpcore.DPConfigError(
+                f"the run uses a DP-PCA projection but its ledger journal {journal} holds no release for it. "
+                "Refusing to train on a projection that is not accounted for."
+            )
+        if plan.max_releases is not None:  # the driver's plan: the budget check need not search again
+            prior = (
+                [(dpcore.pca.pca_event(cfg["pca_noise_multiplier"], cfg["pca_sample_rate"]), 1)]
+                if plan.pca_path
+                else []
+            )
+            ledger.prime_allowance(plan.step_event(), prior, plan.max_releases)
+        after = checkpoint_meta["step"] if checkpoint_meta is not None else 0
+        if any(e.status == COMMITTED and e.step > after for e in ledger.entries):
+            ledger.mark_rolled_back(after)
+        left = ledger.allowance(plan.step_event())
+        allowance = int(min(max(left, 0), plan.steps - after))
+    else:
+        ledger = dpcore.PrivacyLedger(None, cfg["target_delta"], cfg["accountant"], epsilon_every=10**9)
+    if world > 1:
+        box = [allowance]
+        dist.broadcast_object_list(box, src=0)
+        allowance = box[0]
+    return ledger, allowance
