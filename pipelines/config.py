@@ -206,9 +206,6 @@ class TrainConfig:
     )
     log_model: bool = _f(True, "log (and register) the final model; sweeps log only the best trial's", "tracking")
     quiet: bool = _f(False, "no progress output", "tracking")
-    # testing only
-    fault_at_step: int | None = _f(None, "fault injection for tests: one worker dies once, after this step", "testing")
-    fault_rank: int = _f(1, "the worker that fault_at_step kills", "testing")
 
     # ------------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -310,12 +307,6 @@ class TrainConfig:
             raise err(
                 f"in_process trains one worker in this process; num_workers={self.num_workers} needs Ray workers (drop --in-process)."
             )
-        if self.in_process and self.fault_at_step is not None:
-            raise err(
-                "fault_at_step kills a worker process; with in_process the worker is this process. Drop one of them."
-            )
-        if self.fault_at_step is not None and not (0 <= self.fault_rank < self.num_workers):
-            raise err(f"fault_rank={self.fault_rank} must be a worker rank in [0, {self.num_workers}).")
 
     def resolved_ascent(self) -> float:
         """λ or ρ: the given value, or the method's default from the papers (CIFAR-10 settings)."""

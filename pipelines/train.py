@@ -31,6 +31,7 @@ import dpcore
 from . import tracking
 from ._trace import trace
 from .config import TrainConfig, add_config_arguments, config_from_dict, load_config
+from .faults import FaultInjection
 from .models import build_run_model
 from .plan import RunPlan, plan_run
 
@@ -152,7 +153,7 @@ def ray_cluster(cfg: TrainConfig):
         ray.shutdown()
 
 
-def _fit(plan: RunPlan, cfg: TrainConfig, pruner=None):
+def _fit(plan: RunPlan, cfg: TrainConfig, pruner=None, faults=None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -173,7 +174,7 @@ def _fit(plan: RunPlan, cfg: TrainConfig, pruner=None):
         )
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"plan": plan, "pruner": pruner},  # the pruner is not part of the run's record
+        train_loop_config={"plan": plan, "pruner": pruner, "faults": faults},  # pruner, faults: not the run's record
         scaling_config=scaling,
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         run_config=RunConfig(
@@ -319,6 +320,7 @@ def run(
     parent_run_id: str | None = None,
     extra_tags: dict | None = None,
     pruner: Callable[[float, int], bool] | None = None,
+    faults: FaultInjection | None = None,
 ) -> dict:
     """Plan, train on Ray, log to MLflow. Returns a summary (run id, ε, accuracy, ...).
 
@@ -336,6 +338,8 @@ def run(
     else:
         cfg = cfg or TrainConfig()
         trace("run() start")
+        if faults is not None:
+            faults.check(cfg)
         plan = plan_run(cfg)
         trace("planned")
     client = MlflowClient(plan.tracking_uri)
@@ -369,7 +373,7 @@ def run(
             JournalProgress(plan, enabled=not cfg.quiet),
         ):
             trace("cluster ready")
-            result = _fit(plan, cfg, pruner)
+            result = _fit(plan, cfg, pruner, faults)
         if result.error is not None:
             raise _worker_dp_error(result.error) or result.error
         ledger = open_run_ledger(plan)

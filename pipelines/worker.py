@@ -153,14 +153,14 @@ def _quiet_ray_train_logs() -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def train_loop_per_worker(plan: RunPlan, pruner=None) -> None:
+def train_loop_per_worker(plan: RunPlan, pruner=None, faults=None) -> None:
     """Ray Train entry point. ``plan`` is built by the driver (:func:`pipelines.plan.plan_run`);
     ``pruner(validation_accuracy, step) -> stop?`` is called by rank 0 at each checkpoint."""
     from .allocator import keep_freed_memory
 
     trace("worker entry")
     keep_freed_memory()  # this process is ours: reuse freed memory across steps (DP_MALLOC_TUNE=0: off)
-    w = Worker(plan, pruner)  # model, shard and optimizer: the same public start on every rank
+    w = Worker(plan, pruner, faults)  # model, shard and optimizer: the same public start on every rank
     w.restore()  # the latest complete checkpoint, the ledger, the private step, EMA, audit canaries
     step, every = w.start_step, plan.checkpoint_every
     t_last, step_last = time.monotonic(), step
@@ -184,10 +184,10 @@ class Worker:
     """One rank's part of a run: built from the plan, restored from the latest checkpoint, then
     stepped and reported by :func:`train_loop_per_worker`."""
 
-    def __init__(self, plan: RunPlan, pruner=None):
+    def __init__(self, plan: RunPlan, pruner=None, faults=None):
         import ray.train
 
-        self.plan, self.pruner = plan, pruner
+        self.plan, self.pruner, self.faults = plan, pruner, faults
         self.cfg = cfg = config_from_dict(plan.config)
         _quiet_ray_train_logs()
         ctx = ray.train.get_context()
@@ -327,12 +327,9 @@ class Worker:
             self.ema.update()
 
     def maybe_fail(self, step: int) -> None:
-        """The fault hook of the crash tests (``fault_at_step``, ``fault_rank``): die once, hard."""
-        if self.cfg.fault_at_step == step and self.rank == self.cfg.fault_rank:
-            marker = Path(self.plan.run_dir) / "fault-injected"
-            if not marker.exists():
-                marker.write_text(f"rank {self.rank} died after step {step}\n")
-                os._exit(17)  # a hard crash: no cleanup, no report
+        """The crash tests' hook (:class:`pipelines.faults.FaultInjection`): die once, hard."""
+        if self.faults is not None:
+            self.faults.maybe_fail(self.plan.run_dir, self.rank, step)
 
     def report(self, step: int, rate: float) -> bool:
         """Metrics and a checkpoint; True if the run was pruned."""

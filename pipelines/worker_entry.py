@@ -8,13 +8,14 @@ import :mod:`pipelines.worker` when they run it.
 
 
 def train_loop_per_worker(config: dict) -> None:
-    """``config`` = {"plan": the run's :class:`pipelines.plan.RunPlan`, "pruner": a callable or None}."""
+    """``config`` = {"plan": the run's :class:`pipelines.plan.RunPlan`, "pruner": a callable or None,
+    "faults": a test's :class:`pipelines.faults.FaultInjection` or None}."""
     from .run_ledger import unlock_journal
     from .worker import train_loop_per_worker as run
 
     plan = config["plan"]
     try:
-        run(plan, config.get("pruner"))
+        run(plan, config.get("pruner"), config.get("faults"))
     finally:
         if plan.config.get("in_process"):  # this process goes on as the driver: let go of the run's journal
             unlock_journal()

@@ -11,6 +11,7 @@ import torch
 
 import dpcore
 from pipelines.config import TrainConfig
+from pipelines.faults import FaultInjection
 from pipelines.train import run
 
 from .test_sharded_training import dp_accounting_epsilon
@@ -99,8 +100,6 @@ def test_killed_worker_resumes_from_checkpoint_and_the_ledger_keeps_every_releas
         epochs=5,  # 12 planned steps at q≈0.41
         target_epsilon=3.0,
         checkpoint_every=3,
-        fault_at_step=5,  # rank 1 dies hard after step 5; the last checkpoint is at step 3
-        fault_rank=1,
         max_failures=1,
         storage_path=str(tmp_path / "runs"),
         tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
@@ -108,7 +107,7 @@ def test_killed_worker_resumes_from_checkpoint_and_the_ledger_keeps_every_releas
         diagnostics=True,  # also checked here: the non-private mode is tagged
         quiet=True,
     )
-    out = run(cfg)
+    out = run(cfg, faults=FaultInjection(at_step=5, rank=1))  # rank 1 dies hard after step 5; last checkpoint: step 3
     spec = out["spec"]
     assert (Path(spec.run_dir) / "fault-injected").exists()
     ledger = out["ledger"]
@@ -159,15 +158,13 @@ def test_a_crash_after_the_last_step_finishes_from_the_checkpoint_at_the_budget(
         noise_multiplier=sigma,
         target_epsilon=eps,
         checkpoint_every=4,
-        fault_at_step=steps,
-        fault_rank=1,
         max_failures=1,
         storage_path=str(tmp_path / "runs"),
         tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
         registered_model="none",
         quiet=True,
     )
-    out = run(cfg)
+    out = run(cfg, faults=FaultInjection(at_step=steps, rank=1))
     assert out["spec"].steps == steps and out["spec"].dataset_size == 1258
     last_ckpt = (steps - 1) // 4 * 4  # the fault comes before the report of step `steps`
     entries = out["ledger"].entries

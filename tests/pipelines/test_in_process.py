@@ -11,6 +11,7 @@ import pytest
 
 import dpcore
 from pipelines.config import TrainConfig
+from pipelines.faults import FaultInjection
 from pipelines.train import run
 
 
@@ -56,8 +57,10 @@ def test_an_in_process_run_trains_ledgers_and_checkpoints_without_a_cluster(tmp_
 def test_in_process_needs_one_worker_and_no_fault_injection(tmp_path):
     with pytest.raises(dpcore.DPConfigError, match="in_process trains one worker in this process"):
         run(_cfg(tmp_path, num_workers=2))
-    with pytest.raises(dpcore.DPConfigError, match="fault_at_step kills a worker process"):
-        run(_cfg(tmp_path, fault_at_step=2))
+    with pytest.raises(dpcore.DPConfigError, match="fault injection kills a worker process"):
+        run(_cfg(tmp_path), faults=FaultInjection(at_step=2, rank=0))
+    with pytest.raises(dpcore.DPConfigError, match="must be a worker rank"):
+        run(_cfg(tmp_path, in_process=False, num_workers=2), faults=FaultInjection(at_step=2, rank=2))
 
 
 def test_the_cli_flag(tmp_path):

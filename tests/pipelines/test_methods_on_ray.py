@@ -18,6 +18,7 @@ import torch
 import dpcore
 from dpcore.accounting import GAUSSIAN, POISSON_GAUSSIAN, POISSON_LAPLACE
 from pipelines.config import TrainConfig
+from pipelines.faults import FaultInjection
 from pipelines.train import load_final_model, run
 
 pytestmark = pytest.mark.slow
@@ -157,12 +158,11 @@ def test_a_killed_worker_restarts_a_dpsat_ema_pca_augmented_run(ray_cluster, tmp
             augment_padding=1,
             epochs=5,
             checkpoint_every=3,
-            fault_at_step=5,
-            fault_rank=1,
             max_failures=1,
             audit_canaries=600,
             audit_guesses=100,
-        )
+        ),
+        faults=FaultInjection(at_step=5, rank=1),
     )
     spec = out["spec"]
     assert (Path(spec.run_dir) / "fault-injected").exists()

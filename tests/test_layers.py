@@ -1,0 +1,46 @@
+"""The layers of DESIGN.md, checked on the source: imports point down only."""
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports(path: Path) -> set[str]:
+    """Top-level package names imported anywhere in the file (also inside functions)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _files(package: str):
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", _files("dpcore"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_dpcore_imports_only_torch_numpy_and_dp_accounting(path):
+    # cryptography: OpenSSL's AES-CTR for the secure noise stream (dpcore.randomness)
+    allowed = {"torch", "numpy", "dp_accounting", "cryptography", "dpcore"}
+    extra = _imports(path) - allowed - set(sys.stdlib_module_names)
+    assert not extra, f"{path.relative_to(ROOT)} imports {sorted(extra)}: dpcore may use torch, numpy, dp_accounting"
+
+
+@pytest.mark.parametrize("path", _files("dpcore") + _files("pipelines"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_library_module_reaches_up_into_tuning_or_optuna(path):
+    if path == ROOT / "pipelines" / "cli.py":  # the CLI entry composes dpcore, pipelines and tuning
+        return
+    bad = _imports(path) & {"tuning", "optuna"}
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: tuning is handed what it needs, never imported"
+
+
+def test_the_checks_above_can_fail():
+    """The import scanner sees imports inside functions too (where this code base hides many)."""
+    src = ROOT / "pipelines" / "cli.py"
+    assert "tuning" in _imports(src)
