@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_main(rest, prog=f"{PROG} train")
     if cmd == "sweep":
-        from tuning.sweep import main as sweep_main
+        from tuning.cli import main as sweep_main
 
         return sweep_main(rest, prog=f"{PROG} sweep")
     if cmd == "audit":
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return stack_main(rest)
     if cmd == "submit":  # the CLI composes pipelines and tuning: a sweep's config is checked by tuning
-        from tuning.sweep import check_args
+        from tuning.cli import check_args
 
         from .ops import jobs
 

@@ -22,166 +22,27 @@ run says so (tag ``dp.selection``). With it, the number of trials is random and 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import sys
-import tempfile
 import threading
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import dpcore
 from pipelines import tracking
 from pipelines.tracking import redact
 
 from . import selection
+from .config import MEDIAN_PRUNER, SweepConfig, check_feasible, make_storage
 from .pruning import TrialPruner
-from .space import SearchSpace, default_space, parse_space
-
-SAMPLERS = ("tpe", "random")
-PRUNERS = ("none", "median")
-PRESETS = ("bam-appendix",)
-MEDIAN_PRUNER = {"n_startup_trials": 2, "n_warmup_steps": 0}
+from .results import best_trial, finalise, finish_trial
+from .space import default_space, parse_space
 
 
-@dataclass(frozen=True)
-class SweepConfig:
-    study: str = "dp-sweep"
-    storage: str = "sqlite:///optuna.db"
-    n_trials: int = 20
-    max_concurrent: int = 2
-    sampler: str = "tpe"
-    pruner: str = "none"
-    sampler_seed: int | None = None
-    heartbeat_interval: int = 10
-    grace_period: int = 30
-    max_retry: int = 2
-    private_selection: str | None = None
-    selection_mean: float = 8.0
-    selection_shape: float = 1.0
-    selection_noise_multiplier: float = 2.0
-    preset: str | None = None
-    space: dict | None = None
-    quiet: bool = False
-
-    def validate(self) -> None:
-        err = dpcore.DPConfigError
-        if not self.study or any(c in self.study for c in "/\\ "):
-            raise err(f"study={self.study!r}: give a name without spaces or slashes.")
-        for name in ("n_trials", "max_concurrent", "heartbeat_interval", "grace_period"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise err(f"{name}={v!r} is invalid: it must be an integer ≥ 1.")
-        if self.grace_period <= self.heartbeat_interval:
-            raise err(f"grace_period={self.grace_period} must exceed heartbeat_interval={self.heartbeat_interval}.")
-        if self.sampler not in SAMPLERS:
-            raise err(f"sampler={self.sampler!r} is unknown; choose one of {', '.join(SAMPLERS)}.")
-        if self.pruner not in PRUNERS:
-            raise err(f"pruner={self.pruner!r} is unknown; choose one of {', '.join(PRUNERS)}.")
-        if self.preset is not None and self.preset not in PRESETS:
-            raise err(f"preset={self.preset!r} is unknown; available: {', '.join(PRESETS)}.")
-        if self.private_selection is not None:
-            if self.private_selection not in selection.DISTRIBUTIONS:
-                raise err(
-                    f"private_selection={self.private_selection!r} is unknown; choose one of {', '.join(selection.DISTRIBUTIONS)}."
-                )
-            if self.sampler != "random" or self.pruner != "none":
-                raise err(
-                    "--private-selection needs --sampler random and --pruner none: Papernot & Steinke's bound holds for "
-                    "independent repetitions of one randomised algorithm; TPE and pruning adapt to earlier trials' private results."
-                )
-            if not (self.selection_mean >= 1 and math.isfinite(self.selection_mean)):
-                raise err(f"selection_mean={self.selection_mean} must be a finite number ≥ 1.")
-            dpcore.validation.check_noise_multiplier(self.selection_noise_multiplier, "selection_noise_multiplier")
-            if self.preset is not None:
-                raise err(
-                    "--private-selection and --preset cannot be combined (the preset's stage 2 depends on stage 1's choice)."
-                )
-
-
-SWEEP_FIELDS = {f.name for f in dataclasses.fields(SweepConfig)}
-
-
-# ------------------------------------------------------------------------------------------
-def make_storage(url: str, sweep: SweepConfig):
-    """The Optuna RDB storage, with heartbeats and the stale-trial retry. Raises a clear error
-    if the database cannot be reached (nothing is written then)."""
-    import optuna
-
-    if "://" not in url:
-        raise dpcore.DPConfigError(
-            f"storage={redact(url)!r} is not a database URL; use sqlite:///path.db or postgresql://user@host/db."
-        )
-    if url.startswith("sqlite:///"):
-        parent = Path(url[len("sqlite:///") :]).expanduser().resolve().parent
-        if not parent.is_dir():
-            raise dpcore.DPConfigError(f"storage={redact(url)!r}: the folder {parent} does not exist.")
-    try:
-        import sqlalchemy
-
-        engine = sqlalchemy.create_engine(
-            url, connect_args={"connect_timeout": 5} if url.startswith("postgresql") else {}
-        )
-        with engine.connect():
-            pass
-        engine.dispose()
-    except Exception as e:  # noqa: BLE001 - any driver error means: unreachable
-        raise dpcore.DPConfigError(
-            f"the Optuna storage {redact(url)} is unreachable ({type(e).__name__}: {str(e).splitlines()[0]}); fix --storage."
-        ) from None
-    return optuna.storages.RDBStorage(
-        url,
-        heartbeat_interval=sweep.heartbeat_interval,
-        grace_period=sweep.grace_period,
-        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=sweep.max_retry),
-    )
-
-
-def check_feasible(base, space: SearchSpace, dataset_size: int) -> list[int] | None:
-    """Every lot size the space can pick must allow σ ≤ max_noise_multiplier at (ε, δ) for the
-    longest epochs it can pick. Returns the feasible lot choices (categorical spaces), or raises."""
-    lot = space.get("lot_size")
-    lots = lot.values_at_extremes() if lot is not None else [base.lot_size]
-    ep = space.get("epochs")
-    epochs = max(ep.values_at_extremes()) if ep is not None else base.epochs
-    ok, bad = [], {}
-    for L in lots:
-        try:
-            dpcore.plan(
-                dataset_size=dataset_size,
-                lot_size=int(L),
-                epochs=epochs,
-                target_epsilon=base.target_epsilon,
-                target_delta=base.target_delta,
-                noise_multiplier=base.noise_multiplier,
-                accountant=base.accountant,
-                max_noise_multiplier=None if base.noise_multiplier is not None else base.max_noise_multiplier,
-                noise=base.noise,
-            )
-            ok.append(L)
-        except dpcore.DPConfigError as e:
-            bad[L] = str(e)
-    if not ok:
-        first = next(iter(bad.values()))
-        raise dpcore.DPConfigError(
-            f"no trial can meet ε={base.target_epsilon:g} at δ={base.target_delta:g}: calibration fails for every lot size "
-            f"({', '.join(map(str, lots))}) at {epochs:g} epochs. For example: {first}"
-        )
-    if bad and (lot is None or lot.choices is None):
-        raise dpcore.DPConfigError(
-            f"lot sizes {sorted(bad)} cannot meet ε={base.target_epsilon:g} at {epochs:g} epochs; narrow the lot_size range."
-        )
-    return ok if (lot is not None and lot.choices is not None) else None
-
-
-# ------------------------------------------------------------------------------------------
 def _trial_task():
     import ray
 
@@ -258,16 +119,6 @@ class Progress:
             f"{time.monotonic() - self.t0:5.0f}s{('  ' + note) if note else ''}\n"
         )
         self.stream.flush()
-
-
-def _fail_orphan_children(client, parent_id: str, trial_number: int) -> None:
-    exp_id = client.get_run(parent_id).info.experiment_id
-    for r in client.search_runs(
-        [exp_id],
-        filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}' and tags.`optuna.trial_number` = '{trial_number}'",
-    ):
-        if r.info.status == "RUNNING":
-            client.set_terminated(r.info.run_id, status="FAILED")
 
 
 def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixed: dict | None = None) -> dict:
@@ -486,7 +337,7 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
                         )
                         inflight[ref] = (trial, params)
                         launchable -= 1
-                        progress.show(done, len(inflight), _best(study), f"started trial {trial.number}: {params}")
+                        progress.show(done, len(inflight), best_trial(study), f"started trial {trial.number}: {params}")
                     if not inflight:
                         if done >= n_trials:
                             break
@@ -495,179 +346,14 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
                     ready, _ = ray.wait(list(inflight), num_returns=1, timeout=sweep.heartbeat_interval)
                     for ref in ready:
                         trial, params = inflight.pop(ref)
-                        note = _finish(study, trial, ref, sel, randomness, client, parent_id)
+                        note = finish_trial(study, trial, ref, sel, randomness, client, parent_id)
                         trials = study.get_trials(deepcopy=False)
                         progress.show(
-                            sum(t.state in finished_states for t in trials), len(inflight), _best(study), note
+                            sum(t.state in finished_states for t in trials), len(inflight), best_trial(study), note
                         )
-        return _finalise(study, sweep, base, client, parent_id, sel, n_trials)
+        return finalise(study, sweep, base, client, parent_id, sel, n_trials)
 
 
-def _best(study) -> tuple | None:
-    import optuna
-
-    done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
-    if not done:
-        return None
-    b = max(done, key=lambda t: t.value)
-    return b.number, b.value
-
-
-def _finish(study, trial, ref, sel, randomness, client, parent_id) -> str:
-    """Tell Optuna how a trial ended. A trial whose process died is left RUNNING: its heartbeat
-    goes stale and Optuna's stale-trial callback fails and re-queues it."""
-    import optuna
-    import ray
-
-    try:
-        out = ray.get(ref)
-    except (
-        ray.exceptions.WorkerCrashedError,
-        ray.exceptions.NodeDiedError,
-        ray.exceptions.OwnerDiedError,
-        ray.exceptions.TaskCancelledError,
-    ):
-        _fail_orphan_children(client, parent_id, trial.number)
-        return f"trial {trial.number}: its process died; it is retried once its heartbeat is stale"
-    except ray.exceptions.RayTaskError as e:
-        cause = e.cause if getattr(e, "cause", None) is not None else e
-        study.tell(trial, state=optuna.trial.TrialState.FAIL)
-        study._storage.set_trial_user_attr(trial._trial_id, "error", f"{type(cause).__name__}: {cause}"[:2000])
-        _fail_orphan_children(client, parent_id, trial.number)
-        return f"trial {trial.number} FAILED: {type(cause).__name__}: {str(cause).splitlines()[0][:200]}"
-    if study._storage.get_trial(trial._trial_id).state != optuna.trial.TrialState.RUNNING:
-        # Its heartbeat went stale before it finished (declared dead too early): the retry counts.
-        return f"trial {trial.number} finished after it was declared stale; its retry counts instead"
-    for k in (
-        "run_id",
-        "val_accuracy",
-        "test_accuracy",
-        "epsilon",
-        "noise_multiplier",
-        "steps",
-        "seconds",
-        "checkpoint",
-    ):
-        study._storage.set_trial_user_attr(trial._trial_id, k, out[k])
-    if out["pruned"]:
-        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-        return f"trial {trial.number} pruned at step {out['steps']}"
-    value = out["val_accuracy"]
-    if sel is not None:  # the private score: a noisy count of correct validation predictions
-        import torch
-
-        n_val = out["val_examples"]
-        noise = float(randomness.spawn("score", trial.number).normal(1, sel["score_noise"], dtype=torch.float64)[0])
-        value = (value * n_val + noise) / n_val
-        study._storage.set_trial_user_attr(trial._trial_id, "private_score", value)
-    study.tell(trial, value)
-    return (
-        f"trial {trial.number}: validation {out['val_accuracy']:.4f}, ε={out['epsilon']:.3f}, "
-        f"σ={out['noise_multiplier']:.3f}, {out['seconds']:.0f}s"
-    )
-
-
-def _finalise(study, sweep: SweepConfig, base, client, parent_id: str, sel, n_trials: int) -> dict:
-    """Tag the best trial, register its model, log Optuna's plots to the parent run."""
-    import optuna
-
-    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    summary = {
-        "study": sweep.study,
-        "parent_run_id": parent_id,
-        "trials": len(study.trials),
-        "complete": len(complete),
-        "n_trials": n_trials,
-        "selection_total_epsilon": None if sel is None else sel["total_epsilon"],
-    }
-    _log_plots(study, client, parent_id)
-    if not complete:
-        client.set_tag(parent_id, "sweep.best_trial", "none")
-        summary["best"] = None
-        return summary
-    best = max(complete, key=lambda t: t.value)
-    attrs = best.user_attrs
-    client.set_tag(attrs["run_id"], "sweep.best", "true")
-    for k, v in {
-        "sweep.best_trial": best.number,
-        "sweep.best_run_id": attrs["run_id"],
-        "sweep.best_params": json.dumps(best.params),
-    }.items():
-        client.set_tag(parent_id, k, str(v))
-    client.log_metric(parent_id, "best_val_accuracy", float(attrs["val_accuracy"]))
-    client.log_metric(parent_id, "best_test_accuracy", float(attrs["test_accuracy"]))
-    client.log_metric(parent_id, "best_value", float(best.value))
-    registered = None
-    if base.registered_model is None or base.registered_model.lower() != "none":
-        registered = _register_best(client, base, attrs)
-    summary["best"] = {
-        "number": best.number,
-        "value": best.value,
-        "params": best.params,
-        **{k: attrs[k] for k in ("run_id", "val_accuracy", "test_accuracy", "epsilon", "noise_multiplier")},
-        "registered_model": registered,
-    }
-    return summary
-
-
-def _register_best(client, base, attrs: dict) -> str | None:
-    """Log the best trial's model (from its final checkpoint) into its run and register it."""
-    import mlflow
-
-    from pipelines.data import model_example
-    from pipelines.plan import RunPlan
-    from pipelines.train import load_final_model
-
-    run_id = attrs["run_id"]
-    spec_path = mlflow.artifacts.download_artifacts(
-        run_id=run_id, artifact_path="spec.json", tracking_uri=client.tracking_uri
-    )
-    spec = RunPlan.from_dict(json.loads(Path(spec_path).read_text()))
-    model = load_final_model(spec, attrs["checkpoint"])
-    example = model_example(spec.data_dir)
-    name = base.registered_model or f"dp-sweep-{base.dataset}-{base.model.replace(':', '_')}"
-    mlflow.set_tracking_uri(client.tracking_uri)
-    version = tracking.log_model(
-        run_id, model, example, name, float(attrs["epsilon"]), base.target_delta, base.accountant
-    )
-    return None if version is None else f"{version.name} v{version.version}"
-
-
-def _log_plots(study, client, parent_id: str) -> None:
-    """Optuna's optimisation history, parameter importances and the lr × lot contour, as PNGs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import optuna.visualization.matplotlib as ovm
-
-    names = {t for t in study.trials for t in t.params}
-    plots = {
-        "optimization_history.png": lambda: ovm.plot_optimization_history(study),
-        "param_importances.png": lambda: ovm.plot_param_importances(study),
-    }
-    if {"lr", "lot_size"} <= names:
-        plots["contour_lr_lot_size.png"] = lambda: ovm.plot_contour(study, params=["lr", "lot_size"])
-    failed = {}
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for fname, make in plots.items():
-            try:
-                ax = make()
-                fig = ax.figure if hasattr(ax, "figure") else ax.flat[0].figure
-                fig.set_size_inches(7, 5)
-                fig.tight_layout()
-                fig.savefig(Path(tmp) / fname, dpi=100)
-                plt.close(fig)
-            except Exception as e:  # noqa: BLE001 - e.g. importances need two complete trials
-                failed[fname] = f"{type(e).__name__}: {e}"[:300]
-        if any(Path(tmp).iterdir()):
-            client.log_artifacts(parent_id, tmp, artifact_path="plots")
-    if failed:
-        client.set_tag(parent_id, "sweep.plots_missing", json.dumps(failed)[:4000])
-
-
-# ------------------------------------------------------------------------------------------
 def run_preset(sweep: SweepConfig, base) -> dict:
     """The BAM appendix protocol: stage 1 is a random search over (lr, lot size) for DP-SGD;
     stage 2 is a random search over λ for BAM and over ρ for DP-SAT, with stage 1's lr and lot
@@ -693,179 +379,3 @@ def run_preset(sweep: SweepConfig, base) -> dict:
         )
         out["stage2"][method] = run_sweep(st, base, fixed={**fixed, "method": method})
     return out
-
-
-def print_summary(s: dict) -> None:
-    print(
-        f"study {s['study']}: {s['complete']} complete of {s['trials']} trials (target {s['n_trials']}); MLflow parent "
-        f"run {s['parent_run_id']}"
-    )
-    if s["selection_total_epsilon"] is not None:
-        print(
-            f"private selection: the sweep's total ε = {s['selection_total_epsilon']:.4f} (best of a random number of trials, RDP)"
-        )
-    else:
-        print("selection: the best trial was chosen on the validation split; that choice is not accounted in ε")
-    b = s["best"]
-    if b is None:
-        print("no complete trial")
-        return
-    print(
-        f"best trial {b['number']}: {b['params']}  validation {b['val_accuracy']:.4f}  test {b['test_accuracy']:.4f}  "
-        f"ε={b['epsilon']:.4f}  σ={b['noise_multiplier']:.4f}  run {b['run_id']}"
-    )
-    if b["registered_model"]:
-        print(f"model: {b['registered_model']} in the MLflow registry")
-
-
-# ------------------------------------------------------------------------------------------
-def build_parser(prog: str = "dp-platform sweep") -> argparse.ArgumentParser:
-    from pipelines.config import add_config_arguments
-
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="Hyperparameter sweep at a fixed (ε, δ): every trial is a DP training run with σ calibrated for its own "
-        "lot size and epochs; Optuna chooses, Ray runs, MLflow records (one parent run, a child run per trial).",
-        epilog="The YAML file may hold sweep options (study, storage, n_trials, ...), a 'space:' mapping and any training option. "
-        "Watch a study live with: optuna-dashboard sqlite:///optuna.db",
-    )
-    p.add_argument("config", nargs="?", help="YAML file")
-    g = p.add_argument_group("sweep")
-    defaults = SweepConfig()
-    g.add_argument(
-        "--study", default=argparse.SUPPRESS, help=f"study name; the same name continues it (default: {defaults.study})"
-    )
-    g.add_argument(
-        "--storage",
-        default=argparse.SUPPRESS,
-        help=f"Optuna RDB storage URL (default: $DP_OPTUNA_STORAGE, else {defaults.storage}; postgresql://... on a cluster)",
-    )
-    g.add_argument(
-        "--n-trials",
-        type=int,
-        default=argparse.SUPPRESS,
-        help=f"finished trials to reach (default: {defaults.n_trials})",
-    )
-    g.add_argument(
-        "--max-concurrent",
-        type=int,
-        default=argparse.SUPPRESS,
-        help=f"trials running at once (default: {defaults.max_concurrent})",
-    )
-    g.add_argument("--sampler", choices=SAMPLERS, default=argparse.SUPPRESS, help="tpe (default) or random")
-    g.add_argument(
-        "--pruner",
-        choices=PRUNERS,
-        default=argparse.SUPPRESS,
-        help="none (default) or median (on intermediate validation accuracy)",
-    )
-    g.add_argument("--sampler-seed", type=int, default=argparse.SUPPRESS, help="seed of the sampler (public)")
-    g.add_argument(
-        "--heartbeat-interval",
-        type=int,
-        default=argparse.SUPPRESS,
-        help=f"seconds between trial heartbeats (default {defaults.heartbeat_interval})",
-    )
-    g.add_argument(
-        "--grace-period",
-        type=int,
-        default=argparse.SUPPRESS,
-        help=f"seconds without heartbeat before a trial is stale and retried (default {defaults.grace_period})",
-    )
-    g.add_argument(
-        "--max-retry",
-        type=int,
-        default=argparse.SUPPRESS,
-        help=f"retries of a trial whose process died (default {defaults.max_retry})",
-    )
-    g.add_argument(
-        "--private-selection",
-        choices=selection.DISTRIBUTIONS,
-        default=argparse.SUPPRESS,
-        help="account the choice of the best trial (Papernot & Steinke): a random number of trials from this distribution",
-    )
-    g.add_argument(
-        "--selection-mean",
-        type=float,
-        default=argparse.SUPPRESS,
-        help=f"mean number of trials (default {defaults.selection_mean:g})",
-    )
-    g.add_argument(
-        "--selection-shape",
-        type=float,
-        default=argparse.SUPPRESS,
-        help="negative-binomial shape η (1 = geometric; default 1)",
-    )
-    g.add_argument(
-        "--selection-noise-multiplier",
-        type=float,
-        default=argparse.SUPPRESS,
-        help="σ of the noise on the validation count (default 2)",
-    )
-    g.add_argument(
-        "--preset",
-        choices=PRESETS,
-        default=argparse.SUPPRESS,
-        help="bam-appendix: stage 1 DP-SGD (lr, lot), stage 2 λ for BAM and ρ for DP-SAT",
-    )
-    add_config_arguments(p)
-    return p
-
-
-def check_args(argv: list[str]) -> None:
-    """Parse and validate a sweep's arguments (config file, then flags), as ``dp-platform submit
-    --sweep`` does before it uploads anything. Raises SystemExit on bad flags."""
-    ns = vars(build_parser().parse_args(argv))
-    load_sweep_config(ns.pop("config", None), ns)[1].validate()
-
-
-def load_sweep_config(path: str | None, args: dict) -> tuple[SweepConfig, Any]:
-    """(SweepConfig, base TrainConfig) from the YAML file and the flags (flags win)."""
-    from pipelines.config import config_from_dict
-
-    values: dict = {}
-    if path is not None:
-        import yaml
-
-        p = Path(path)
-        if not p.is_file():
-            raise dpcore.DPConfigError(f"config file {str(p)!r} does not exist.")
-        loaded = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise dpcore.DPConfigError(f"config file {p} must hold a mapping.")
-        values.update(loaded)
-    values.update(args)
-    sweep_vals = {k.replace("-", "_"): values.pop(k) for k in list(values) if k.replace("-", "_") in SWEEP_FIELDS}
-    if "storage" not in sweep_vals and os.environ.get("DP_OPTUNA_STORAGE"):
-        sweep_vals["storage"] = os.environ["DP_OPTUNA_STORAGE"]  # the cluster's shared study database
-    if "num_workers" not in values:
-        values["num_workers"] = 1  # a sweep's trials default to one worker each; --num-workers shards them
-    return SweepConfig(**sweep_vals), config_from_dict(values)
-
-
-def main(argv: list[str] | None = None, prog: str = "dp-platform sweep") -> int:
-    args = vars(build_parser(prog).parse_args(argv))
-    path = args.pop("config")
-    try:
-        sweep, base = load_sweep_config(path, args)
-        if sweep.preset == "bam-appendix":
-            out = run_preset(sweep, base)
-            for name, s in [("stage 1 (DP-SGD)", out["stage1"])] + [
-                (f"stage 2 ({m})", s) for m, s in out["stage2"].items()
-            ]:
-                print(f"== {name}")
-                print_summary(s)
-            return 0
-        out = run_sweep(sweep, base)
-    except dpcore.DPError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except TypeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print_summary(out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -32,7 +32,8 @@ import torch.nn.functional as F  # noqa: E402
 from pipelines.config import TrainConfig  # noqa: E402
 from pipelines.data import load_digits  # noqa: E402
 from pipelines.models import build_model  # noqa: E402
-from tuning.sweep import SweepConfig, run_preset, run_sweep  # noqa: E402
+from tuning.config import SweepConfig  # noqa: E402
+from tuning.sweep import run_preset, run_sweep  # noqa: E402
 
 SPACE = {"lr": {"low": 1e-3, "high": 1.0, "log": True}, "lot_size": {"choices": [64, 128, 256, 512, 1024]}}
 

@@ -125,7 +125,7 @@ def check_train_args(argv: list[str]) -> None:
 def check_locally(config: str | None, sweep: bool, args: list[str], checker: Callable | None = None) -> None:
     """Parse and validate the config here, so that a bad one is refused before it is uploaded.
     The data and the budget are checked again by the job, on the cluster. ``checker(argv)``
-    checks a sweep's arguments (the CLI hands in :func:`tuning.sweep.check_args`; pipelines
+    checks a sweep's arguments (the CLI hands in :func:`tuning.cli.check_args`; pipelines
     does not import tuning)."""
     if sweep and checker is None:
         raise JobError("a sweep's config cannot be checked here (no checker given); use --no-check.")

@@ -13,6 +13,8 @@ from pipelines.config import load_config
 from pipelines.ops import jobs, stack
 from pipelines.tracking import redact
 
+from ..helpers import small_plan
+
 
 @pytest.mark.parametrize(
     "url, expected",
@@ -35,8 +37,8 @@ def test_params_and_json_artifacts_are_redacted(tmp_path):
     from pipelines import tracking
 
     cfg = load_config(overrides={"tracking_uri": "http://u:hunter2hunter2@127.0.0.1:1"})
-    spec = {"noise_multiplier": 1.0, "sample_rate": 0.1, "steps": 3, "dataset_size": 10, "checkpoint_every": 1}
-    assert "hunter2" not in str(tracking.params_of(cfg, spec))
+    plan = small_plan(noise_multiplier=1.0, sample_rate=0.1, steps=3, dataset_size=10, checkpoint_every=1)
+    assert "hunter2" not in str(tracking.params_of(cfg, plan))
 
     class Client:
         def log_artifact(self, run_id, path, artifact_path=None):
@@ -62,7 +64,7 @@ def test_tracking_and_storage_default_from_the_environment(monkeypatch):
 
 
 def test_sweep_storage_defaults_from_the_environment(monkeypatch):
-    from tuning.sweep import load_sweep_config
+    from tuning.cli import load_sweep_config
 
     monkeypatch.delenv("DP_OPTUNA_STORAGE", raising=False)
     assert load_sweep_config(None, {})[0].storage == "sqlite:///optuna.db"
@@ -131,7 +133,7 @@ def test_submit_checks_the_config_before_anything_is_uploaded(tmp_path):
         jobs.submit("configs/digits.yaml", ["--target-epsilon", "-1"], address="http://127.0.0.1:1", stack_dir=tmp_path)
     with pytest.raises(jobs.JobError, match="does not exist"):
         jobs.submit("configs/nope.yaml", [], address="http://127.0.0.1:1", stack_dir=tmp_path)
-    from tuning.sweep import check_args  # what the CLI hands to submit for a sweep
+    from tuning.cli import check_args  # what the CLI hands to submit for a sweep
 
     with pytest.raises(jobs.JobError, match="arguments are invalid"):
         jobs.check_locally("configs/digits.yaml", True, ["--n-trials", "many"], check_args)

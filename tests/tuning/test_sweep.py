@@ -25,7 +25,8 @@ import pytest
 import dpcore
 from pipelines.config import TrainConfig
 from tuning import selection
-from tuning.sweep import SweepConfig, run_sweep
+from tuning.config import SweepConfig
+from tuning.sweep import run_sweep
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,191 @@
+"""``dp-platform sweep``: the command line of :mod:`tuning.sweep`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import dpcore
+
+from . import selection
+from .config import PRESETS, PRUNERS, SAMPLERS, SWEEP_FIELDS, SweepConfig
+from .sweep import run_preset, run_sweep
+
+
+def print_summary(s: dict) -> None:
+    print(
+        f"study {s['study']}: {s['complete']} complete of {s['trials']} trials (target {s['n_trials']}); MLflow parent "
+        f"run {s['parent_run_id']}"
+    )
+    if s["selection_total_epsilon"] is not None:
+        print(
+            f"private selection: the sweep's total ε = {s['selection_total_epsilon']:.4f} (best of a random number of trials, RDP)"
+        )
+    else:
+        print("selection: the best trial was chosen on the validation split; that choice is not accounted in ε")
+    b = s["best"]
+    if b is None:
+        print("no complete trial")
+        return
+    print(
+        f"best trial {b['number']}: {b['params']}  validation {b['val_accuracy']:.4f}  test {b['test_accuracy']:.4f}  "
+        f"ε={b['epsilon']:.4f}  σ={b['noise_multiplier']:.4f}  run {b['run_id']}"
+    )
+    if b["registered_model"]:
+        print(f"model: {b['registered_model']} in the MLflow registry")
+
+
+# ------------------------------------------------------------------------------------------
+def build_parser(prog: str = "dp-platform sweep") -> argparse.ArgumentParser:
+    from pipelines.config import add_config_arguments
+
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Hyperparameter sweep at a fixed (ε, δ): every trial is a DP training run with σ calibrated for its own "
+        "lot size and epochs; Optuna chooses, Ray runs, MLflow records (one parent run, a child run per trial).",
+        epilog="The YAML file may hold sweep options (study, storage, n_trials, ...), a 'space:' mapping and any training option. "
+        "Watch a study live with: optuna-dashboard sqlite:///optuna.db",
+    )
+    p.add_argument("config", nargs="?", help="YAML file")
+    g = p.add_argument_group("sweep")
+    defaults = SweepConfig()
+    g.add_argument(
+        "--study", default=argparse.SUPPRESS, help=f"study name; the same name continues it (default: {defaults.study})"
+    )
+    g.add_argument(
+        "--storage",
+        default=argparse.SUPPRESS,
+        help=f"Optuna RDB storage URL (default: $DP_OPTUNA_STORAGE, else {defaults.storage}; postgresql://... on a cluster)",
+    )
+    g.add_argument(
+        "--n-trials",
+        type=int,
+        default=argparse.SUPPRESS,
+        help=f"finished trials to reach (default: {defaults.n_trials})",
+    )
+    g.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=argparse.SUPPRESS,
+        help=f"trials running at once (default: {defaults.max_concurrent})",
+    )
+    g.add_argument("--sampler", choices=SAMPLERS, default=argparse.SUPPRESS, help="tpe (default) or random")
+    g.add_argument(
+        "--pruner",
+        choices=PRUNERS,
+        default=argparse.SUPPRESS,
+        help="none (default) or median (on intermediate validation accuracy)",
+    )
+    g.add_argument("--sampler-seed", type=int, default=argparse.SUPPRESS, help="seed of the sampler (public)")
+    g.add_argument(
+        "--heartbeat-interval",
+        type=int,
+        default=argparse.SUPPRESS,
+        help=f"seconds between trial heartbeats (default {defaults.heartbeat_interval})",
+    )
+    g.add_argument(
+        "--grace-period",
+        type=int,
+        default=argparse.SUPPRESS,
+        help=f"seconds without heartbeat before a trial is stale and retried (default {defaults.grace_period})",
+    )
+    g.add_argument(
+        "--max-retry",
+        type=int,
+        default=argparse.SUPPRESS,
+        help=f"retries of a trial whose process died (default {defaults.max_retry})",
+    )
+    g.add_argument(
+        "--private-selection",
+        choices=selection.DISTRIBUTIONS,
+        default=argparse.SUPPRESS,
+        help="account the choice of the best trial (Papernot & Steinke): a random number of trials from this distribution",
+    )
+    g.add_argument(
+        "--selection-mean",
+        type=float,
+        default=argparse.SUPPRESS,
+        help=f"mean number of trials (default {defaults.selection_mean:g})",
+    )
+    g.add_argument(
+        "--selection-shape",
+        type=float,
+        default=argparse.SUPPRESS,
+        help="negative-binomial shape η (1 = geometric; default 1)",
+    )
+    g.add_argument(
+        "--selection-noise-multiplier",
+        type=float,
+        default=argparse.SUPPRESS,
+        help="σ of the noise on the validation count (default 2)",
+    )
+    g.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default=argparse.SUPPRESS,
+        help="bam-appendix: stage 1 DP-SGD (lr, lot), stage 2 λ for BAM and ρ for DP-SAT",
+    )
+    add_config_arguments(p)
+    return p
+
+
+def check_args(argv: list[str]) -> None:
+    """Parse and validate a sweep's arguments (config file, then flags), as ``dp-platform submit
+    --sweep`` does before it uploads anything. Raises SystemExit on bad flags."""
+    ns = vars(build_parser().parse_args(argv))
+    load_sweep_config(ns.pop("config", None), ns)[1].validate()
+
+
+def load_sweep_config(path: str | None, args: dict) -> tuple[SweepConfig, Any]:
+    """(SweepConfig, base TrainConfig) from the YAML file and the flags (flags win)."""
+    from pipelines.config import config_from_dict
+
+    values: dict = {}
+    if path is not None:
+        import yaml
+
+        p = Path(path)
+        if not p.is_file():
+            raise dpcore.DPConfigError(f"config file {str(p)!r} does not exist.")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise dpcore.DPConfigError(f"config file {p} must hold a mapping.")
+        values.update(loaded)
+    values.update(args)
+    sweep_vals = {k.replace("-", "_"): values.pop(k) for k in list(values) if k.replace("-", "_") in SWEEP_FIELDS}
+    if "storage" not in sweep_vals and os.environ.get("DP_OPTUNA_STORAGE"):
+        sweep_vals["storage"] = os.environ["DP_OPTUNA_STORAGE"]  # the cluster's shared study database
+    if "num_workers" not in values:
+        values["num_workers"] = 1  # a sweep's trials default to one worker each; --num-workers shards them
+    return SweepConfig(**sweep_vals), config_from_dict(values)
+
+
+def main(argv: list[str] | None = None, prog: str = "dp-platform sweep") -> int:
+    args = vars(build_parser(prog).parse_args(argv))
+    path = args.pop("config")
+    try:
+        sweep, base = load_sweep_config(path, args)
+        if sweep.preset == "bam-appendix":
+            out = run_preset(sweep, base)
+            for name, s in [("stage 1 (DP-SGD)", out["stage1"])] + [
+                (f"stage 2 ({m})", s) for m, s in out["stage2"].items()
+            ]:
+                print(f"== {name}")
+                print_summary(s)
+            return 0
+        out = run_sweep(sweep, base)
+    except dpcore.DPError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except TypeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_summary(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

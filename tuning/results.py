@@ -1,0 +1,190 @@
+"""After each trial and at the end of a sweep: score it (privately with --private-selection), pick
+and tag the best, register its model, and draw Optuna's plots on the parent run."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import warnings
+from pathlib import Path
+
+from pipelines import tracking
+
+from .config import SweepConfig
+
+
+def fail_orphan_children(client, parent_id: str, trial_number: int) -> None:
+    exp_id = client.get_run(parent_id).info.experiment_id
+    for r in client.search_runs(
+        [exp_id],
+        filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}' and tags.`optuna.trial_number` = '{trial_number}'",
+    ):
+        if r.info.status == "RUNNING":
+            client.set_terminated(r.info.run_id, status="FAILED")
+
+
+def best_trial(study) -> tuple | None:
+    import optuna
+
+    done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
+    if not done:
+        return None
+    b = max(done, key=lambda t: t.value)
+    return b.number, b.value
+
+
+def finish_trial(study, trial, ref, sel, randomness, client, parent_id) -> str:
+    """Tell Optuna how a trial ended. A trial whose process died is left RUNNING: its heartbeat
+    goes stale and Optuna's stale-trial callback fails and re-queues it."""
+    import optuna
+    import ray
+
+    try:
+        out = ray.get(ref)
+    except (
+        ray.exceptions.WorkerCrashedError,
+        ray.exceptions.NodeDiedError,
+        ray.exceptions.OwnerDiedError,
+        ray.exceptions.TaskCancelledError,
+    ):
+        fail_orphan_children(client, parent_id, trial.number)
+        return f"trial {trial.number}: its process died; it is retried once its heartbeat is stale"
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        study._storage.set_trial_user_attr(trial._trial_id, "error", f"{type(cause).__name__}: {cause}"[:2000])
+        fail_orphan_children(client, parent_id, trial.number)
+        return f"trial {trial.number} FAILED: {type(cause).__name__}: {str(cause).splitlines()[0][:200]}"
+    if study._storage.get_trial(trial._trial_id).state != optuna.trial.TrialState.RUNNING:
+        # Its heartbeat went stale before it finished (declared dead too early): the retry counts.
+        return f"trial {trial.number} finished after it was declared stale; its retry counts instead"
+    for k in (
+        "run_id",
+        "val_accuracy",
+        "test_accuracy",
+        "epsilon",
+        "noise_multiplier",
+        "steps",
+        "seconds",
+        "checkpoint",
+    ):
+        study._storage.set_trial_user_attr(trial._trial_id, k, out[k])
+    if out["pruned"]:
+        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        return f"trial {trial.number} pruned at step {out['steps']}"
+    value = out["val_accuracy"]
+    if sel is not None:  # the private score: a noisy count of correct validation predictions
+        import torch
+
+        n_val = out["val_examples"]
+        noise = float(randomness.spawn("score", trial.number).normal(1, sel["score_noise"], dtype=torch.float64)[0])
+        value = (value * n_val + noise) / n_val
+        study._storage.set_trial_user_attr(trial._trial_id, "private_score", value)
+    study.tell(trial, value)
+    return (
+        f"trial {trial.number}: validation {out['val_accuracy']:.4f}, ε={out['epsilon']:.3f}, "
+        f"σ={out['noise_multiplier']:.3f}, {out['seconds']:.0f}s"
+    )
+
+
+def finalise(study, sweep: SweepConfig, base, client, parent_id: str, sel, n_trials: int) -> dict:
+    """Tag the best trial, register its model, log Optuna's plots to the parent run."""
+    import optuna
+
+    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    summary = {
+        "study": sweep.study,
+        "parent_run_id": parent_id,
+        "trials": len(study.trials),
+        "complete": len(complete),
+        "n_trials": n_trials,
+        "selection_total_epsilon": None if sel is None else sel["total_epsilon"],
+    }
+    _log_plots(study, client, parent_id)
+    if not complete:
+        client.set_tag(parent_id, "sweep.best_trial", "none")
+        summary["best"] = None
+        return summary
+    best = max(complete, key=lambda t: t.value)
+    attrs = best.user_attrs
+    client.set_tag(attrs["run_id"], "sweep.best", "true")
+    for k, v in {
+        "sweep.best_trial": best.number,
+        "sweep.best_run_id": attrs["run_id"],
+        "sweep.best_params": json.dumps(best.params),
+    }.items():
+        client.set_tag(parent_id, k, str(v))
+    client.log_metric(parent_id, "best_val_accuracy", float(attrs["val_accuracy"]))
+    client.log_metric(parent_id, "best_test_accuracy", float(attrs["test_accuracy"]))
+    client.log_metric(parent_id, "best_value", float(best.value))
+    registered = None
+    if base.registered_model is None or base.registered_model.lower() != "none":
+        registered = _register_best(client, base, attrs)
+    summary["best"] = {
+        "number": best.number,
+        "value": best.value,
+        "params": best.params,
+        **{k: attrs[k] for k in ("run_id", "val_accuracy", "test_accuracy", "epsilon", "noise_multiplier")},
+        "registered_model": registered,
+    }
+    return summary
+
+
+def _register_best(client, base, attrs: dict) -> str | None:
+    """Log the best trial's model (from its final checkpoint) into its run and register it."""
+    import mlflow
+
+    from pipelines.data import model_example
+    from pipelines.plan import RunPlan
+    from pipelines.train import load_final_model
+
+    run_id = attrs["run_id"]
+    spec_path = mlflow.artifacts.download_artifacts(
+        run_id=run_id, artifact_path="spec.json", tracking_uri=client.tracking_uri
+    )
+    spec = RunPlan.from_dict(json.loads(Path(spec_path).read_text()))
+    model = load_final_model(spec, attrs["checkpoint"])
+    example = model_example(spec.data_dir)
+    name = base.registered_model or f"dp-sweep-{base.dataset}-{base.model.replace(':', '_')}"
+    mlflow.set_tracking_uri(client.tracking_uri)
+    version = tracking.log_model(
+        run_id, model, example, name, float(attrs["epsilon"]), base.target_delta, base.accountant
+    )
+    return None if version is None else f"{version.name} v{version.version}"
+
+
+def _log_plots(study, client, parent_id: str) -> None:
+    """Optuna's optimisation history, parameter importances and the lr × lot contour, as PNGs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import optuna.visualization.matplotlib as ovm
+
+    names = {t for t in study.trials for t in t.params}
+    plots = {
+        "optimization_history.png": lambda: ovm.plot_optimization_history(study),
+        "param_importances.png": lambda: ovm.plot_param_importances(study),
+    }
+    if {"lr", "lot_size"} <= names:
+        plots["contour_lr_lot_size.png"] = lambda: ovm.plot_contour(study, params=["lr", "lot_size"])
+    failed = {}
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for fname, make in plots.items():
+            try:
+                ax = make()
+                fig = ax.figure if hasattr(ax, "figure") else ax.flat[0].figure
+                fig.set_size_inches(7, 5)
+                fig.tight_layout()
+                fig.savefig(Path(tmp) / fname, dpi=100)
+                plt.close(fig)
+            except Exception as e:  # noqa: BLE001 - e.g. importances need two complete trials
+                failed[fname] = f"{type(e).__name__}: {e}"[:300]
+        if any(Path(tmp).iterdir()):
+            client.log_artifacts(parent_id, tmp, artifact_path="plots")
+    if failed:
+        client.set_tag(parent_id, "sweep.plots_missing", json.dumps(failed)[:4000])
+
+
+# ------------------------------------------------------------------------------------------
