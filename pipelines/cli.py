@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return audit_main(rest, prog=f"{PROG} audit")
     if cmd == "federated":
-        from .federated import main as federated_main
+        from .federated.cli import main as federated_main
 
         return federated_main(rest, prog=f"{PROG} federated")
     if cmd == "stack":

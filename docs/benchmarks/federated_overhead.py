@@ -1,7 +1,7 @@
 """Rounds per second of DP-FedAvg with K = 10,000 clients and m = 100 expected per round, and
 the per-round overhead of Ray actors over the same loop in one process.
 
-Every executor runs the same code (pipelines.clients.ClientRunner) with one torch thread per
+Every executor runs the same code (pipelines.federated.clients.ClientRunner) with one torch thread per
 client process: ``local`` runs the round's shares one after the other in the driver; ``ray``
 sends them to 1 or 2 actors. The time per round covers sampling, local training, clipping,
 the transfers, the noise and the server step; evaluation and ε reports are outside it.

@@ -18,9 +18,9 @@ from scipy import stats
 
 import dpcore
 from dpcore.federated import AdaptiveClipping, ClientLevelDP, clip_update, split_noise_multiplier
-from pipelines.clients import ClientRunner, split_clients
 from pipelines.data import load_digits
 from pipelines.federated import FederatedConfig, plan_federated, run_federated
+from pipelines.federated.clients import ClientRunner, split_clients
 
 DIGITS = load_digits()
 

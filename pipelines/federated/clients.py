@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from dpcore import DPConfigError
 from dpcore.federated import clip_update
 
-from .models import build_model
+from ..models import build_model
 
 SPLITS = ("noniid", "iid")
 
