@@ -163,7 +163,7 @@ def opacus_train(
     from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 
     import dpcore
-    from pipelines.worker import make_optimizer
+    from pipelines.train.worker import make_optimizer
 
     (xtr, ytr), (xva, yva), (xte, yte) = data["train"], data["val"], data["test"]
     n, q, sigma = len(ytr), spec.sample_rate, spec.noise_multiplier
@@ -301,7 +301,7 @@ def platform_row(config: Path, label: str, workdir: Path, overrides: dict) -> di
 
 
 def _placement(spec):
-    from pipelines.placement import read_placement
+    from pipelines.train.placement import read_placement
 
     return read_placement(spec)
 
@@ -310,8 +310,8 @@ def speed_child(mode: str, config: Path, workdir: Path) -> dict:
     """One epoch of lots in this process (2 torch threads): non-private, Opacus or dpcore."""
     import dpcore
     from pipelines.allocator import keep_freed_memory
-    from pipelines.placement import memory_status
-    from pipelines.worker import make_optimizer
+    from pipelines.train.placement import memory_status
+    from pipelines.train.worker import make_optimizer
 
     keep_freed_memory()  # as the workers do
     torch.set_num_threads(2)

@@ -30,7 +30,7 @@ import dpcore  # noqa: E402
 from dpcore.accounting import LAPLACE, POISSON_LAPLACE, PrivacyEvent  # noqa: E402
 from pipelines.data import load_digits  # noqa: E402
 from pipelines.models import build_model  # noqa: E402
-from pipelines.report import evaluate  # noqa: E402
+from pipelines.train.report import evaluate  # noqa: E402
 
 LOT, EPOCHS, DELTA, SEEDS = 512, 60, 1e-5, 3
 GAUSSIAN_EPSILONS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)

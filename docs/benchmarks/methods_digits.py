@@ -37,7 +37,7 @@ warnings.filterwarnings("ignore")
 import dpcore  # noqa: E402
 from pipelines.data import load_digits  # noqa: E402
 from pipelines.models import build_model  # noqa: E402
-from pipelines.report import evaluate  # noqa: E402
+from pipelines.train.report import evaluate  # noqa: E402
 
 LOT, EPOCHS, CLIP, DELTA = 512, 60, 1.0, 1e-5
 HERE = Path(__file__).resolve().parent

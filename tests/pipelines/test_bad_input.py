@@ -149,7 +149,7 @@ def test_resume_keeps_the_runs_config(tmp_path):
 def test_a_locked_journal_refuses_a_second_trainer(tmp_path):
     """Two worker groups on one journal would each check the budget against only their own
     releases; the journal lock (held by rank 0 for its lifetime) prevents it."""
-    from pipelines.run_ledger import journal_is_locked, open_ledger
+    from pipelines.train.run_ledger import journal_is_locked, open_ledger
 
     journal = str(tmp_path / "ledger.journal.jsonl")
     spec = small_plan(
@@ -191,7 +191,7 @@ def test_a_locked_journal_refuses_a_second_trainer(tmp_path):
 def test_a_worker_refuses_a_pca_projection_that_is_not_in_the_ledger(tmp_path):
     """The driver ledgers DP-PCA before it saves the components; a worker that finds a
     projection but no step-0 release refuses to train on it."""
-    from pipelines.run_ledger import open_ledger
+    from pipelines.train.run_ledger import open_ledger
 
     journal = str(tmp_path / "ledger.journal.jsonl")
     spec = small_plan(
@@ -208,7 +208,7 @@ def test_a_worker_refuses_a_pca_projection_that_is_not_in_the_ledger(tmp_path):
     dpcore.PrivacyLedger(2.0, 1e-5, journal=journal)
     with pytest.raises(dpcore.DPConfigError, match="holds no release for it"):
         open_ledger(spec, None, None, rank=0, world=1)
-    from pipelines.run_ledger import unlock_journal
+    from pipelines.train.run_ledger import unlock_journal
 
     unlock_journal()
     ledger = dpcore.PrivacyLedger(2.0, 1e-5, journal=journal)

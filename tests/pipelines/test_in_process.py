@@ -49,7 +49,7 @@ def test_an_in_process_run_trains_ledgers_and_checkpoints_without_a_cluster(tmp_
     r = mlflow.MlflowClient(out["tracking_uri"]).get_run(out["run_id"])
     assert r.info.status == "FINISHED" and float(r.data.tags["dp.epsilon"]) == pytest.approx(out["epsilon"], rel=1e-5)
     # the journal lock was let go: another run of this process could take it
-    from pipelines.run_ledger import journal_is_locked
+    from pipelines.train.run_ledger import journal_is_locked
 
     assert not journal_is_locked(out["spec"].journal)
 

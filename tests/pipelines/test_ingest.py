@@ -181,7 +181,7 @@ def test_missing_directory_says_to_run_ingest(tmp_path):
 _RSS_CHILD = r"""
 import sys, torch
 from pipelines.data import open_split
-from pipelines.placement import memory_status
+from pipelines.train.placement import memory_status
 before = memory_status()["rss_anon_mib"]
 part = open_split(sys.argv[1], "train", 0, 1)
 g = torch.Generator().manual_seed(0)

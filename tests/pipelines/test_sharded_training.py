@@ -22,8 +22,8 @@ from dp_accounting import pld
 
 from pipelines.config import TrainConfig
 from pipelines.data import open_split
-from pipelines.report import param_checksum
 from pipelines.train import load_final_model, run
+from pipelines.train.report import param_checksum
 
 pytestmark = pytest.mark.slow
 

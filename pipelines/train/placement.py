@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .plan import RunPlan
+    from ..plan import RunPlan
 
 import json
 import os

@@ -9,108 +9,30 @@ The driver does everything that can fail before any worker starts or any budget 
 it validates the config, checks the tracking store, loads (and ingests) the data and verifies
 every shard, builds and validates the model, and calibrates σ from (ε, δ), N, the lot size
 and the epochs. Then it starts (or joins) a Ray cluster, runs a ``TorchTrainer`` whose workers
-run :func:`pipelines.worker.train_loop_per_worker`, and finally computes ε from the run's
+run :func:`pipelines.train.worker.train_loop_per_worker`, and finally computes ε from the run's
 ledger alone and logs the ledger, plots and model to MLflow.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
-import sys
-import threading
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import dpcore
 
-from . import tracking
-from ._trace import trace
-from .config import TrainConfig, add_config_arguments, config_from_dict, load_config
-from .faults import FaultInjection
-from .models import build_run_model
-from .plan import RunPlan, plan_run
+from .. import tracking
+from .._trace import trace
+from ..config import TrainConfig, config_from_dict
+from ..faults import FaultInjection
+from ..models import build_run_model
+from ..plan import RunPlan, plan_run
+from .progress import JournalProgress
 
 
-# ------------------------------------------------------------------------------------------
-class JournalProgress:
-    """Driver-side progress: follows the ledger journal that rank 0 fsyncs at every step."""
-
-    def __init__(self, plan: RunPlan, enabled: bool, stream=sys.stderr):
-        self.path, self.total = Path(plan.journal), plan.steps
-        self.enabled, self.stream = enabled, stream
-        self.interactive = enabled and stream.isatty()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._offset, self._steps, self._eps, self._rolled = 0, 0, None, 0
-        self._start, self._first, self._last = time.monotonic(), None, None
-
-    def __enter__(self):
-        if self.enabled:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        if self.enabled:
-            self._thread.join(timeout=5)
-            with contextlib.suppress(Exception):  # never hide the real outcome behind a progress error
-                self._poll()
-                self._print(final=True)
-
-    def _poll(self) -> None:
-        if not self.path.exists():
-            return
-        with open(self.path, encoding="utf-8") as f:
-            f.seek(self._offset)
-            chunk = f.read()
-        lines = chunk.split("\n")
-        self._offset += len(chunk) - len(lines[-1])
-        for line in lines[:-1]:
-            rec = json.loads(line)
-            if rec.get("op") == "append":
-                if rec.get("epsilon") is not None:
-                    self._eps = rec["epsilon"]
-                if rec["step"] == 0:  # a release before training (DP-PCA): not a step
-                    continue
-                self._steps = rec["step"]
-                if self._first is None:
-                    self._first = (rec["timestamp"], rec["step"])
-                self._last = (rec["timestamp"], rec["step"])
-            elif rec.get("op") == "rollback":
-                self._rolled += 1
-                self._steps = rec["after_step"]
-
-    def _print(self, final: bool = False) -> None:
-        elapsed = time.monotonic() - self._start
-        eta = ""
-        if self._first is not None and self._last[1] > self._first[1]:
-            rate = (self._last[1] - self._first[1]) / max(self._last[0] - self._first[0], 1e-9)
-            eta = f", ETA {max(0.0, (self.total - self._steps) / rate):5.1f}s"
-        width = 24
-        filled = int(width * min(self._steps, self.total) / self.total)
-        eps = "…" if self._eps is None else f"{self._eps:.3f}"
-        phase = "starting workers" if self._first is None and not final else f"step {self._steps}/{self.total}"
-        extra = f"  restarts: {self._rolled}" if self._rolled else ""
-        line = f"[{'#' * filled}{'.' * (width - filled)}] {phase}  ε={eps}  {elapsed:5.1f}s{eta}{extra}"
-        self.stream.write(("\r" + line.ljust(100)) if self.interactive else line + "\n")
-        if self.interactive and final:
-            self.stream.write("\n")
-        self.stream.flush()
-
-    def _run(self) -> None:
-        period = 1.0 if self.interactive else 10.0
-        while not self._stop.wait(period):
-            with contextlib.suppress(Exception):
-                self._poll()
-                self._print()
-
-
-# ------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def ray_cluster(cfg: TrainConfig):
     """Join ``ray_address`` (or RAY_ADDRESS, e.g. under ``ray job submit``) and stay connected, or
@@ -157,7 +79,7 @@ def _fit(plan: RunPlan, cfg: TrainConfig, pruner=None, faults=None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from .worker_entry import train_loop_per_worker
+    from .entry import train_loop_per_worker
 
     # Ray Train's controller looks at its workers every 2 s by default, so each phase change
     # (workers up, training done) waits up to 2 s; half a second costs nothing measurable.
@@ -220,7 +142,7 @@ def ensure_pca(plan: RunPlan, cfg: TrainConfig, client, run_id: str) -> None:
         return
     import torch
 
-    from .data import open_split
+    from ..data import open_split
 
     ledger = open_run_ledger(plan)
     train = open_split(plan.data_dir, "train")
@@ -401,7 +323,7 @@ def run(
             tracking.log_audit(client, run_id, audit, epsilon)
         tracking.plot_run(client, run_id, ledger)
 
-        from .data import model_example
+        from ..data import model_example
 
         example = model_example(plan.data_dir)
         reg = cfg.registered_model or f"dp-{cfg.dataset}-{cfg.model.replace(':', '_')}"
@@ -494,92 +416,3 @@ def _resume_spec(run_id: str, tracking_uri: str, changes: dict) -> tuple[RunPlan
         )
     plan.config.update(changes)
     return plan, config_from_dict(plan.config)
-
-
-# ------------------------------------------------------------------------------------------
-def build_parser(prog: str = "python -m pipelines.train") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="Train a model with example-level (ε, δ)-differential privacy (DP-SGD family) on Ray Train "
-        "workers, and log the run's privacy ledger, metrics and model to MLflow. ε is computed from the ledger.",
-        epilog="Options come from the defaults, then the YAML CONFIG file, then these flags.",
-    )
-    p.add_argument("config", nargs="?", help="YAML file of options (keys as the flags, with _ or -)")
-    p.add_argument(
-        "--resume",
-        metavar="RUN_ID",
-        help="continue an unfinished MLflow run from its last checkpoint and ledger journal",
-    )
-    add_config_arguments(p)
-    return p
-
-
-def main(argv: list[str] | None = None, prog: str = "python -m pipelines.train") -> int:
-    args = vars(build_parser(prog).parse_args(argv))
-    config_path, resume = args.pop("config"), args.pop("resume")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("once", dpcore.SeededRandomnessWarning)
-            if resume is not None:
-                changed = sorted(k for k in args if k not in RESUME_MAY_CHANGE + ("tracking_uri",))
-                if config_path or changed:
-                    raise dpcore.DPConfigError(
-                        "--resume continues a run with the config it started with; only "
-                        f"{', '.join('--' + k.replace('_', '-') for k in RESUME_MAY_CHANGE + ('tracking_uri',))} may be given "
-                        f"(got {', '.join('--' + k.replace('_', '-') for k in changed) or config_path})."
-                    )
-            cfg = load_config(config_path, args)
-            if resume is None and cfg.seed is not None:
-                dpcore.make_randomness(cfg.seed)  # the warning, once, on the driver
-            out = run(cfg, resume=resume, resume_changes={k: v for k, v in args.items() if k in RESUME_MAY_CHANGE})
-    except dpcore.DPError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # Ray/MLflow failures: say what failed, keep the traceback short
-        import traceback
-
-        traceback.print_exc(limit=-4)
-        print(f"error: training failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    print_summary(out)
-    return 0
-
-
-def print_summary(out: dict) -> None:
-    print(
-        f"run {out['run_id']}  dataset={out['dataset']} (N_train={out['train_examples']})  "
-        f"workers={out['num_workers']} on {out.get('nodes', '?')} node(s)  "
-        f"steps={out['steps']}/{out['planned_steps']}  q={out['sample_rate']:.4f}  σ={out['noise_multiplier']:.4f}  "
-        f"randomness={out['randomness']}"
-    )
-    if out["rolled_back"]:
-        print(f"restarts rolled back {out['rolled_back']} release(s); they stay in the ledger and are counted in ε")
-    print(f"test accuracy: {out['test_accuracy']:.4f}   validation accuracy: {out['val_accuracy']:.4f}")
-    print(
-        f"ε spent: {out['epsilon']:.4f} at δ={out['delta']:g} ({out['accountant']} accountant; example-level, add/remove, "
-        "Poisson sampling)"
-    )
-    if out.get("audit"):
-        a = out["audit"]
-        print(
-            f"audit (one run, {a['canaries']} gradient canaries, {a['guesses']} guesses): {a['correct']} correct -> "
-            f"ε_lb = {a['epsilon_lower_bound']:.3f} at {a['confidence']:.0%} confidence "
-            f"({'≤' if a['epsilon_lower_bound'] <= out['epsilon'] else 'ABOVE'} ε = {out['epsilon']:.3f})"
-        )
-    if out["registered_model"]:
-        print(f"model: {out['registered_model']} in the MLflow registry")
-    print(f"time: {out['seconds']:.1f}s")
-    print(f"open the UI: {ui_command(out['tracking_uri'])}")
-
-
-def ui_command(tracking_uri: str) -> str:
-    default = tracking.resolve_tracking_uri("sqlite:///mlflow.db")
-    if tracking_uri.startswith(("http://", "https://")):
-        return tracking_uri  # a tracking server serves its own UI
-    if tracking_uri == default:
-        return "dp-platform ui"
-    return f"dp-platform ui --tracking-uri {tracking_uri}"
-
-
-if __name__ == "__main__":
-    sys.exit(main())

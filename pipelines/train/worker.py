@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .plan import RunPlan
+    from ..plan import RunPlan
 
 import os
 import time
@@ -38,15 +38,15 @@ import torch.nn.functional as F
 
 import dpcore
 
-from ._trace import trace
+from .._trace import trace
+from ..config import TrainConfig, config_from_dict
+from ..data import MappedSplit, open_split
+from ..models import build_run_model, split_public_front
 from .checkpoint import (
     AUDIT_FILE,
     find_checkpoint,
     read_checkpoint,
 )
-from .config import TrainConfig, config_from_dict
-from .data import MappedSplit, open_split
-from .models import build_run_model, split_public_front
 from .placement import memory_status, record_placement
 from .report import Tracker as _Tracker
 from .report import report as _report
@@ -62,7 +62,7 @@ def method_options(cfg: TrainConfig, plan: RunPlan, rank: int) -> dict:
     """DPOptimizer's method arguments for the run's config."""
     augment = None
     if cfg.augmentation_multiplicity > 1:
-        from .augment import CropFlipMultiplicity
+        from ..augment import CropFlipMultiplicity
 
         augment = CropFlipMultiplicity(
             cfg.augmentation_multiplicity, cfg.augment_padding, cfg.augment_flip, seed=cfg.init_seed * 1000 + rank
@@ -156,7 +156,7 @@ def _quiet_ray_train_logs() -> None:
 def train_loop_per_worker(plan: RunPlan, pruner=None, faults=None) -> None:
     """Ray Train entry point. ``plan`` is built by the driver (:func:`pipelines.plan.plan_run`);
     ``pruner(validation_accuracy, step) -> stop?`` is called by rank 0 at each checkpoint."""
-    from .allocator import keep_freed_memory
+    from ..allocator import keep_freed_memory
 
     trace("worker entry")
     keep_freed_memory()  # this process is ours: reuse freed memory across steps (DP_MALLOC_TUNE=0: off)

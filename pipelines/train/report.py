@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..data import sha256_file
+from ..models import split_public_front
 from .checkpoint import AUDIT_FILE, EMA_MODEL_FILE, LEDGER_FILE, MODEL_FILE, STATE_FILE, persist_checkpoint
-from .data import sha256_file
-from .models import split_public_front
 
 if TYPE_CHECKING:
-    from .plan import RunPlan
+    from ..plan import RunPlan
 
 
 def param_checksum(model: torch.nn.Module) -> str:

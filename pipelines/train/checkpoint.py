@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .plan import RunPlan
+    from ..plan import RunPlan
 
 import json
 import os
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .data import sha256_file
+from ..data import sha256_file
 
 MODEL_FILE = "model.pt"
 EMA_MODEL_FILE = "ema_model.pt"

@@ -3,7 +3,7 @@
 Ray pickles the training function by reference, so every process that unpickles it (the
 TrainController as well as each worker) imports its module. This module imports nothing
 heavy, so the controller starts without importing torch, dpcore or MLflow; the workers
-import :mod:`pipelines.worker` when they run it.
+import :mod:`pipelines.train.worker` when they run it.
 """
 
 

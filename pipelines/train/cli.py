@@ -1,0 +1,107 @@
+"""``dp-platform train`` and ``python -m pipelines.train``: the command line of the main job.
+
+dp-platform train                               # digits, 2 workers, ε=2, δ=1e-5, ./mlflow.db
+dp-platform train run.yaml --target-epsilon 8   # a YAML config plus flag overrides
+python -m pipelines.train run.yaml              # the same; also the entrypoint for `ray job submit`
+dp-platform train --resume <mlflow run id>      # continue a run after the driver died
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+import dpcore
+
+from .. import tracking
+from ..config import add_config_arguments, load_config
+from .driver import RESUME_MAY_CHANGE, run
+
+
+def build_parser(prog: str = "python -m pipelines.train") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Train a model with example-level (ε, δ)-differential privacy (DP-SGD family) on Ray Train "
+        "workers, and log the run's privacy ledger, metrics and model to MLflow. ε is computed from the ledger.",
+        epilog="Options come from the defaults, then the YAML CONFIG file, then these flags.",
+    )
+    p.add_argument("config", nargs="?", help="YAML file of options (keys as the flags, with _ or -)")
+    p.add_argument(
+        "--resume",
+        metavar="RUN_ID",
+        help="continue an unfinished MLflow run from its last checkpoint and ledger journal",
+    )
+    add_config_arguments(p)
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m pipelines.train") -> int:
+    args = vars(build_parser(prog).parse_args(argv))
+    config_path, resume = args.pop("config"), args.pop("resume")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("once", dpcore.SeededRandomnessWarning)
+            if resume is not None:
+                changed = sorted(k for k in args if k not in RESUME_MAY_CHANGE + ("tracking_uri",))
+                if config_path or changed:
+                    raise dpcore.DPConfigError(
+                        "--resume continues a run with the config it started with; only "
+                        f"{', '.join('--' + k.replace('_', '-') for k in RESUME_MAY_CHANGE + ('tracking_uri',))} may be given "
+                        f"(got {', '.join('--' + k.replace('_', '-') for k in changed) or config_path})."
+                    )
+            cfg = load_config(config_path, args)
+            if resume is None and cfg.seed is not None:
+                dpcore.make_randomness(cfg.seed)  # the warning, once, on the driver
+            out = run(cfg, resume=resume, resume_changes={k: v for k, v in args.items() if k in RESUME_MAY_CHANGE})
+    except dpcore.DPError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # Ray/MLflow failures: say what failed, keep the traceback short
+        import traceback
+
+        traceback.print_exc(limit=-4)
+        print(f"error: training failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print_summary(out)
+    return 0
+
+
+def print_summary(out: dict) -> None:
+    print(
+        f"run {out['run_id']}  dataset={out['dataset']} (N_train={out['train_examples']})  "
+        f"workers={out['num_workers']} on {out.get('nodes', '?')} node(s)  "
+        f"steps={out['steps']}/{out['planned_steps']}  q={out['sample_rate']:.4f}  σ={out['noise_multiplier']:.4f}  "
+        f"randomness={out['randomness']}"
+    )
+    if out["rolled_back"]:
+        print(f"restarts rolled back {out['rolled_back']} release(s); they stay in the ledger and are counted in ε")
+    print(f"test accuracy: {out['test_accuracy']:.4f}   validation accuracy: {out['val_accuracy']:.4f}")
+    print(
+        f"ε spent: {out['epsilon']:.4f} at δ={out['delta']:g} ({out['accountant']} accountant; example-level, add/remove, "
+        "Poisson sampling)"
+    )
+    if out.get("audit"):
+        a = out["audit"]
+        print(
+            f"audit (one run, {a['canaries']} gradient canaries, {a['guesses']} guesses): {a['correct']} correct -> "
+            f"ε_lb = {a['epsilon_lower_bound']:.3f} at {a['confidence']:.0%} confidence "
+            f"({'≤' if a['epsilon_lower_bound'] <= out['epsilon'] else 'ABOVE'} ε = {out['epsilon']:.3f})"
+        )
+    if out["registered_model"]:
+        print(f"model: {out['registered_model']} in the MLflow registry")
+    print(f"time: {out['seconds']:.1f}s")
+    print(f"open the UI: {ui_command(out['tracking_uri'])}")
+
+
+def ui_command(tracking_uri: str) -> str:
+    default = tracking.resolve_tracking_uri("sqlite:///mlflow.db")
+    if tracking_uri.startswith(("http://", "https://")):
+        return tracking_uri  # a tracking server serves its own UI
+    if tracking_uri == default:
+        return "dp-platform ui"
+    return f"dp-platform ui --tracking-uri {tracking_uri}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
