@@ -345,6 +345,17 @@ def log_model(
     return version
 
 
+def log_run_model(run_id: str, model, example, epsilon: float, cfg, prefix: str = "dp"):
+    """Log a run's final model (if ``cfg.log_model``) and register it as ``cfg.registered_model``,
+    by default ``<prefix>-<dataset>-<model>``; "none" logs it without registering. Returns the
+    registered version, or None."""
+    if not cfg.log_model:
+        return None
+    name = cfg.registered_model or f"{prefix}-{cfg.dataset}-{cfg.model.replace(':', '_')}"
+    registered = None if name.lower() == "none" else name
+    return log_model(run_id, model, example, registered, epsilon, cfg.target_delta, cfg.accountant)
+
+
 def write_json_artifact(client, run_id: str, name: str, obj, artifact_path: str | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / name

@@ -1,26 +1,5 @@
-"""Client-level DP federated averaging (DP-FedAvg) on Ray actors, tracked in MLflow.
-
-    dp-platform federated                                  # digits, K=100 non-IID clients, ε=8, δ=1e-3
-    dp-platform federated fed.yaml --num-clients 1000      # a YAML config plus flag overrides
-    python -m pipelines.federated fed.yaml                 # the same (entrypoint for `ray job submit`)
-
-The unit protected is a client: (ε, δ) holds for adding or removing one client's whole
-dataset. The math (client sampling, update clipping, the one noise draw per round, adaptive
-clipping, the ledger) is :mod:`dpcore.federated`; this module runs it:
-
-* the driver plans everything before any round: data, split, model, σ (calibrated to (ε, δ)
-  and the rounds, or given), the number of rounds that fit the budget;
-* clients are simulated on a pool of Ray actors; one actor serves many clients, each round's
-  sampled clients are dealt out among the actors, and each actor returns only the sum of its
-  clients' clipped updates;
-* the server (this driver) adds the noise once, ledgers the round, applies the average with a
-  server learning rate (and momentum: FedAvgM), and evaluates on the held-out test split;
-* an actor that dies mid-round is replaced and its share of the round is redone with the same
-  clients and the same global weights. Nothing is released before every share is in, so a
-  crash never releases a partial round, and no client is counted twice;
-* the run, its ledger, metrics (ε, δ at the fixed ε, accuracy, S, communication) and model go
-  to MLflow with ``dp.level=client``.
-"""
+"""The federated run, round by round: plan, sample clients, run them on the pool, release each
+round once (:mod:`dpcore.federated`), evaluate, track (see the package's docstring)."""
 
 from __future__ import annotations
 
@@ -396,19 +375,8 @@ def run_federated(cfg: FederatedConfig | None = None) -> dict:
                 }
                 tracking.log_audit(client, run_id, audit_out, epsilon)
             _plot(client, run_id, ledger, history, cfg)
-            version = None
-            if cfg.log_model:
-                reg = cfg.registered_model or f"dp-fedavg-{cfg.dataset}-{cfg.model.replace(':', '_')}"
-                example = data.test.x[:4].numpy().astype("float32")
-                version = tracking.log_model(
-                    run_id,
-                    model,
-                    example,
-                    None if reg.lower() == "none" else reg,
-                    epsilon,
-                    cfg.target_delta,
-                    cfg.accountant,
-                )
+            example = data.test.x[:4].numpy().astype("float32")
+            version = tracking.log_run_model(run_id, model, example, epsilon, cfg, prefix="dp-fedavg")
             return {
                 "run_id": run_id,
                 "tracking_uri": plan["tracking_uri"],

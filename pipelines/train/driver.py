@@ -325,19 +325,7 @@ def run(
 
         from ..data import model_example
 
-        example = model_example(plan.data_dir)
-        reg = cfg.registered_model or f"dp-{cfg.dataset}-{cfg.model.replace(':', '_')}"
-        version = None
-        if cfg.log_model:
-            version = tracking.log_model(
-                run_id,
-                model,
-                example,
-                None if reg.lower() == "none" else reg,
-                epsilon,
-                cfg.target_delta,
-                cfg.accountant,
-            )
+        version = tracking.log_run_model(run_id, model, model_example(plan.data_dir), epsilon, cfg, prefix="dp")
         return {
             "run_id": run_id,
             "tracking_uri": plan.tracking_uri,
