@@ -9,7 +9,9 @@ logged to MLflow nor kept for ``--resume``.
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +32,36 @@ class FaultInjection:
         if not (0 <= self.rank < cfg.num_workers):
             raise dpcore.DPConfigError(f"fault rank={self.rank} must be a worker rank in [0, {cfg.num_workers}).")
 
-    def maybe_fail(self, run_dir: str, rank: int, step: int) -> None:
-        if step == self.at_step and rank == self.rank:
-            marker = Path(run_dir) / "fault-injected"
-            if not marker.exists():
-                marker.write_text(f"rank {rank} died after step {step}\n")
-                os._exit(17)  # a hard crash: no cleanup, no report
+    def maybe_fail(self, run_dir: str, rank: int, step: int, journal: str | None = None) -> None:
+        """Die after ``step`` if this is the chosen rank. With ``journal``, first wait (up to
+        30 s) until rank 0 has recorded that step's release in it: "after step k" then means
+        after its release is on record, whatever the machine's load. (Without the wait, the
+        kill of the group that follows this death can overtake rank 0's record of the step:
+        privacy-safe, since nothing computed from an unrecorded release survives, but the
+        test would not know which releases to expect.)"""
+        if step != self.at_step or rank != self.rank:
+            return
+        marker = Path(run_dir) / "fault-injected"
+        if marker.exists():
+            return
+        if journal is not None:
+            deadline = time.monotonic() + 30.0
+            while time.monotonic() < deadline and not _recorded(journal, step):
+                time.sleep(0.01)
+        marker.write_text(f"rank {rank} died after step {step}\n")
+        os._exit(17)  # a hard crash: no cleanup, no report
+
+
+def _recorded(journal: str, step: int) -> bool:
+    try:
+        lines = Path(journal).read_text().splitlines()
+    except OSError:
+        return False
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("op") == "append" and rec.get("step") == step:
+            return True
+    return False

@@ -329,7 +329,7 @@ class Worker:
     def maybe_fail(self, step: int) -> None:
         """The crash tests' hook (:class:`pipelines.faults.FaultInjection`): die once, hard."""
         if self.faults is not None:
-            self.faults.maybe_fail(self.plan.run_dir, self.rank, step)
+            self.faults.maybe_fail(self.plan.run_dir, self.rank, step, self.plan.journal)
 
     def report(self, step: int, rate: float) -> bool:
         """Metrics and a checkpoint; True if the run was pruned."""
