@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 
 from pipelines.ops import stack as stk
+from pipelines.ops.stack import commands as stk_commands
+from pipelines.ops.stack import postgres as stk_postgres
 
 pytestmark = pytest.mark.slow
 
@@ -133,8 +135,8 @@ def stack(tmp_path_factory):
         if (root / "stack.json").exists():
             cli("stack", "down", "--purge", env=env)
         else:  # a test stopped it (or failed midway): stop whatever is left, then remove the data
-            stk._stop(json.loads(up_state))
-        shutil.rmtree(stk._pg_base(root.resolve()), ignore_errors=True)
+            stk_commands._stop(json.loads(up_state))
+        shutil.rmtree(stk_postgres._pg_base(root.resolve()), ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
 
 

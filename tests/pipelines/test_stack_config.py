@@ -11,6 +11,7 @@ import pytest
 import dpcore
 from pipelines.config import load_config
 from pipelines.ops import jobs, stack
+from pipelines.ops.stack import common as stack_common
 from pipelines.tracking import redact
 
 from ..helpers import small_plan
@@ -77,31 +78,31 @@ def test_write_secret_is_0600_from_the_start(tmp_path):
     f = tmp_path / "d" / "secret"
     old = os.umask(0)
     try:
-        stack._write_secret(f, "x")
+        stack_common._write_secret(f, "x")
     finally:
         os.umask(old)
     assert stat.S_IMODE(f.stat().st_mode) == 0o600 and f.read_text() == "x"
     # an existing, world-readable file is replaced by a new 0600 file, never rewritten in place
     f.chmod(0o644)
     inode = f.stat().st_ino
-    stack._write_secret(f, "y")
+    stack_common._write_secret(f, "y")
     assert stat.S_IMODE(f.stat().st_mode) == 0o600 and f.read_text() == "y" and f.stat().st_ino != inode
     # a link planted where a secret goes is replaced, not followed
     target = tmp_path / "elsewhere"
     target.write_text("keep")
     (tmp_path / "d" / "link").symlink_to(target)
-    stack._write_secret(tmp_path / "d" / "link", "z")
+    stack_common._write_secret(tmp_path / "d" / "link", "z")
     assert target.read_text() == "keep" and not (tmp_path / "d" / "link").is_symlink()
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["link", "secret"]  # no temporary files left
 
 
 def test_private_dir_refuses_a_foreign_or_linked_folder(tmp_path):
     d = tmp_path / "mine"
-    stack._private_dir(d)
+    stack_common._private_dir(d)
     assert stat.S_IMODE(d.stat().st_mode) == 0o700
     (tmp_path / "link").symlink_to(d)
     with pytest.raises(stack.StackError, match="not a folder owned by this user"):
-        stack._private_dir(tmp_path / "link")
+        stack_common._private_dir(tmp_path / "link")
 
 
 def test_env_file_round_trip_and_shell_safety(tmp_path):
@@ -109,7 +110,7 @@ def test_env_file_round_trip_and_shell_safety(tmp_path):
 
     values = {"A": "1", "B": "x=y", "C": "/a path/with spaces; touch pwned"}
     f = tmp_path / "c.env"
-    f.write_text(stack._env_text(values, "header"))
+    f.write_text(stack_common._env_text(values, "header"))
     assert stack.read_env_file(f) == values
     # sourced by a shell, as the docs say, it sets the values and runs nothing
     out = subprocess.run(
