@@ -109,7 +109,7 @@ def prepare_data(cfg: TrainConfig) -> tuple[Path, dict]:
     dataset loaded and ingested once into ``storage_path/datasets`` (one shard per worker).
     A cached ingest is re-used without loading the source again (its key is the source files'
     names, sizes and times) while its verification holds."""
-    from .data import CorruptShardError, ingest, load_dataset, verify
+    from .data import CorruptShardError, ingest, load_configured, verify
 
     if cfg.data_dir and (Path(cfg.data_dir).expanduser() / "manifest.json").is_file():
         if cfg.train_subset:
@@ -127,16 +127,7 @@ def prepare_data(cfg: TrainConfig) -> tuple[Path, dict]:
             return out, verify(out)
         except CorruptShardError:
             pass  # our own cache: rewrite it
-    dataset = load_dataset(
-        cfg.dataset,
-        data_dir=cfg.data_dir,
-        download=cfg.download,
-        image_size=cfg.image_size,
-        generated_size=cfg.generated_size,
-        val_fraction=cfg.val_fraction,
-        test_fraction=cfg.test_fraction,
-        split_seed=cfg.split_seed,
-    ).with_train_subset(cfg.train_subset)
+    dataset = load_configured(cfg).with_train_subset(cfg.train_subset)
     ingest(dataset, out, num_shards=cfg.num_workers)
     return out, verify(out)
 

@@ -175,13 +175,7 @@ def _largest_count(fits, limit: int) -> int:
         if fits(limit):
             return limit
         hi = limit
-    while hi - lo > 1:  # fits(lo) and not fits(hi)
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return _bisect(fits, lo, hi)  # fits(lo) and not fits(hi)
 
 
 def _largest_count_near(fits, guess: int, limit: int) -> int:

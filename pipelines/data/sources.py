@@ -402,3 +402,14 @@ def load_dataset(name: str, **kwargs) -> Dataset:
     if name == "imagefolder":
         return load_imagefolder(**kwargs)
     raise DPConfigError(f"dataset={name!r} is unknown; available: {', '.join(DATASETS)}.")
+
+
+SOURCE_OPTIONS = (
+    "data_dir", "download", "image_size", "generated_size", "val_fraction", "test_fraction", "split_seed",
+)  # fmt: skip
+
+
+def load_configured(cfg) -> Dataset:
+    """:func:`load_dataset` for a run's config (any object with ``dataset`` and the
+    :data:`SOURCE_OPTIONS` as attributes: a training or a federated config)."""
+    return load_dataset(cfg.dataset, **{k: getattr(cfg, k) for k in SOURCE_OPTIONS})

@@ -16,7 +16,7 @@ import dpcore
 from dpcore.federated import AdaptiveClipping, ClientLevelDP, nonprivate_median_clip_norm
 
 from .. import tracking
-from ..data import load_dataset
+from ..data import load_configured
 from ..models import build_model
 from .clients import load_flat, split_clients
 from .config import BYTES_PER_FLOAT, FederatedConfig
@@ -45,16 +45,7 @@ def load_data(cfg: FederatedConfig):
             input_shape=tuple(manifest["input_shape"]),
             **splits,
         )
-    ds = load_dataset(
-        cfg.dataset,
-        data_dir=cfg.data_dir,
-        download=cfg.download,
-        image_size=cfg.image_size,
-        generated_size=cfg.generated_size,
-        val_fraction=cfg.val_fraction,
-        test_fraction=cfg.test_fraction,
-        split_seed=cfg.split_seed,
-    )
+    ds = load_configured(cfg)
     splits = {s: Split(ds.inputs(s), getattr(ds, s).y) for s in ("train", "val", "test")}
     return SimpleNamespace(name=ds.name, num_classes=ds.num_classes, input_shape=ds.input_shape, **splits)
 
