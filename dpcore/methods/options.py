@@ -24,7 +24,6 @@ from collections.abc import Callable
 
 from ..errors import DPConfigError
 
-METHODS = ("dpsgd", "dpsat", "bam")  # the classes are in dpcore.methods.METHODS
 BAM_VARIANTS = ("sam", "exact")
 NOISE_KINDS = ("gaussian", "laplace")
 CLIP_NORM_TYPES = ("l2", "l1")
@@ -54,6 +53,8 @@ def check_method_options(
     accountant: str | None = None,
 ) -> None:
     """Every method option, checked before anything is sampled or released."""
+    from . import METHODS  # the registry of method classes
+
     if method not in METHODS:
         raise DPConfigError(f"method={method!r} is unknown; choose one of {', '.join(METHODS)}.")
     if bam_variant not in BAM_VARIANTS:

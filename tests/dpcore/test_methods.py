@@ -602,3 +602,40 @@ def test_bad_pca_dimension_is_refused_before_the_release(k):
     with pytest.raises(dpcore.DPConfigError, match="pca_components"):
         dpcore.dp_pca(torch.randn(50, 64), k, 4.0, dpcore.SeededRandomness(0), ledger=ledger)
     assert len(ledger) == 0
+
+
+# ------------------------------------------------------------------------------------------
+# Adding a method: one class, one registry entry
+def test_a_method_added_to_the_registry_changes_only_which_vectors_are_clipped():
+    """A method sees the per-example computation and nothing else: whatever vectors it returns
+    are clipped to C by the same code, so even one that inflates the gradients 1000× keeps each
+    example's contribution ≤ C; and it is refused with book-keeping when it says so."""
+    from dpcore.methods import METHODS, Method
+
+    class Inflated(Method):
+        name = "inflated"
+        bookkeeping_ok = False
+
+        def per_example(self, grad_sampler, xb, yb, step):
+            g = grad_sampler(xb, yb)
+            return {k: 1000.0 * v for k, v in g.items()}, g
+
+    METHODS["inflated"] = Inflated
+    try:
+        model = mlp64()
+        x, y = torch.randn(12, 6, dtype=torch.float64), torch.randint(0, 3, (12,))
+        opt = make_opt(model, method="inflated", clip=0.3)
+        assert isinstance(opt.method, Inflated)
+        for i in range(12):
+            opt.accumulate(x[i : i + 1], y[i : i + 1])
+            assert flat_norm(opt._sum.values()) <= 0.3 * (1 + 1e-9)
+            opt.lot.reset()
+        wide = make_opt(model, method="inflated", clip=1e9)  # no clipping: the method's vectors are the ones summed
+        wide.accumulate(x[:1], y[:1])
+        assert flat_norm(wide._sum.values()) == pytest.approx(1000.0 * flat_norm(example_grad(model, x[0], y[0])))
+        with pytest.raises(dpcore.DPConfigError, match="bookkeeping"):
+            make_opt(mlp64(), method="inflated", clipping="bookkeeping")
+    finally:
+        del METHODS["inflated"]
+    with pytest.raises(dpcore.DPConfigError, match="unknown"):
+        make_opt(mlp64(), method="inflated")
