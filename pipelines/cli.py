@@ -13,6 +13,7 @@ dp-platform submit [--sweep] CONFIG [-- ARGS] a training run or a sweep as a Ray
 dp-platform status [JOB_ID]                   a job's status (with the reason when it failed), or all jobs
 dp-platform logs JOB_ID [--follow]            a job's logs
 dp-platform stop JOB_ID                       stop a job
+dp-platform --version                         the installed version
 """
 
 from __future__ import annotations
@@ -230,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         "logs": None,
         "stop": None,
     }
+    if argv and argv[0] == "--version":
+        from importlib.metadata import version
+
+        print(f"dp-platform {version('dp-platform')}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):

@@ -166,3 +166,7 @@ def test_help_explains_every_option():
     top = subprocess.run(CLI + ["--help"], capture_output=True, text=True, timeout=120)
     for cmd in ("train", "ingest", "ledger", "ui"):
         assert f"dp-platform {cmd}" in top.stdout
+    from importlib.metadata import version
+
+    v = subprocess.run(CLI + ["--version"], capture_output=True, text=True, timeout=120)
+    assert v.returncode == 0 and v.stdout.strip() == f"dp-platform {version('dp-platform')}"
