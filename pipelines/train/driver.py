@@ -69,10 +69,23 @@ def ray_cluster(cfg: TrainConfig):
             logging_level=logging.WARNING,
             configure_logging=True,
         )
+        keep_token_private()
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def keep_token_private() -> None:
+    """``ray.init`` writes the cluster's auth token (``~/.ray/auth_token``, or
+    ``RAY_AUTH_TOKEN_PATH``) readable by everyone on the machine; it is admin access to the
+    cluster, so make it the owner's alone (a file of another user's is left as it is)."""
+    import stat
+
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    with contextlib.suppress(OSError):
+        if path.is_file() and path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            path.chmod(0o600)
 
 
 def _fit(plan: RunPlan, cfg: TrainConfig, pruner=None, faults=None):

@@ -171,3 +171,16 @@ def test_a_jobs_api_address_is_not_joined_as_a_cluster(monkeypatch):
     with pytest.raises(dpcore.DPConfigError, match="Jobs API address"):
         with ray_cluster(TrainConfig()):
             pass
+
+
+def test_the_ray_token_that_ray_init_leaves_world_readable_is_made_private(tmp_path, monkeypatch):
+    from pipelines.train.driver import keep_token_private
+
+    token = tmp_path / "auth_token"
+    token.write_text("f" * 64)
+    token.chmod(0o644)  # as ray.init writes it
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    keep_token_private()
+    assert token.stat().st_mode & 0o777 == 0o600
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "absent"))
+    keep_token_private()  # nothing to do, no error
