@@ -111,14 +111,17 @@ def _ingest(argv: list[str]) -> int:
 
 def fetch_ledger(run_id: str, tracking_uri: str):
     """A run's ledger table (pyarrow) from its MLflow artifacts."""
+    import tempfile
+
     import mlflow
     import pyarrow.parquet as pq
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    path = mlflow.artifacts.download_artifacts(
-        run_id=run_id, artifact_path="ledger/ledger.parquet", tracking_uri=tracking_uri
-    )
-    return pq.read_table(path)
+    with tempfile.TemporaryDirectory(prefix="dp-ledger-") as tmp:  # nothing left behind in /tmp
+        path = mlflow.artifacts.download_artifacts(
+            run_id=run_id, artifact_path="ledger/ledger.parquet", tracking_uri=tracking_uri, dst_path=tmp
+        )
+        return pq.read_table(path).combine_chunks()
 
 
 def _ledger(argv: list[str]) -> int:

@@ -128,9 +128,17 @@ def test_a_killed_driver_is_resumed_into_the_same_mlflow_run(tmp_path, ray_env):
     assert resumed_from % 5 == 0 and resumed_from >= 5
     lost = [a for a in appends[:released_before] if a["step"] > resumed_from]
     assert [r["op"] for r in records].count("rollback") == (1 if lost else 0)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
     ledger_cmd = subprocess.run(
-        CLI + ["ledger", run.info.run_id, "--csv"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+        CLI + ["ledger", run.info.run_id, "--csv"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(scratch)},
     )
+    assert ledger_cmd.returncode == 0 and list(scratch.iterdir()) == []  # nothing left in the temporary folder
     rows = [line.split(",") for line in ledger_cmd.stdout.strip().splitlines()]
     header, rows = rows[0], rows[1:]
     status, step = header.index("status"), header.index("step")
