@@ -457,7 +457,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls=TrainConfig) -> No
             groups[g] = parser.add_argument_group(g)
         flag = "--" + f.name.replace("_", "-")
         t = str(f.type)
-        helptext = f"{f.metadata['help']} (default: {f.default})"
+        helptext = f.metadata["help"]
+        if "default" not in helptext.lower() and f.default is not None:  # never "(default 8) (default: None)"
+            helptext += f" (default: {f.default})"
         if t.startswith("bool"):
             groups[g].add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=helptext
