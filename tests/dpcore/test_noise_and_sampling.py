@@ -199,9 +199,20 @@ def test_large_secure_draws_across_rekeys_are_still_iid_normal(monkeypatch):
     assert u.shape == (n,) and (u > 0).float().mean() > 0.999  # no unfilled (zero) region
     quarters = u.reshape(-1)[: n - n % 4].reshape(4, -1)
     assert len({tuple(q[:64].tolist()) for q in quarters}) == 4  # no chunk repeated
-    assert stats.kstest(u[::37].numpy(), "uniform").pvalue > 1e-3
+
+    # Secure draws cannot be seeded, so a KS check that falls below α = 1e-3 gets one
+    # independent redraw: a sound generator then fails with probability 1e-6, a defective one
+    # fails both (a run of 2026-11-24 saw p = 4e-4 once; 60 repetitions and a KS test on 4M
+    # draws, p = 0.66, showed the generator itself sound).
+    def passes(first, again, dist):
+        return (
+            stats.kstest(first[::37].numpy(), dist).pvalue > 1e-3
+            or stats.kstest(again()[::37].numpy(), dist).pvalue > 1e-3
+        )
+
+    assert passes(u, lambda: dpcore.SecureRandomness().uniform(n), "uniform")
     z = dpcore.SecureRandomness().normal((n,), 2.0)
-    assert stats.kstest(z[::37].numpy() / 2.0, "norm").pvalue > 1e-3
+    assert passes(z / 2.0, lambda: dpcore.SecureRandomness().normal((n,), 2.0) / 2.0, "norm")
 
 
 def test_secure_bits_are_aes_256_ctr_keystream_under_fresh_os_keys(monkeypatch):
