@@ -22,7 +22,7 @@ clipping, the ledger) is :mod:`dpcore.federated`; this module runs it:
   to MLflow with ``dp.level=client``.
 """
 
-from .config import FederatedConfig
+from .config import ActorFault, FederatedConfig
 from .rounds import plan_federated, run_federated
 
-__all__ = ["FederatedConfig", "plan_federated", "run_federated"]
+__all__ = ["ActorFault", "FederatedConfig", "plan_federated", "run_federated"]

@@ -19,7 +19,7 @@ from .. import tracking
 from ..data import load_configured
 from ..models import build_model
 from .clients import load_flat, split_clients
-from .config import BYTES_PER_FLOAT, FederatedConfig
+from .config import BYTES_PER_FLOAT, ActorFault, FederatedConfig
 from .pools import LocalPool, RayPool
 
 
@@ -145,14 +145,17 @@ def _evaluate(model, split) -> tuple[float, float]:
     return acc, loss
 
 
-def run_federated(cfg: FederatedConfig | None = None) -> dict:
+def run_federated(cfg: FederatedConfig | None = None, faults: ActorFault | None = None) -> dict:
     """Plan, run the rounds, log to MLflow. Returns a summary (run id, ε, δ, accuracy, rounds,
     communication, restarts, seconds). Realised per-round counts are in the summary (the
-    server sees them) but go to MLflow only in diagnostics mode."""
+    server sees them) but go to MLflow only in diagnostics mode. ``faults`` (tests only) kills
+    one actor once."""
     import mlflow
     from mlflow import MlflowClient
 
     cfg = cfg or FederatedConfig()
+    if faults is not None:
+        faults.check(cfg)
     t_plan = time.monotonic()
     plan = plan_federated(cfg)
     data, rounds = plan["data"], plan["rounds"]
@@ -240,7 +243,7 @@ def run_federated(cfg: FederatedConfig | None = None) -> dict:
             }
         try:
             with _cluster(cfg):
-                fault = (cfg.fault_at_round, cfg.fault_actor) if cfg.fault_at_round is not None else None
+                fault = (faults.at_round, faults.actor) if faults is not None else None
                 pool = (
                     RayPool(runner_args, cfg.num_actors, cfg.cpus_per_actor, cfg.max_actor_restarts, fault)
                     if cfg.executor == "ray"

@@ -19,7 +19,7 @@ from scipy import stats
 import dpcore
 from dpcore.federated import AdaptiveClipping, ClientLevelDP, clip_update, split_noise_multiplier
 from pipelines.data import load_digits
-from pipelines.federated import FederatedConfig, plan_federated, run_federated
+from pipelines.federated import ActorFault, FederatedConfig, plan_federated, run_federated
 from pipelines.federated.clients import ClientRunner, split_clients
 
 DIGITS = load_digits()
@@ -298,7 +298,7 @@ def test_killed_actor_is_replaced_and_the_round_neither_loses_nor_duplicates_upd
         (tmp_path / d).mkdir()
     # The reference: the same seed in one process (the same code and arithmetic as the actors).
     clean = run_federated(_cfg(tmp_path / "a", executor="local", **common))
-    killed = run_federated(_cfg(tmp_path / "b", executor="ray", fault_at_round=2, fault_actor=1, **common))
+    killed = run_federated(_cfg(tmp_path / "b", executor="ray", **common), faults=ActorFault(at_round=2, actor=1))
     assert killed["actor_restarts"] == 1 and clean["actor_restarts"] == 0
     # Same clients, same noise: the redone share gives the very same model ...
     w_clean = torch.nn.utils.parameters_to_vector(clean["model"].parameters())

@@ -1,0 +1,301 @@
+"""The training run's config: one frozen object, composed of sections. YAML files and CLI flags
+only fill it in.
+
+    cfg = load_config("run.yaml", overrides={"lr": 0.1})      # YAML (flat or by section), then flags
+    cfg = TrainConfig(dataset="mnist", data_dir="~/data")      # or directly
+    cfg.section(PrivacyConfig)                                 # one section, typed
+
+The sections: data, model, privacy, method, audit, scale (how the work is spread and batched:
+performance only, never the guarantee) and tracking. Each checks its own options; what crosses
+sections is checked in :meth:`TrainConfig.validate` (the dataset, the model and the budget are
+checked again, against the data, by the driver before any worker starts). Test hooks (fault
+injection) are not options: they are handed to :func:`pipelines.train.run`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import dpcore
+
+from ..models import MODELS
+from .options import Composed, Section, check_choice, check_count, check_positive_number, check_seed, option
+from .shared import AuditOptions, DatasetOptions, TrackingOptions, check_model
+
+OPTIMIZERS = ("sgd", "adam", "nadam")
+
+
+@dataclass(frozen=True)
+class DataConfig(DatasetOptions):
+    train_subset: int = option(
+        0,
+        "train on the first K examples of the publicly shuffled training split only (0: all); validation and test are unchanged",
+    )
+
+    def check(self) -> None:
+        check_count(self, "train_subset")
+
+
+@dataclass(frozen=True)
+class ModelConfig(Section):
+    """The network and the optimizer applied to the noised gradient."""
+
+    SECTION = "model"
+
+    model: str = option("mlp", f"model: {', '.join(MODELS)}")
+    replace_batchnorm: bool = option(False, "replace BatchNorm layers by GroupNorm (needed for most tv: models)")
+    activation: str | None = option(
+        None,
+        "activation of mlp, small_cnn, cnn, scatter_cnn: relu, tanh, elu, or tempered:s,T,o (Papernot et al.'s "
+        "tempered sigmoid s·sigmoid(T·x)−o). Default: the model's own (relu; tanh for small_cnn and scatter_cnn)",
+    )
+    groupnorm: bool = option(False, "GroupNorm after each convolution of small_cnn and cnn")
+    weight_standardization: bool = option(
+        False, "weight-standardised convolutions in small_cnn and cnn (De et al. 2022)"
+    )
+    optimizer: str = option("adam", f"optimizer applied to the noised gradient: {', '.join(OPTIMIZERS)}")
+    lr: float = option(0.02, "learning rate")
+    momentum: float = option(0.9, "momentum (sgd only)")
+    init_seed: int = option(0, "seed of the model's initial weights (public, identical on every worker)")
+
+    def check(self) -> None:
+        check_model(self)
+        check_choice(self, "optimizer", OPTIMIZERS)
+        check_positive_number(self, "lr")
+        if not (0 <= self.momentum < 1):
+            raise dpcore.DPConfigError(f"momentum={self.momentum!r} is invalid: it must lie in [0, 1).")
+        check_count(self, "init_seed")
+
+
+@dataclass(frozen=True)
+class PrivacyConfig(Section):
+    """The guarantee and the mechanism that gives it: budget, lots, clipping, noise, accountant."""
+
+    SECTION = "privacy"
+
+    lot_size: int = option(512, "expected lot size L; the Poisson rate is q = L/N")
+    epochs: float = option(60.0, "passes over the data; steps = round(epochs/q)")
+    target_epsilon: float = option(2.0, "privacy budget ε (example-level, add/remove)")
+    target_delta: float = option(1e-5, "privacy budget δ (keep it well below 1/N)")
+    clip_norm: float = option(1.0, "per-example clipping bound C (in the norm of --clip-norm-type)")
+    noise_multiplier: float | None = option(
+        None, "σ. Default: calibrated to (ε, δ) on the driver. If given, training stops when the budget is spent"
+    )
+    max_noise_multiplier: float = option(
+        100.0, "refuse a plan whose calibrated σ exceeds this (the target ε is out of reach)"
+    )
+    accountant: str = option(
+        "pld",
+        "accountant: pld (tight; the default), rdp (Rényi DP, 8-20 percent looser), moments (Abadi et al.'s original moments accountant)",
+    )
+    noise: str = option(
+        "gaussian",
+        "noise: gaussian (DP-SGD), or laplace (the DP-Adam paper's form, made honest: needs --clip-norm-type l1, pld accountant)",
+    )
+    clip_norm_type: str = option("l2", "per-example clipping norm: l2, or l1 (for laplace noise)")
+    seed: int | None = option(
+        None, "seed for noise and sampling: tests and research only. Default: secure mode (OS entropy, no seed)"
+    )
+
+    def check(self) -> None:
+        check_positive_number(self, "epochs", "max_noise_multiplier")
+        dpcore.validation.check_epsilon(self.target_epsilon)
+        dpcore.validation.check_delta(self.target_delta)
+        dpcore.validation.check_clip_norm(self.clip_norm)
+        if self.noise_multiplier is not None:
+            dpcore.validation.check_noise_multiplier(self.noise_multiplier)
+        dpcore.accountants.check_accountant(self.accountant)
+        dpcore.validation.check_positive_int(self.lot_size, "lot_size")
+        check_seed(self)
+
+
+@dataclass(frozen=True)
+class MethodConfig(Section):
+    """What is done to each example's gradient and to the lot before the release: BAM, DP-SAT,
+    augmentation multiplicity, EMA, DP-PCA (Knolle et al. 2023; Park et al. 2023; De et al.
+    2022; Abadi et al. 2016). Whether a combination is valid is the method objects' decision
+    (``dpcore.check_method_options``)."""
+
+    SECTION = "method"
+
+    method: str = option(
+        "dpsgd", "dpsgd; bam (per-example ascent before clipping); dpsat (ascent along the previous private gradient)"
+    )
+    ascent: float | None = option(
+        None, "ascent radius: λ for bam (default 0.02), ρ for dpsat (default 0.086); 0 is DP-SGD"
+    )
+    ascent_schedule: str = option("constant", "λ/ρ over the run: constant, warmup (linear from 0), cosine (down to 0)")
+    ascent_warmup_fraction: float = option(0.1, "fraction of the steps the warmup schedule takes")
+    bam_variant: str = option(
+        "sam", "bam: sam (gradient at θ+λg_i/‖g_i‖) or exact (∇L_i + λH_i g_i/‖g_i‖, forward-over-reverse)"
+    )
+    augmentation_multiplicity: int = option(
+        1, "K augmented copies per example (random crop with padding, flip), gradients averaged before clipping"
+    )
+    augment_padding: int = option(4, "random-crop padding in pixels (augmentation multiplicity)")
+    augment_flip: bool = option(True, "random horizontal flips (augmentation multiplicity)")
+    ema_decay: float | None = option(
+        None, "parameter EMA decay (De et al.: 0.999); evaluation and the logged model use the average"
+    )
+    pca_components: int = option(0, "DP-PCA: project the inputs on k private principal directions (0: off; mlp only)")
+    pca_noise_multiplier: float = option(8.0, "DP-PCA: σ of the symmetric noise on AᵀA (sensitivity 1)")
+    pca_sample_rate: float = option(1.0, "DP-PCA: Poisson rate of the rows used (1: all)")
+
+    def check(self) -> None:
+        err = dpcore.DPConfigError
+        if self.ascent is not None and (isinstance(self.ascent, bool) or not isinstance(self.ascent, (int, float))):
+            raise err(f"ascent={self.ascent!r} has the wrong type: expected a number.")
+        if self.ascent is not None and self.method == "dpsgd" and self.ascent != 0:
+            raise err(
+                f"ascent={self.ascent} has no effect with method='dpsgd'; set --method bam or dpsat, or drop --ascent."
+            )
+        if self.method != "bam" and self.bam_variant != "sam":
+            raise err(f"bam_variant={self.bam_variant!r} has no effect with method={self.method!r}; set --method bam.")
+        if self.method == "dpsgd" and self.ascent_schedule != "constant":
+            raise err(
+                f"ascent_schedule={self.ascent_schedule!r} has no effect with method='dpsgd'; set --method bam or dpsat."
+            )
+        check_choice(self, "ascent_schedule", dpcore.methods.ASCENT_SCHEDULES)
+        if not (0 < self.ascent_warmup_fraction <= 1):
+            raise err(f"ascent_warmup_fraction={self.ascent_warmup_fraction} must lie in (0, 1].")
+        if (
+            isinstance(self.augment_padding, bool)
+            or not isinstance(self.augment_padding, int)
+            or self.augment_padding < 0
+        ):
+            raise err(f"augment_padding={self.augment_padding!r} is invalid: it must be an integer ≥ 0.")
+        if self.ema_decay is not None and not (0 <= self.ema_decay < 1):
+            raise err(f"ema_decay={self.ema_decay} must lie in [0, 1) (De et al. use 0.999).")
+        if isinstance(self.pca_components, bool) or not isinstance(self.pca_components, int) or self.pca_components < 0:
+            raise err(
+                f"pca_components={self.pca_components!r} is invalid: it is the number k ≥ 1 of principal directions "
+                "kept by DP-PCA, or 0 for no projection."
+            )
+        if self.pca_components:
+            dpcore.validation.check_noise_multiplier(self.pca_noise_multiplier, "pca_noise_multiplier")
+            dpcore.validation.check_sample_rate(self.pca_sample_rate, "pca_sample_rate")
+
+    def resolved_ascent(self) -> float:
+        """λ or ρ: the given value, or the method's default from the papers (CIFAR-10 settings)."""
+        if self.ascent is not None:
+            return float(self.ascent)
+        return {"bam": 0.02, "dpsat": 0.086}.get(self.method, 0.0)
+
+
+@dataclass(frozen=True)
+class AuditConfig(AuditOptions):
+    audit_kind: str = option(
+        "gradient",
+        "gradient: white-box, each canary's gradient is C·e_j on a coordinate of its own (m ≤ parameters), scored by "
+        "the released gradients; input: black-box, out-of-distribution images with random labels, scored by the "
+        "final model's loss",
+    )
+
+    def check(self) -> None:
+        if self.audit_canaries and self.audit_kind not in ("gradient", "input"):
+            raise dpcore.DPConfigError(
+                f"audit_kind={self.audit_kind!r} is unknown; use gradient (white-box) or input (black-box)."
+            )
+
+
+@dataclass(frozen=True)
+class ScaleConfig(Section):
+    """How the work is spread, batched and kept: performance and fault tolerance, never the
+    guarantee (like JAX Privacy's PerformanceFlags beside its execution plan)."""
+
+    SECTION = "cluster"
+
+    num_workers: int = option(2, "Ray Train workers (each samples its own shard)")
+    use_gpu: bool = option(False, "one GPU per worker, NCCL (default: CPU, gloo)")
+    in_process: bool = option(
+        False,
+        "train in this process with Ray Train's local mode: no Ray cluster and no worker processes, so it starts in "
+        "seconds; one worker (num_workers=1), no automatic restarts (--resume still works)",
+    )
+    physical_batch_size: int = option(256, "examples per per-example-gradient call (memory, not privacy)")
+    memory_budget_mb: float = option(
+        0.0,
+        "per-worker memory budget (MiB) for the per-example gradients: the physical batch size becomes the largest "
+        "power of two ≤ physical_batch_size that fits, measured at start (0: off)",
+    )
+    clipping: str = option(
+        "auto",
+        "per-example clipping: auto (bookkeeping where the model and method allow it, else vmap), vmap (any model), or "
+        "bookkeeping (Linear/Conv2d/WSConv2d/GroupNorm models; faster; verified against vmap on the first batch, "
+        "else vmap)",
+    )
+    checkpoint_every: int = option(0, "steps between checkpoints and evaluations (0: about 10 per run)")
+    max_failures: int = option(2, "worker-group restarts from the last checkpoint before the run fails")
+    ray_address: str | None = option(
+        None,
+        "Ray cluster to join ('auto', ray://...). Default: RAY_ADDRESS, else a local cluster started and stopped here",
+    )
+    storage_path: str = option(
+        "dp_runs",
+        "where checkpoints, the ledger journal and ingested data go (shared storage on a cluster; default: "
+        "$DP_STORAGE_PATH, else ./dp_runs)",
+    )
+
+    def check(self) -> None:
+        err = dpcore.DPConfigError
+        check_choice(self, "clipping", dpcore.optimizer.CLIPPING_MODES)
+        for name in ("physical_batch_size", "num_workers"):
+            dpcore.validation.check_positive_int(getattr(self, name), name)
+        if (
+            isinstance(self.memory_budget_mb, bool)
+            or not isinstance(self.memory_budget_mb, (int, float))
+            or not (self.memory_budget_mb == 0 or 1 <= self.memory_budget_mb < float("inf"))
+        ):
+            raise err(
+                f"memory_budget_mb={self.memory_budget_mb!r} is invalid: it must be 0 (off) or a number of MiB ≥ 1."
+            )
+        check_count(self, "checkpoint_every", "max_failures")
+        if "://" in self.storage_path:
+            raise err(
+                f"storage_path={self.storage_path!r}: only filesystem paths are supported (local, or a shared mount "
+                "such as NFS on a cluster): the ledger journal needs POSIX append, fsync and locks."
+            )
+        if self.in_process and self.num_workers != 1:
+            raise err(
+                f"in_process trains one worker in this process; num_workers={self.num_workers} needs Ray workers (drop --in-process)."
+            )
+
+
+@dataclass(frozen=True)
+class TrainTracking(TrackingOptions):
+    diagnostics: bool = option(
+        False,
+        "NON-PRIVATE: also log training loss/accuracy and clip fractions; tags the run dp.diagnostics=non-private",
+    )
+    test_every_report: bool = option(
+        True,
+        "evaluate the test split at every report; --no-test-every-report: only at the end, so that nothing chosen "
+        "during the run (pruning, early looks) can depend on it",
+    )
+
+
+# Sections are listed last-first: a dataclass orders inherited fields from the last base to the
+# first, and flags, params and YAML keys keep the order data, model, privacy, ..., tracking.
+@dataclass(frozen=True)
+class TrainConfig(
+    Composed, TrainTracking, ScaleConfig, AuditConfig, MethodConfig, PrivacyConfig, ModelConfig, DataConfig
+):
+    def validate(self) -> None:
+        """Check every option that needs no data: each section's own checks, then what crosses
+        sections. Raises DPConfigError naming the value and the fix."""
+        self.check_sections()
+        dpcore.check_method_options(  # the method objects decide what combines (one place)
+            method=self.method,
+            ascent=self.resolved_ascent(),
+            bam_variant=self.bam_variant,
+            noise=self.noise,
+            clip_norm_type=self.clip_norm_type,
+            augmentation_multiplicity=self.augmentation_multiplicity,
+            clipping=self.clipping,
+            accountant=self.accountant,
+        )
+        if self.pca_components and self.model != "mlp":
+            raise dpcore.DPConfigError(
+                f"pca_components={self.pca_components} projects the inputs to vectors, which only model='mlp' "
+                f"takes (not {self.model!r})."
+            )
