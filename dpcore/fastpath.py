@@ -1,6 +1,6 @@
 """Which clipped-sum path a private step uses, and the check that makes book-keeping safe.
 
-Book-keeping clipping (:mod:`dpcore.fastclip`) gets each example's norm from one forward and
+Book-keeping clipping (:mod:`dpcore.bookkeeping`) gets each example's norm from one forward and
 one activation-only backward. It assumes the model treats the examples of a batch
 independently along dim 0, which no cheap check can prove, so :class:`CheckedBookKeeping`
 trusts it only after its clipped sum matched the per-example (vmap) reference on the first
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from . import fastclip
+from . import bookkeeping
 from .clipping import clipped_sum
 from .errors import DPConfigError
 from .grad_sample import PerSampleGradients
@@ -35,16 +35,16 @@ def choose_clipping(
     per-example gradients themselves, so they force vmap (with a warning if it was asked for)."""
     if clipping == "auto":
         fits = bookkeeping_applies(method, augmentation_multiplicity, clip_norm_type) and not diagnostics
-        clipping = "bookkeeping" if fits and fastclip.supports(model) else "vmap"
+        clipping = "bookkeeping" if fits and bookkeeping.supports(model) else "vmap"
     if diagnostics and clipping == "bookkeeping":
         warnings.warn("diagnostics need per-example gradients: using the vmap path.", stacklevel=3)
         clipping = "vmap"
     if clipping not in CLIPPING_MODES:
         raise DPConfigError(f"clipping={clipping!r} is unknown; use one of {', '.join(CLIPPING_MODES)}.")
-    if clipping == "bookkeeping" and not fastclip.supports(model):
+    if clipping == "bookkeeping" and not bookkeeping.supports(model):
         raise DPConfigError(
             "clipping='bookkeeping' handles Linear, Conv2d, WSConv2d and GroupNorm parameters only; these are not: "
-            f"{fastclip.unsupported_parameters(model)[:5]}. Use clipping='vmap'."
+            f"{bookkeeping.unsupported_parameters(model)[:5]}. Use clipping='vmap'."
         )
     return clipping
 
@@ -54,7 +54,7 @@ class CheckedBookKeeping:
 
     def __init__(self, model: nn.Module, loss_fn, clip_norm: float, multiplicity: int = 1):
         self.model, self.loss_fn, self.clip_norm, self.multiplicity = model, loss_fn, clip_norm, multiplicity
-        self.clipper = fastclip.BookKeepingClipper(model, loss_fn)
+        self.clipper = bookkeeping.BookKeepingClipper(model, loss_fn)
         self.verified = False
         self.active = True
 
@@ -67,7 +67,7 @@ class CheckedBookKeeping:
                 return self.clipper.clipped_sum(xb, yb, self.clip_norm, out)
             if xb.shape[0] >= 2:
                 return self._verify(xb, yb, out, reference)
-        except fastclip.Unsupported as e:  # raised before anything is added
+        except bookkeeping.Unsupported as e:  # raised before anything is added
             self._leave(str(e))
         return None
 
@@ -122,7 +122,7 @@ class CheckedBookKeeping:
             model64 = copy.deepcopy(self.model).double()
             x64 = xb.double() if xb.is_floating_point() else xb
             fast: Sums = {}
-            fast_bad = fastclip.BookKeepingClipper(model64, self.loss_fn).clipped_sum(x64, yb, self.clip_norm, fast)
+            fast_bad = bookkeeping.BookKeepingClipper(model64, self.loss_fn).clipped_sum(x64, yb, self.clip_norm, fast)
             sampler = PerSampleGradients(model64, self.loss_fn, multiplicity=self.multiplicity)
             ref, bad = clipped_sum(sampler(x64, yb), self.clip_norm)
         except Exception:  # a model that cannot be copied or run in float64: not verified

@@ -2,7 +2,7 @@
 
 :class:`WSConv2d` is a convolution with weight standardisation (Qiao et al. 2019), the
 replacement for BatchNorm's conditioning in the DP ResNets of De et al. 2022. It lives in
-dpcore because the book-keeping clipper (:mod:`dpcore.fastclip`) knows its exact forward:
+dpcore because the book-keeping clipper (:mod:`dpcore.bookkeeping`) knows its exact forward:
 z = conv2d(a, ŵ(w)) with ŵ each output filter's weights centred and scaled to unit variance,
 so the per-example gradient with respect to w is the standardisation's vector-Jacobian
 product of the per-example gradient with respect to ŵ.

@@ -117,7 +117,7 @@ def fit_optimizer(opt, x: torch.Tensor, y: torch.Tensor, budget_bytes: int) -> d
     probes run on random inputs and zero targets of those shapes, so the measured sizes (which
     the pipeline logs) are not a statistic of the training data. Returns the measurement report.
     """
-    from . import fastclip
+    from . import bookkeeping
     from .clipping import clipped_sum
 
     upper = opt.physical_batch_size
@@ -141,7 +141,7 @@ def fit_optimizer(opt, x: torch.Tensor, y: torch.Tensor, budget_bytes: int) -> d
         if fast is not None:
             try:
                 fast.clipper.clipped_sum(xb, yb, opt.clip_norm, {})
-            except fastclip.Unsupported:
+            except bookkeeping.Unsupported:
                 pass
         if fast is None or not fast.verified:
             alive = []  # per-example sets that training holds at the same time

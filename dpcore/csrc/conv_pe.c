@@ -1,5 +1,5 @@
 /* Per-example weight gradients of a 2-D convolution (groups = 1, zero padding), and their
- * squared norms, for dpcore's book-keeping clipper (dpcore/fastclip.py, dpcore/native.py).
+ * squared norms, for dpcore's book-keeping clipper (dpcore/bookkeeping/conv.py, dpcore/native.py).
  *
  *   W_i[o, c, p, q] = sum_{y, x} g_i[o, y, x] * a_i[c, y*sh - ph + p*dh, x*sw - pw + q*dw]
  *   sq_i            = sum over (o, c, p, q) of W_i[...]^2, accumulated in double

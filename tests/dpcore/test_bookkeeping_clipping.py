@@ -1,4 +1,4 @@
-"""The book-keeping fast path (dpcore.fastclip) gives the reference clipped sum, keeps each
+"""The book-keeping fast path (dpcore.bookkeeping) gives the reference clipped sum, keeps each
 example's share ≤ C, skips non-finite examples the same way, and falls back to the vmap path
 for anything it cannot handle."""
 
@@ -12,8 +12,8 @@ from torch import nn
 
 import dpcore
 from dpcore import native
+from dpcore.bookkeeping import BookKeepingClipper, Unsupported, supports, unsupported_parameters
 from dpcore.clipping import clipped_sum
-from dpcore.fastclip import BookKeepingClipper, Unsupported, supports, unsupported_parameters
 from dpcore.grad_sample import PerSampleGradients
 from pipelines.models import build_model, resnet9
 
@@ -70,6 +70,31 @@ def ws_gn_net():
     return Net()
 
 
+class NormSeq(nn.Module):
+    """LayerNorm over a sequence's last dimension (one with a frozen bias, one without affine
+    parameters), over its last two dimensions, and on flat features."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 12)
+        self.n1 = nn.LayerNorm(12)
+        self.n1.bias.requires_grad_(False)
+        self.n2 = nn.LayerNorm((5, 12))
+        self.n3 = nn.LayerNorm(12, elementwise_affine=False)
+        self.head = nn.Linear(12, 8)
+        self.n4 = nn.LayerNorm(8)
+        self.out = nn.Linear(8, 4)
+        with torch.no_grad():  # not the identity's γ = 1, β = 0
+            for n in (self.n1, self.n2, self.n4):
+                n.weight.normal_(1.0, 0.3)
+                n.bias.normal_(0.0, 0.3)
+
+    def forward(self, x):  # x [B, T=5, 6]
+        h = torch.tanh(self.n1(self.a(x)))
+        h = self.n3(self.n2(h)).mean(1)
+        return self.out(torch.relu(self.n4(self.head(h))))
+
+
 def _scaled_ws(model, scale):
     from dpcore.layers import WSConv2d
 
@@ -90,6 +115,7 @@ CASES = [
     ("small_cnn", lambda: build_model("small_cnn", (1, 8, 8), 10), (1, 8, 8), 10),
     ("mnist_cnn", lambda: build_model("cnn", (1, 28, 28), 10), (1, 28, 28), 10),
     ("sequence", SeqModel, (5, 6), 4),
+    ("layernorm", NormSeq, (5, 6), 4),
     ("conv_zoo", conv_zoo, (3, 9, 10), 5),
 ]
 
@@ -154,8 +180,8 @@ def test_nonfinite_examples_are_skipped_and_counted_like_the_reference():
 
 
 def test_unsupported_layers_are_named_and_vmap_is_the_default():
-    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 3))
-    assert unsupported_parameters(model) == ["1.weight", "1.bias"]
+    model = nn.Sequential(nn.Linear(4, 8), nn.PReLU(8), nn.Linear(8, 3))
+    assert unsupported_parameters(model) == ["1.weight"]
     opt = dict(
         noise_multiplier=1.0,
         clip_norm=1.0,
@@ -420,7 +446,7 @@ def test_per_example_conv_gradients_equal_autograd_per_example(native_ok):
     """Every per-example form (the compiled kernel; forward convolution for one input channel
     and grouped weight gradient otherwise) against autograd run on each example alone, with
     sparse and dense output gradients; and the kernel's squared norms against float64."""
-    from dpcore.fastclip import _conv_per_example
+    from dpcore.bookkeeping.conv import conv_per_example as _conv_per_example
 
     torch.manual_seed(12)
     for conv, shape in [
@@ -451,8 +477,8 @@ def test_float32_chunked_norms_are_within_the_clipping_margin():
     bound the clipping margin allows, on adversarial rows (many equal values, a wide range of
     magnitudes); huge rows that overflow float32 squares fall back to float64 instead of
     turning into inf (which would skip the example instead of clipping it)."""
+    from dpcore.bookkeeping.base import row_sq_norms as _row_sq_norms
     from dpcore.clipping import CLIP_MARGIN
-    from dpcore.fastclip import _row_sq_norms
 
     torch.manual_seed(13)
     rows = torch.cat(
@@ -494,7 +520,7 @@ def test_cross_entropy_shortcut_equals_the_vmapped_loss():
     assert torch.allclose(bk._per_example_losses(logits, y), vm, atol=1e-6)
     weighted = nn.CrossEntropyLoss(weight=torch.rand(10) + 0.5)
     smooth = nn.CrossEntropyLoss(label_smoothing=0.1)
-    from dpcore.fastclip import _is_plain_cross_entropy
+    from dpcore.bookkeeping.clipper import is_plain_cross_entropy as _is_plain_cross_entropy
 
     assert _is_plain_cross_entropy(ce) and _is_plain_cross_entropy(nn.CrossEntropyLoss())
     assert not _is_plain_cross_entropy(weighted) and not _is_plain_cross_entropy(smooth)
@@ -548,7 +574,7 @@ def test_ws_ghost_norms_never_underestimate_even_when_the_terms_cancel(offset):
     the mean direction, which the standardisation removes: the ghost identity then subtracts
     nearly equal numbers. The ghost norm must stay ≥ the exact norm of the materialised VJP
     (float64), and within 1e-9 of it when nothing cancels."""
-    from dpcore.fastclip import _WSJacobian
+    from dpcore.bookkeeping.wsconv import WSJacobian as _WSJacobian
     from dpcore.layers import WSConv2d
 
     torch.manual_seed(16)
@@ -600,7 +626,47 @@ def test_auto_clipping_picks_book_keeping_only_where_it_applies():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # auto never warns about its choice
         assert opt(mlp(), diagnostics=True).clipping == "vmap"
-        assert opt(nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3))).clipping == "vmap"
+        assert opt(nn.Sequential(nn.Linear(6, 8), nn.PReLU(8), nn.Linear(8, 3))).clipping == "vmap"
+        assert opt(nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3))).clipping == "bookkeeping"
     from pipelines.config import TrainConfig
 
     assert TrainConfig().clipping == "auto"
+
+
+def test_a_layer_type_registered_at_run_time_is_clipped_like_vmap():
+    """The extension point: a new layer type is a LayerForm and one register_layer call."""
+    from dpcore.bookkeeping import LAYERS, LayerForm, register_layer
+    from dpcore.bookkeeping.base import NormPart
+
+    class Scale(nn.Module):  # y = x ⊙ w over the last dimension
+        def __init__(self, d):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(d))
+            self.bias = None
+
+        def forward(self, x):
+            return x * self.weight
+
+    class ScaleForm(LayerForm):
+        def per_example(self, m, a, g, sq, ctx):
+            per_example = (g * a).reshape(a.shape[0], -1, a.shape[-1]).sum(1)  # Σ_positions g ⊙ a
+            return NormPart.measured(m, per_example, None, sq)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), Scale(8), nn.Tanh(), nn.Linear(8, 3))
+    assert unsupported_parameters(model) == ["1.weight"]
+    register_layer(Scale, ScaleForm())
+    try:
+        assert supports(model)
+        x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+        for clip in (0.05, 1e3):
+            got: dict = {}
+            BookKeepingClipper(model, ce).clipped_sum(x, y, clip, got)
+            want, _ = _reference(model, x, y, clip)
+            for name, w in want.items():
+                torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6)
+    finally:
+        LAYERS.pop(Scale)
+    assert not supports(model)
+    with pytest.raises(TypeError, match="LayerForm"):
+        register_layer(Scale, object())

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from dpcore import native
-from dpcore.fastclip import _conv_per_example, _conv_per_example_torch
+from dpcore.bookkeeping.conv import conv_per_example as _conv_per_example
+from dpcore.bookkeeping.conv import conv_per_example_torch as _conv_per_example_torch
 
 needs_kernel = pytest.mark.skipif(native._compiler() is None, reason="no C compiler on this machine")
 
@@ -100,7 +101,7 @@ _CHILD = r"""
 import json, torch
 from torch import nn
 from dpcore import native
-from dpcore.fastclip import _conv_per_example
+from dpcore.bookkeeping.conv import conv_per_example as _conv_per_example
 conv = nn.Conv2d(8, 3, 3)  # rows of 72: a layer the kernel is chosen for
 a, g = torch.randn(4, 8, 7, 7), torch.randn(4, 3, 5, 5)
 W, sq = _conv_per_example(conv, a, g)

@@ -1,0 +1,227 @@
+"""What a layer type gives book-keeping clipping, and the pieces the forms share.
+
+A :class:`LayerForm` says whether it takes a module (:meth:`~LayerForm.accepts`), what it
+refuses about it (:meth:`~LayerForm.problems`), and, from the layer's recorded input ``a`` and
+output gradient ``g``, adds each example's squared gradient norm into ``sq`` and returns a
+:class:`Part` that later forms the clipped sum Σ_i f_i·grad_i of each parameter. A form is
+registered for an exact module type with :func:`dpcore.bookkeeping.register_layer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class Unsupported(Exception):
+    """Raised during a call when the fast path cannot be used for this model/batch."""
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a form may need beyond the layer: the clipping bound (for the precision of norms)
+    and how many elements of per-example gradients it may materialise."""
+
+    clip_norm: float
+    max_elements: int
+
+
+# drop_bad(t): the rows of examples with a non-finite gradient set to exactly zero (never NaN·0).
+DropBad = Callable[[torch.Tensor | None], torch.Tensor | None]
+
+
+class Part:
+    """One layer's per-example data, kept between the norms and the clipped sum."""
+
+    def contributions(self, factors: torch.Tensor, wide: bool, drop_bad: DropBad) -> list[tuple[str, torch.Tensor]]:
+        """(parameter name within the layer, Σ_i f_i·grad_i) for each trainable parameter, in
+        the parameter's dtype; summed in float64 when ``wide``."""
+        raise NotImplementedError
+
+
+class LayerForm:
+    """How book-keeping clipping handles one layer type (Linear, Conv2d, GroupNorm, ...)."""
+
+    def accepts(self, m: nn.Module) -> bool:
+        """Whether this form covers this instance (a convolution with groups > 1 may not be)."""
+        return True
+
+    def problems(self, m: nn.Module) -> list[str]:
+        """Parameter names (within the layer) with the reason the form refuses them."""
+        return []
+
+    def per_example(self, m: nn.Module, a: torch.Tensor, g: torch.Tensor, sq: torch.Tensor, ctx: Context) -> Part:
+        """Add ‖grad_i‖² of this layer's trainable parameters into ``sq`` (float64, [B]) and
+        return the :class:`Part` that forms their clipped sums."""
+        raise NotImplementedError
+
+
+def dtypes(m: nn.Module, wide: bool) -> tuple[torch.dtype, torch.dtype]:
+    """(the parameters' dtype, the dtype the clipped sum is formed in)."""
+    pdtype = next(p for p in m.parameters(recurse=False)).dtype
+    return pdtype, (torch.float64 if wide else pdtype)
+
+
+# -- weight-and-bias layers (Linear, Conv2d) ------------------------------------------------------
+
+
+def refuse_frozen_weight(m: nn.Module) -> list[str]:
+    """A trainable bias beside a frozen weight is not handled."""
+    if m.bias is not None and m.bias.requires_grad and not m.weight.requires_grad:
+        return ["bias (its weight is frozen)"]
+    return []
+
+
+def bias_per_example(m: nn.Module, per_example_bias: torch.Tensor, sq: torch.Tensor):
+    """Per-example bias gradients (Σ over positions of G), their norms added into ``sq``."""
+    if m.bias is None or not m.bias.requires_grad:
+        return None
+    sq += torch.linalg.vector_norm(per_example_bias, dim=1, dtype=torch.float64).square()
+    return per_example_bias
+
+
+@dataclass
+class MaterialisedPart(Part):
+    """Per-example weight gradients ``W`` [B, out, in] (and bias gradients [B, out])."""
+
+    m: nn.Module
+    W: torch.Tensor
+    bias_g: torch.Tensor | None
+
+    def contributions(self, factors, wide, drop_bad):
+        pdtype, dtype = dtypes(self.m, wide)
+        f = factors.to(dtype)
+        pe = drop_bad(self.W).to(dtype)
+        w = f @ pe.reshape(pe.shape[0], -1)  # Σ_i f_i W_i: one matrix-vector product
+        out = [("weight", w.reshape(self.m.weight.shape).to(pdtype))]
+        if self.bias_g is not None:
+            out.append(("bias", (f @ drop_bad(self.bias_g).to(dtype)).to(self.m.bias.dtype)))
+        return out
+
+
+@dataclass
+class GhostPart(Part):
+    """Inputs ``A`` and output gradients ``G`` whose per-example products are never formed:
+    the clipped sum is Σ_i f_i G_iᵀA_i over (example, position). ``post`` (linear) maps the
+    sum to the weight's gradient (a weight standardisation's VJP)."""
+
+    m: nn.Module
+    A: torch.Tensor
+    G: torch.Tensor
+    channels_first: bool
+    bias_g: torch.Tensor | None
+    post: Callable | None = None
+
+    def contributions(self, factors, wide, drop_bad):
+        pdtype, dtype = dtypes(self.m, wide)
+        f = factors.to(dtype)
+        A, G = drop_bad(self.A), drop_bad(self.G)
+        # With several positions the sum runs in float64, so that each example's share keeps the
+        # norm the factor was computed for (float32 accumulation over many positions could exceed
+        # the 1e-6 clipping margin).
+        one_position = A.shape[2 if self.channels_first else 1] == 1
+        acc = dtype if (one_position and self.post is None) else torch.float64
+        if self.channels_first:
+            w = torch.einsum("b,bct,bdt->cd", f.to(acc), G.to(acc), A.to(acc))
+        else:  # (f·G) over all (example, position) rows, transposed, times A: one matmul
+            Gf = G.to(acc) * f.to(acc).view(-1, 1, 1)
+            w = Gf.reshape(-1, Gf.shape[2]).t() @ A.to(acc).reshape(-1, A.shape[2])
+        if self.post is not None:  # the standardisation's VJP is linear: applied to the sum
+            w = self.post(w)
+        w = w.to(dtype)
+        out = [("weight", w.reshape(self.m.weight.shape).to(pdtype))]
+        if self.bias_g is not None:
+            out.append(("bias", (f @ drop_bad(self.bias_g).to(dtype)).to(self.m.bias.dtype)))
+        return out
+
+
+# -- norms --------------------------------------------------------------------------------------------
+
+# Squared norms of float32 rows are summed in float32 over chunks of this many elements, and
+# the chunks in float64. For a sum of k non-negative terms the rounding error is at most
+# (k−1)·u in any order (u = 2⁻²⁴), so with the squaring and the square root of
+# ``vector_norm`` the squared norm is within (k+2)·u ≈ 1.1e-6 of exact, and the norm within
+# 5.4e-7: inside the clipping margin of 1e-6 (dpcore.clipping.CLIP_MARGIN), so the clipped share
+# still has norm ≤ C. It avoids a float64 copy of every per-example gradient.
+F32_CHUNK = 16
+# Below this clipping bound, float32 underflow of squares (|w| < 1e-19) could matter
+# relative to C²: then the rows are summed in float64.
+F32_MIN_CLIP = 1e-4
+
+
+def row_sq_norms(W: torch.Tensor, clip_norm: float) -> torch.Tensor:
+    """‖W_i‖² in float64 for each row of a 2-D tensor, with an error well inside the clipping
+    margin (see ``F32_CHUNK``). Non-finite chunks (overflow of float32 squares above ~1e19)
+    are recomputed in float64, so a finite but huge gradient is clipped, not skipped."""
+    rows, n = W.shape
+    if W.dtype != torch.float32 or clip_norm < F32_MIN_CLIP or n < 2 * F32_CHUNK:
+        return torch.linalg.vector_norm(W, dim=1, dtype=torch.float64).square()
+    head = n - n % F32_CHUNK
+    sq = torch.linalg.vector_norm(W[:, :head].reshape(rows, -1, F32_CHUNK), dim=2).double().square().sum(1)
+    if head < n:
+        sq += torch.linalg.vector_norm(W[:, head:], dim=1, dtype=torch.float64).square()
+    if not bool(torch.isfinite(sq).all()):
+        return torch.linalg.vector_norm(W, dim=1, dtype=torch.float64).square()
+    return sq
+
+
+def weight_sq_norms(A: torch.Tensor, G: torch.Tensor, channels_first: bool, ctx: Context):
+    """(‖W_i‖_F² per example in float64, the per-example gradients W_i or None), by the
+    cheaper exact form: W_i = G_iᵀA_i materialised, or the ghost Σ_{t,s}(a_t·a_s)(g_t·g_s)."""
+    if channels_first:  # A [B, d, T], G [B, c, T]
+        B, d, T = A.shape
+        c = G.shape[1]
+    else:  # A [B, T, d], G [B, T, c]
+        B, T, d = A.shape
+        c = G.shape[2]
+    if T == 1:
+        a, g = (A[:, :, 0], G[:, :, 0]) if channels_first else (A[:, 0], G[:, 0])
+        sq = (
+            torch.linalg.vector_norm(a, dim=1, dtype=torch.float64).square()
+            * torch.linalg.vector_norm(g, dim=1, dtype=torch.float64).square()
+        )
+        return sq, None
+    # (Convolutions reach here only when materialising is over budget: the ghost form.)
+    if not channels_first and B * c * d <= ctx.max_elements and T * d * c <= 4 * T * T * (d + c):
+        W = G.transpose(1, 2) @ A  # [B, c, d]
+        return row_sq_norms(W.reshape(B, -1), ctx.clip_norm), W
+    if channels_first:
+        aa = A.transpose(1, 2).double() @ A.double()  # [B, T, T]
+        gg = G.transpose(1, 2).double() @ G.double()
+    else:
+        aa = A.double() @ A.double().transpose(1, 2)
+        gg = G.double() @ G.double().transpose(1, 2)
+    return (aa * gg).sum(dim=(1, 2)), None
+
+
+# -- normalisation layers (GroupNorm, LayerNorm) ----------------------------------------------------
+
+
+@dataclass
+class NormPart(Part):
+    """Per-example gradients of a normalisation layer's γ and β ([B, numel] each, None if
+    frozen): each example is normalised on its own, so they are sums over its positions."""
+
+    m: nn.Module
+    gamma: torch.Tensor | None
+    beta: torch.Tensor | None
+
+    @classmethod
+    def measured(cls, m: nn.Module, gamma, beta, sq: torch.Tensor) -> NormPart:
+        """The part, with the squared norms of γ's and β's gradients added into ``sq``."""
+        for t in (gamma, beta):
+            if t is not None:
+                sq += torch.linalg.vector_norm(t, dim=1, dtype=torch.float64).square()
+        return cls(m, gamma, beta)
+
+    def contributions(self, factors, wide, drop_bad):
+        pdtype, dtype = dtypes(self.m, wide)
+        f = factors.to(dtype)
+        return [
+            (name, (f @ drop_bad(t).to(dtype)).to(pdtype).reshape(getattr(self.m, name).shape))
+            for name, t in (("weight", self.gamma), ("bias", self.beta))
+            if t is not None
+        ]

@@ -1,0 +1,207 @@
+"""The book-keeping clipper: one forward with hooks, one backward of the activations only, and
+each registered layer form's per-example norms and clipped sums."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..clipping import clip_factors
+from ..grad_sample import LossFn
+from .base import Context, Unsupported
+from .registry import form_for
+
+
+def altered(m: nn.Module) -> bool:
+    """True if the layer's output may not be its plain function of its input: user hooks
+    (which may change inputs or outputs) or a forward replaced on the instance."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or "forward" in m.__dict__)
+
+
+def global_hooks() -> bool:
+    from torch.nn.modules import module as _m
+
+    return bool(_m._global_forward_hooks or _m._global_forward_pre_hooks or _m._global_backward_hooks)
+
+
+def unsupported_parameters(model: nn.Module) -> list[str]:
+    """Names of trainable parameters that the fast path cannot handle (empty: all handled).
+
+    Handled: the parameters of layers whose exact type has a registered form
+    (:data:`dpcore.bookkeeping.LAYERS`) that accepts the instance, each parameter owned by one
+    layer, with no hooks or replaced forward on the layer.
+    """
+    handled: dict[str, int] = {}
+    problems: list[str] = []
+    for mod_name, m in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        form = form_for(m)
+        if form is None:
+            continue
+        if altered(m):
+            problems.append(prefix + "weight (the layer has hooks or a replaced forward)")
+            continue
+        refused = form.problems(m)
+        if refused:
+            problems += [prefix + r for r in refused]
+            continue
+        for pname, p in m.named_parameters(recurse=False):
+            handled[prefix + pname] = id(p)
+    trainable = {n: id(p) for n, p in model.named_parameters() if p.requires_grad}
+    problems += [n for n in trainable if handled.get(n) != trainable[n]]
+    # Tied parameters: any trainable tensor reachable under two names (a head tied to an
+    # embedding, say) is used outside one layer.
+    seen: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if p.requires_grad:
+            if id(p) in seen and seen[id(p)] != n:
+                problems.append(f"{n} (tied to {seen[id(p)]})")
+            seen.setdefault(id(p), n)
+    # A parameter shared by several layers appears once in named_parameters but is reached
+    # through more than one layer: per-example gradients would have to be added across layers.
+    shared = [n for n, pid in handled.items() if pid in trainable.values() and n not in trainable]
+    problems += [f"{n} (shared)" for n in shared]
+    return problems
+
+
+def supports(model: nn.Module) -> bool:
+    return not unsupported_parameters(model)
+
+
+def is_plain_cross_entropy(loss_fn) -> bool:
+    """``F.cross_entropy`` or an ``nn.CrossEntropyLoss`` with every option at its default."""
+    if loss_fn is F.cross_entropy:
+        return True
+    return (
+        type(loss_fn) is nn.CrossEntropyLoss
+        and loss_fn.weight is None
+        and loss_fn.ignore_index == -100
+        and loss_fn.label_smoothing == 0.0
+        and loss_fn.reduction == "mean"
+        and not loss_fn._forward_hooks
+        and not loss_fn._forward_pre_hooks
+    )
+
+
+class BookKeepingClipper:
+    """Clipped sums of per-example gradients for models made of registered layer types.
+
+    Call :meth:`clipped_sum` (same contract as :func:`dpcore.clipping.clipped_sum` applied to
+    per-example gradients of ``loss_fn(model(x_i), y_i)``). Raises ``ValueError`` at
+    construction if :func:`supports` is false.
+    """
+
+    # Materialise per-example weight gradients (B × out × in floats) up to this many elements.
+    MAX_PER_EXAMPLE_ELEMENTS = 64 * 2**20
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn):
+        bad = unsupported_parameters(model)
+        if bad:
+            raise ValueError(f"the book-keeping path cannot handle these parameters: {bad[:5]}")
+        self.model = model
+        self.loss_fn = loss_fn
+        self.layers = [
+            (name, m, form)
+            for name, m in model.named_modules()
+            if (form := form_for(m)) is not None and any(p.requires_grad for p in m.parameters(recurse=False))
+        ]
+        self._per_sample_loss = torch.func.vmap(lambda out, target: loss_fn(out.unsqueeze(0), target.unsqueeze(0)))
+
+    # ----------------------------------------------------------------------------------
+    def _capture(self, x: torch.Tensor):
+        # Re-checked at every call: hooks may be added after construction.
+        if global_hooks() or any(altered(m) for _, m, _ in self.layers):
+            raise Unsupported("a layer has forward/backward hooks or a replaced forward")
+        records: dict[str, list] = {name: [] for name, _, _ in self.layers}
+
+        def hook_for(name):
+            def hook(module, inputs, output):
+                if not inputs or not isinstance(inputs[0], torch.Tensor):
+                    raise Unsupported(f"layer {name} was not called with its input as a positional tensor")
+                a = inputs[0]
+                records[name].append((a.detach(), output, a._version, output._version))
+
+            return hook
+
+        handles = [m.register_forward_hook(hook_for(name)) for name, m, _ in self.layers]
+        try:
+            out = self.model(x)
+        except Unsupported:
+            raise
+        except Exception as e:  # let the reference path run (and raise, if the model is broken)
+            raise Unsupported(f"the forward failed under book-keeping capture: {type(e).__name__}: {e}") from None
+        finally:
+            for h in handles:
+                h.remove()
+        if not isinstance(out, torch.Tensor):
+            raise Unsupported("the model's output is not a single tensor")
+        for name, rec in records.items():
+            if len(rec) != 1:
+                raise Unsupported(f"layer {name} ran {len(rec)} times in one forward")
+            a, z, va, vz = rec[0]
+            # An in-place op on a layer's input or output (ReLU(inplace=True), +=) after the layer
+            # ran would make the recorded pair wrong.
+            if a._version != va or z._version != vz:
+                raise Unsupported(f"the input or output of layer {name} was modified in place")
+            if a.shape[0] != x.shape[0] or z.shape[0] != x.shape[0] or not z.requires_grad:
+                raise Unsupported(f"layer {name} does not see the batch on dim 0 with gradients")
+        return out, {name: rec[0][:2] for name, rec in records.items()}
+
+    def clipped_sum(self, x: torch.Tensor, y: torch.Tensor, clip_norm: float, out: dict[str, torch.Tensor]) -> int:
+        """Add Σ_i clip(g_i) into ``out`` (a dict of parameter name → tensor). Returns the
+        number of examples skipped for a non-finite gradient."""
+        batch = x.shape[0]
+        if batch == 0:
+            return 0
+        with torch.enable_grad():
+            logits, rec = self._capture(x)
+            try:
+                losses = self._per_example_losses(logits, y)
+            except Exception as e:
+                raise Unsupported(f"the loss does not vmap over examples: {type(e).__name__}: {e}") from None
+            if losses.shape != (batch,):
+                raise Unsupported(f"the loss gives shape {tuple(losses.shape)} per batch, not one value per example")
+            outputs = [rec[name][1] for name, _, _ in self.layers]
+            grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
+        # Each layer's form adds its examples' squared norms into sq and keeps what it needs for
+        # the clipped sum (per-example gradients, or the activations of a ghost form).
+        ctx = Context(clip_norm=clip_norm, max_elements=self.MAX_PER_EXAMPLE_ELEMENTS)
+        sq = torch.zeros(batch, dtype=torch.float64, device=x.device)
+        parts = []
+        for (name, m, form), g in zip(self.layers, grads):
+            a, z = rec[name]
+            parts.append((name, form.per_example(m, a, g if g is not None else torch.zeros_like(z), sq, ctx)))
+        factors, finite = clip_factors(sq.sqrt(), clip_norm)
+        n_bad = int((~finite).sum())
+        # A factor below the dtype's smallest normal number loses precision when cast (a gradient
+        # of norm ≳1e32·C in float32): then this batch is summed in float64, as the reference does.
+        tiny = max(torch.finfo(next(m.parameters()).dtype).tiny for _, m, _ in self.layers) * 2.0**24
+        wide = bool(((factors < tiny) & finite).any())
+        keep = finite.view(-1, 1)
+
+        def drop_bad(t):  # skip-and-count: those rows contribute exactly zero (never NaN·0)
+            if t is None or not n_bad:
+                return t
+            return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype))
+
+        contributions = [
+            (f"{name}.{pname}" if name else pname, value)
+            for name, part in parts
+            for pname, value in part.contributions(factors, wide, drop_bad)
+        ]
+        for key, value in contributions:  # all computed first: nothing is added if anything above fails
+            if key in out:
+                out[key].add_(value.to(out[key].dtype))
+            else:
+                out[key] = value
+        return n_bad
+
+    def _per_example_losses(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """loss_fn(logits[i:i+1], y[i:i+1]) for every i. For plain cross-entropy that is
+        ``reduction="none"`` (one kernel instead of a vmap); anything else is vmapped."""
+        if is_plain_cross_entropy(self.loss_fn) and logits.dim() == 2 and y.dim() == 1 and not y.is_floating_point():
+            # ignore_index (-100) would give NaN per example under the mean reduction, 0 here.
+            if bool((y >= 0).all()):
+                return F.cross_entropy(logits, y, reduction="none")
+        return self._per_sample_loss(logits, y)

@@ -1,0 +1,80 @@
+""":class:`dpcore.layers.WSConv2d`: a convolution with weight standardisation.
+
+The layer uses ŵ(w), so its per-example gradients are the standardisation's vector-Jacobian
+product of the per-example gradients for ŵ (:class:`WSJacobian`, which also gives their norms
+in a ghost form when they are not materialised).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers import WS_EPS
+from .base import GhostPart, bias_per_example
+from .conv import ConvForm, conv_per_example
+
+
+class WSJacobian:
+    """The weight standardisation ŵ = (w − μ)/s of a :class:`WSConv2d`, s = sqrt(σ² + ε), per
+    output filter of n weights. Its vector-Jacobian product, for a gradient v with respect to
+    ŵ (one filter), is (v − mean(v) − ŵ·mean(v ⊙ ŵ)) / s; with κ = ‖ŵ‖²/n = σ²/(σ² + ε) and
+    ŵ ⟂ 1, ‖that‖² = (‖v‖² − (1ᵀv)²/n − (2 − κ)(ŵᵀv)²/n) / s². Everything in float64."""
+
+    def __init__(self, m: nn.Conv2d):
+        w = m.weight.detach().double().reshape(m.out_channels, -1)
+        self.n = w.shape[1]
+        mean = w.mean(1, keepdim=True)
+        var = w.var(1, keepdim=True, unbiased=False)
+        self.s = torch.sqrt(var + WS_EPS)  # [out, 1]
+        self.w_hat = (w - mean) / self.s  # [out, n]
+        self.kappa = self.w_hat.square().mean(1)  # [out]
+
+    def vjp(self, v: torch.Tensor) -> torch.Tensor:
+        """Gradients with respect to w from gradients ``v`` [..., out, n] with respect to ŵ,
+        computed in float64 (``v`` is left as it is)."""
+        return self.vjp_(v.to(torch.float64, copy=True)).to(v.dtype)
+
+    def vjp_(self, v: torch.Tensor) -> torch.Tensor:
+        """:meth:`vjp` in place, in ``v``'s own precision: for per-example gradients that are
+        then measured as they are (their norms are taken from the result, so its rounding is
+        what gets clipped)."""
+        w_hat = self.w_hat.to(v.dtype)
+        mean = v.mean(-1, keepdim=True)
+        along = torch.einsum("...on,on->...o", v, w_hat).unsqueeze(-1).div_(self.n)
+        v.sub_(mean).addcmul_(along, w_hat, value=-1.0)
+        return v.div_(self.s.to(v.dtype))
+
+    def ghost_sq_norms(self, A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+        """Per-example ‖vjp(Σ_t G_t A_tᵀ)‖², never below the exact value, from patches A
+        [B, n, T] and output gradients G [B, out, T] without forming the per-example gradients.
+
+        The patches are centred first: the standardisation discards the mean direction, so
+        with ṽ = Σ_t g_t Ã_t (Ã_t centred), ‖vjp(v)‖² = (‖ṽ‖² − (2 − κ)(ŵᵀṽ)²/n) / s², where
+        ‖ṽ‖² comes from the Gram matrices and ŵᵀṽ from ŵ applied to the patches. The
+        subtraction can cancel (v nearly along ŵ), so an allowance for float64 rounding is
+        added, 8·(n + T)·u·(Σ_t ‖Ã_t‖·|g_t|)², which bounds every term's magnitude: the
+        result can only overestimate the norm, which costs a smaller clip factor, never a
+        share above C."""
+        A, G = A.double(), G.double()
+        A = A - A.mean(1, keepdim=True)
+        T = A.shape[2]
+        aa = A.transpose(1, 2) @ A  # [B, T, T]
+        vv = ((aa @ G.transpose(1, 2)) * G.transpose(1, 2)).sum(1)  # [B, out]: ‖ṽ_o‖²
+        w_v = ((self.w_hat @ A) * G).sum(2)  # [B, out]: ŵ_oᵀṽ_o
+        bound = (G.abs() * torch.linalg.vector_norm(A, dim=1, keepdim=True)).sum(2).square()
+        allowance = 8.0 * (self.n + T) * torch.finfo(torch.float64).eps * bound
+        per_filter = (vv - (2.0 - self.kappa) * w_v.square() / self.n + allowance).clamp_min(0.0)
+        return (per_filter / self.s.view(1, -1).square()).sum(1)
+
+
+class WSConvForm(ConvForm):
+    def weight_per_example(self, m, a, g):
+        W, _ = conv_per_example(m, a, g)  # gradients for the weight used, ŵ ...
+        return WSJacobian(m).vjp_(W), None  # ... back through the standardisation, per example
+
+    def ghost(self, m, A, G, sq, ctx):
+        jac = WSJacobian(m)
+        sq += jac.ghost_sq_norms(A, G)
+        bias_g = bias_per_example(m, G.sum(2), sq)
+        return GhostPart(m, A, G, True, bias_g, post=jac.vjp)
