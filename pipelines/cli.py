@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return sweep_main(rest, prog=f"{PROG} sweep")
     if cmd == "audit":
-        from .audit import main as audit_main
+        from .audit.cli import main as audit_main
 
         return audit_main(rest, prog=f"{PROG} audit")
     if cmd == "federated":

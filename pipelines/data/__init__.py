@@ -3,18 +3,8 @@ memory-mapped by workers (:mod:`.shards`), and public fixed feature transforms c
 dataset (:mod:`.features`)."""
 
 from .idx import IDX_DATASETS, find_idx_files, read_idx_split
-from .shards import (
-    CorruptShardError,
-    MappedSplit,
-    ingest,
-    model_example,
-    open_split,
-    read_manifest,
-    read_split,
-    sha256_file,
-    train_size,
-    verify,
-)
+from .mapped import MappedSplit, model_example, open_split, read_split, train_size
+from .shards import CorruptShardError, ingest, read_manifest, sha256_file, verify
 from .sources import (
     DATASETS,
     NEEDS_DATA_DIR,

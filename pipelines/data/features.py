@@ -31,8 +31,9 @@ from torch import nn
 
 from dpcore import DPConfigError
 
-from .shards import MANIFEST, ingest_arrays, mark_verified, open_split, verify
-from .sources import Normalization
+from .dataset import Normalization
+from .mapped import open_split
+from .shards import MANIFEST, ingest_arrays, mark_verified, verify
 
 CHUNK = 2048
 

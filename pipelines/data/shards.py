@@ -1,4 +1,4 @@
-"""Write a dataset once as Arrow shards, and map a worker's own shards back from disk.
+"""Write a dataset once as Arrow shards, and verify them (reading them back is :mod:`.mapped`).
 
 Layout of an ingested dataset directory::
 
@@ -35,8 +35,6 @@ import json
 import math
 import os
 import tempfile
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +43,7 @@ import torch
 
 from dpcore import DPConfigError
 
-from .sources import Dataset, Normalization, Split
+from .dataset import Dataset, Normalization
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
@@ -306,126 +304,3 @@ def verify(data_dir: str | Path, full: bool = False) -> dict:
     if hashed or full:
         _write_stamp(data_dir, manifest)
     return manifest
-
-
-# ------------------------------------------------------------------------------------------
-# Reading (workers): memory-mapped, no copies.
-class MappedImages:
-    """The stored examples of one or more shards, memory-mapped. ``x[idx]`` (an index tensor,
-    or a slice) gathers just those rows into a new tensor; nothing else is read."""
-
-    def __init__(self, parts: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype):
-        self.parts = parts
-        self.shape_tail = tuple(shape)
-        self.dtype = dtype
-        self.starts = np.cumsum([0] + [len(p) for p in parts])
-
-    def __len__(self) -> int:
-        return int(self.starts[-1])
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (len(self),) + self.shape_tail
-
-    def __getitem__(self, idx) -> torch.Tensor:
-        if isinstance(idx, slice):
-            lo, hi, step = idx.indices(len(self))
-            idx = torch.arange(lo, hi, step)
-        idx = torch.as_tensor(idx, dtype=torch.long).cpu()
-        if len(self.parts) == 1:
-            return self.parts[0][idx]
-        which = np.searchsorted(self.starts, idx.numpy(), side="right") - 1
-        out = torch.empty((len(idx),) + self.shape_tail, dtype=self.dtype)
-        for k in np.unique(which):
-            rows = torch.from_numpy(np.flatnonzero(which == k))
-            out[rows] = self.parts[k][idx[rows] - int(self.starts[k])]
-        return out
-
-
-@dataclass
-class MappedSplit:
-    """A worker's rows of one split: memory-mapped stored examples, their labels (in memory:
-    8 bytes a row) and the dataset's public normalisation."""
-
-    x: MappedImages
-    y: torch.Tensor
-    normalization: Normalization
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def batch(self, idx, device=None) -> torch.Tensor:
-        """The model inputs of rows ``idx``: gathered from the map, moved to ``device`` as
-        stored (uint8: a quarter of float32's bytes), then normalised there."""
-        raw = self.x[idx]
-        if device is not None and torch.device(device).type != "cpu":
-            raw = raw.pin_memory().to(device, non_blocking=True)
-        return self.normalization(raw)
-
-
-def _mapped_tensor(batch: pa.RecordBatch, manifest: dict) -> torch.Tensor:
-    col = batch.column("image")
-    shape = tuple(manifest["input_shape"])
-    dtype = np.dtype(manifest["dtype"])
-    raw = np.frombuffer(
-        col.buffers()[1], dtype=np.uint8, count=len(col) * col.type.byte_width, offset=col.offset * col.type.byte_width
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "non-writable": the map is read-only, and we never write to it
-        return torch.from_numpy(raw.view(dtype).reshape((len(col),) + shape))
-
-
-def _entries(manifest: dict, split: str, rank: int, world_size: int) -> list[dict]:
-    if split not in SPLITS:
-        raise DPConfigError(f"split={split!r} is unknown; use train, val or test.")
-    entries = [e for e in manifest["files"] if e["split"] == split]
-    if split == "train":
-        if world_size > manifest["num_shards"]:
-            raise DPConfigError(
-                f"{world_size} workers but only {manifest['num_shards']} training shards: some workers would "
-                f"have no data. Re-ingest with num_shards ≥ {world_size} (a multiple of it balances best)."
-            )
-        entries = [e for e in entries if e["shard"] % world_size == rank]
-    return sorted(entries, key=lambda e: e["shard"])
-
-
-def open_split(data_dir: str | Path, split: str, rank: int = 0, world_size: int = 1) -> MappedSplit:
-    """The rows of ``split`` that belong to ``rank``, memory-mapped: for ``train``, shards i with
-    i % world_size == rank; for ``val``/``test``, the whole split (any rank may evaluate).
-    Each file's structure is checked against the manifest; its checksum is the driver's job."""
-    data_dir = Path(data_dir)
-    manifest = read_manifest(data_dir)
-    parts, labels = [], []
-    for entry in _entries(manifest, split, rank, world_size):
-        batch = _check_structure(data_dir / entry["file"], entry, manifest, random_access=split == "train")
-        parts.append(_mapped_tensor(batch, manifest))
-        labels.append(torch.from_numpy(batch.column("label").to_numpy(zero_copy_only=False).astype(np.int64)))
-    dtype = torch.from_numpy(np.zeros(0, np.dtype(manifest["dtype"]))).dtype
-    y = torch.cat(labels) if labels else torch.empty(0, dtype=torch.long)
-    return MappedSplit(
-        MappedImages(parts, tuple(manifest["input_shape"]), dtype),
-        y,
-        Normalization.from_dict(manifest.get("normalization")),
-    )
-
-
-def read_split(data_dir: str | Path, split: str, rank: int = 0, world_size: int = 1) -> Split:
-    """Like :func:`open_split`, but copied into memory as a :class:`Split` of stored values
-    (for small data, the driver's one-off uses and tests)."""
-    m = open_split(data_dir, split, rank, world_size)
-    return Split(m.x[:], m.y.clone())
-
-
-def model_example(data_dir: str | Path, rows: int = 4) -> np.ndarray:
-    """The first test inputs, as the model takes them (float32, normalised): MLflow's input example."""
-    test = open_split(data_dir, "test")
-    return test.batch(torch.arange(min(rows, len(test)))).numpy()
-
-
-def normalization(data_dir: str | Path) -> Normalization:
-    return Normalization.from_dict(read_manifest(data_dir).get("normalization"))
-
-
-def train_size(data_dir: str | Path) -> int:
-    """N: the total number of training rows across all shards (from the manifest)."""
-    return sum(e["rows"] for e in read_manifest(data_dir)["files"] if e["split"] == "train")

@@ -28,7 +28,6 @@ and never trained on.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,170 +35,21 @@ import torch
 
 from dpcore import DPConfigError
 
+from .dataset import (
+    Dataset,
+    Normalization,
+    Split,
+    check_fractions,
+    published_normalization,
+    split_dataset,
+    train_test_dataset,
+    with_sizes,
+)
 from .idx import IDX_DATASETS, find_idx_files, read_idx_split
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder", "generated")
 NEEDS_DATA_DIR = ("cifar10", "cifar100", "imagefolder")  # mnist and fashion-mnist have a standard path
 USES_DATA_DIR = NEEDS_DATA_DIR + tuple(IDX_DATASETS)
-
-# (mean, std) per channel of the training images in [0, 1]: the commonly published values.
-_PUBLISHED = {
-    "mnist": ((0.1307,), (0.3081,)),
-    "fashion-mnist": ((0.2860,), (0.3530,)),
-    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
-}
-
-
-@dataclass(frozen=True)
-class Normalization:
-    """Stored values → model input: ``(x · scale − mean) / std`` per channel, in float32.
-
-    Applied per batch on the training device (one fused multiply-add). Every constant is public
-    (a published statistic or a fixed scale), never computed from the private data."""
-
-    scale: float = 1.0
-    mean: tuple[float, ...] = (0.0,)
-    std: tuple[float, ...] = (1.0,)
-
-    def coefficients(self, channels: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(a, b), each of ``channels`` values (1 if the constants are shared), with
-        input = x·a + b per channel."""
-        mean = torch.tensor(self.mean, dtype=torch.float64)
-        std = torch.tensor(self.std, dtype=torch.float64)
-        if len(mean) != 1 and len(mean) != channels:
-            raise DPConfigError(
-                f"the normalization has {len(mean)} channel constants but the data has {channels} channels."
-            )
-        return (self.scale / std).float().to(device), (-mean / std).float().to(device)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The model input for stored values ``x`` [B, C, ...] (any device; a new float32 tensor)."""
-        c = x.shape[1] if len(self.mean) > 1 else 1
-        a, b = self.coefficients(c, x.device)
-        view = (1, c) + (1,) * (x.ndim - 2)
-        return torch.addcmul(b.view(view), x.to(torch.float32), a.view(view))
-
-    def to_dict(self) -> dict:
-        return {"scale": self.scale, "mean": list(self.mean), "std": list(self.std)}
-
-    @classmethod
-    def from_dict(cls, d: dict | None) -> Normalization:
-        if not d:
-            return cls()
-        return cls(float(d["scale"]), tuple(float(v) for v in d["mean"]), tuple(float(v) for v in d["std"]))
-
-
-@dataclass(frozen=True)
-class Split:
-    """Stored examples (``x`` in the dataset's own dtype) and int64 labels."""
-
-    x: torch.Tensor
-    y: torch.Tensor
-
-    def __len__(self) -> int:
-        return int(self.x.shape[0])
-
-
-@dataclass(frozen=True)
-class Dataset:
-    name: str
-    train: Split
-    val: Split
-    test: Split
-    num_classes: int
-    input_shape: tuple[int, ...]
-    split_info: dict = field(default_factory=dict)  # how the splits were made (logged to MLflow)
-    normalization: Normalization = field(default_factory=Normalization)
-    source: dict = field(default_factory=dict)  # where the data came from (files, sizes), for the manifest
-
-    def with_train_subset(self, k: int) -> Dataset:
-        """Only the first ``k`` training examples. The training split is already in a public
-        random order (a data-independent permutation), so they are a uniform random subset,
-        chosen without looking at the data; validation and test are unchanged."""
-        if not k or k >= len(self.train):
-            return self
-        import dataclasses
-
-        info = {**self.split_info, "train_subset": k, "train_examples": k}
-        return dataclasses.replace(self, train=Split(self.train.x[:k], self.train.y[:k]), split_info=info)
-
-    def inputs(self, split: str) -> torch.Tensor:
-        """The model inputs of a whole split (float32, normalised): for small data and tests."""
-        return self.normalization(getattr(self, split).x)
-
-
-def _check_fractions(test_fraction: float, val_fraction: float) -> None:
-    for v, n in ((test_fraction, "test_fraction"), (val_fraction, "val_fraction")):
-        if not (0.0 <= v < 1.0):
-            raise DPConfigError(f"{n}={v!r} is invalid: it must lie in [0, 1).")
-    if test_fraction + val_fraction >= 1.0:
-        raise DPConfigError(
-            f"test_fraction + val_fraction = {test_fraction + val_fraction} leaves no training data; keep the sum below 1."
-        )
-
-
-def _permutation(n: int, split_seed: int) -> torch.Tensor:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(split_seed))
-
-
-def _with_sizes(info: dict, n_train: int, n_val: int, n_test: int) -> dict:
-    return {**info, "train_examples": n_train, "val_examples": n_val, "test_examples": n_test}
-
-
-def _split(name, x, y, num_classes, test_fraction, val_fraction, split_seed, **extra) -> Dataset:
-    """One pool of labelled data → train/val/test by a public permutation."""
-    _check_fractions(test_fraction, val_fraction)
-    n = x.shape[0]
-    perm = _permutation(n, split_seed)
-    n_test = int(round(n * test_fraction))
-    n_val = int(round(n * val_fraction))
-    test_idx, val_idx, train_idx = perm[:n_test], perm[n_test : n_test + n_val], perm[n_test + n_val :]
-    if len(train_idx) == 0:
-        raise DPConfigError(f"the dataset {name!r} has no training examples after the split (N={n}).")
-    info = {
-        "source": "one pool",
-        "test_fraction": test_fraction,
-        "val_fraction": val_fraction,
-        "split_seed": split_seed,
-    }
-    return Dataset(
-        name,
-        Split(x[train_idx], y[train_idx]),
-        Split(x[val_idx], y[val_idx]),
-        Split(x[test_idx], y[test_idx]),
-        num_classes,
-        tuple(x.shape[1:]),
-        _with_sizes(info, len(train_idx), len(val_idx), len(test_idx)),
-        **extra,
-    )
-
-
-def _train_test(name, x_tr, y_tr, x_te, y_te, num_classes, val_fraction, split_seed, **extra) -> Dataset:
-    """A dataset with its own test set: validation is carved out of the training set."""
-    _check_fractions(0.0, val_fraction)
-    n = x_tr.shape[0]
-    perm = _permutation(n, split_seed)
-    n_val = int(round(n * val_fraction))
-    val_idx, train_idx = perm[:n_val], perm[n_val:]
-    if len(train_idx) == 0:
-        raise DPConfigError(f"the dataset {name!r} has no training examples after carving out validation (N={n}).")
-    info = {"source": "official train/test", "val_fraction": val_fraction, "split_seed": split_seed}
-    return Dataset(
-        name,
-        Split(x_tr[train_idx], y_tr[train_idx]),
-        Split(x_tr[val_idx], y_tr[val_idx]),
-        Split(x_te, y_te),
-        num_classes,
-        tuple(x_tr.shape[1:]),
-        _with_sizes(info, len(train_idx), len(val_idx), int(x_te.shape[0])),
-        **extra,
-    )
-
-
-def _published(name: str) -> Normalization:
-    mean, std = _PUBLISHED[name]
-    return Normalization(1.0 / 255.0, mean, std)
 
 
 # ------------------------------------------------------------------------------------------
@@ -209,7 +59,9 @@ def load_digits(test_fraction: float = 0.2, val_fraction: float = 0.1, split_see
     raw = sk_load_digits()
     x = torch.tensor(raw.images, dtype=torch.uint8).unsqueeze(1)  # [N, 1, 8, 8], counts 0..16
     y = torch.tensor(raw.target, dtype=torch.long)
-    return _split("digits", x, y, 10, test_fraction, val_fraction, split_seed, normalization=Normalization(1.0 / 16.0))
+    return split_dataset(
+        "digits", x, y, 10, test_fraction, val_fraction, split_seed, normalization=Normalization(1.0 / 16.0)
+    )
 
 
 GENERATED_SEED = 1234
@@ -236,7 +88,7 @@ def load_generated(
         image_shape = (int(generated_channels), int(image_size), int(image_size))
     if isinstance(generated_size, bool) or not isinstance(generated_size, int) or generated_size < 10:
         raise DPConfigError(f"generated_size={generated_size!r} is invalid: it must be an integer ≥ 10.")
-    _check_fractions(test_fraction, val_fraction)
+    check_fractions(test_fraction, val_fraction)
     g = torch.Generator().manual_seed(GENERATED_SEED)
     shape = tuple(int(s) for s in image_shape)
     prototypes = torch.randn((num_classes,) + shape, generator=g)
@@ -265,7 +117,7 @@ def load_generated(
         *(Split(x[s], y[s]) for s in cut),
         num_classes,
         shape,
-        _with_sizes(info, n_train, n_val, n_test),
+        with_sizes(info, n_train, n_val, n_test),
         Normalization(1.0 / 255.0, (128.0 / 255.0,), (_GENERATED_GAIN / 255.0,)),  # back to prototype + noise
     )
 
@@ -312,8 +164,17 @@ def load_idx(
             f"{files['train'][0]} holds images of {tuple(x_tr.shape[2:])} but {files['test'][0]} of {tuple(x_te.shape[2:])}."
         )
     source = {"files": {split: [str(p) for p in pair] for split, pair in files.items()}}
-    return _train_test(
-        name, x_tr, y_tr, x_te, y_te, 10, val_fraction, split_seed, normalization=_published(name), source=source
+    return train_test_dataset(
+        name,
+        x_tr,
+        y_tr,
+        x_te,
+        y_te,
+        10,
+        val_fraction,
+        split_seed,
+        normalization=published_normalization(name),
+        source=source,
     )
 
 
@@ -340,8 +201,16 @@ def load_torchvision(
 
     x_tr, y_tr = tensors(train)
     x_te, y_te = tensors(test)
-    return _train_test(
-        name, x_tr, y_tr, x_te, y_te, len(train.classes), val_fraction, split_seed, normalization=_published(name)
+    return train_test_dataset(
+        name,
+        x_tr,
+        y_tr,
+        x_te,
+        y_te,
+        len(train.classes),
+        val_fraction,
+        split_seed,
+        normalization=published_normalization(name),
     )
 
 
@@ -382,11 +251,11 @@ def load_imagefolder(
         x_te, y_te, test_classes = load(test_dir)
         if test_classes != classes:
             raise DPConfigError(f"{root}/train and {test_dir} have different class folders.")
-        return _train_test(
+        return train_test_dataset(
             "imagefolder", x_tr, y_tr, x_te, y_te, len(classes), val_fraction, split_seed, normalization=norm
         )
     x, y, classes = load(root)
-    return _split("imagefolder", x, y, len(classes), test_fraction, val_fraction, split_seed, normalization=norm)
+    return split_dataset("imagefolder", x, y, len(classes), test_fraction, val_fraction, split_seed, normalization=norm)
 
 
 def load_dataset(name: str, **kwargs) -> Dataset:

@@ -23,6 +23,7 @@ clipping, the ledger) is :mod:`dpcore.federated`; this module runs it:
 """
 
 from .config import ActorFault, FederatedConfig
-from .rounds import plan_federated, run_federated
+from .plan import plan_federated
+from .rounds import run_federated
 
 __all__ = ["ActorFault", "FederatedConfig", "plan_federated", "run_federated"]

@@ -12,10 +12,10 @@ imports nothing heavy itself: ``from pipelines.train import run`` loads the driv
 _LAZY = {
     "run": "driver",
     "load_final_model": "driver",
-    "ray_cluster": "driver",
+    "ray_cluster": "cluster",
     "open_run_ledger": "driver",
     "final_checkpoint": "driver",
-    "RESUME_MAY_CHANGE": "driver",
+    "RESUME_MAY_CHANGE": "resume",
     "build_parser": "cli",
     "main": "cli",
     "print_summary": "cli",

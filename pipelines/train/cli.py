@@ -16,7 +16,8 @@ import dpcore
 
 from .. import tracking
 from ..config import add_config_arguments, load_config
-from .driver import RESUME_MAY_CHANGE, run
+from .driver import run
+from .resume import RESUME_MAY_CHANGE
 
 
 def build_parser(prog: str = "python -m pipelines.train") -> argparse.ArgumentParser:

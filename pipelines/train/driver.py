@@ -30,62 +30,9 @@ from ..config import TrainConfig, config_from_dict
 from ..faults import FaultInjection
 from ..models import build_run_model
 from ..plan import RunPlan, plan_run
+from .cluster import ray_cluster
 from .progress import JournalProgress
-
-
-@contextlib.contextmanager
-def ray_cluster(cfg: TrainConfig):
-    """Join ``ray_address`` (or RAY_ADDRESS, e.g. under ``ray job submit``) and stay connected, or
-    else start a local cluster, on 127.0.0.1 with the dashboard on, and stop it afterwards."""
-    import logging
-
-    import ray
-
-    if ray.is_initialized():
-        yield
-        return
-    address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
-    if address and address.startswith(("http://", "https://")):
-        raise dpcore.DPConfigError(
-            f"RAY_ADDRESS={address} is a Ray Jobs API address, which a driver cannot join. Submit the run there "
-            "(dp-platform submit CONFIG), or give the cluster's GCS address (HOST:6379) or 'auto' on a cluster node."
-        )
-    if address:
-        # Joined, not started here: stay connected until the process ends, so that the job's
-        # runtime env (under `ray job submit`, the package the driver runs from) stays referenced
-        # while the driver still logs to MLflow from it.
-        ray.init(address=address, logging_level=logging.WARNING)
-        yield
-        return
-    else:
-        # A one-node cluster of our own is never drained by a cloud provider: Ray Train's
-        # preemption watcher (an extra actor process, started at every run) has nothing to watch.
-        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-        ray.init(
-            num_cpus=max(os.cpu_count() or 1, cfg.num_workers),
-            num_gpus=None if cfg.use_gpu else 0,
-            include_dashboard=True,
-            dashboard_host="127.0.0.1",
-            logging_level=logging.WARNING,
-            configure_logging=True,
-        )
-        keep_token_private()
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
-def keep_token_private() -> None:
-    """``ray.init`` writes the cluster's auth token (``~/.ray/auth_token``, or
-    ``RAY_AUTH_TOKEN_PATH``) readable by everyone on the machine; it is admin access to the
-    cluster, so make it the owner's alone (a file of another user's is left as it is)."""
-    import stat
-
-    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
-    with contextlib.suppress(OSError):
-        if path.is_file() and path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            path.chmod(0o600)
+from .resume import resume_plan
 
 
 def _fit(plan: RunPlan, cfg: TrainConfig, pruner=None, faults=None):
@@ -269,7 +216,7 @@ def run(
     from mlflow import MlflowClient
 
     if resume is not None:
-        plan, cfg = _resume_spec(resume, (cfg or TrainConfig()).tracking_uri, resume_changes or {})
+        plan, cfg = resume_plan(resume, (cfg or TrainConfig()).tracking_uri, resume_changes or {})
     else:
         cfg = cfg or TrainConfig()
         trace("run() start")
@@ -380,40 +327,3 @@ def _worker_dp_error(error: BaseException) -> dpcore.DPError | None:
                 return seen
             seen = getattr(seen, "cause", None) or seen.__cause__
     return None
-
-
-RESUME_MAY_CHANGE = ("quiet", "max_failures", "ray_address")
-
-
-def _resume_spec(run_id: str, tracking_uri: str, changes: dict) -> tuple[RunPlan, TrainConfig]:
-    """The plan of an earlier run, to continue it after the driver died."""
-    import mlflow
-    from mlflow import MlflowClient
-
-    bad = sorted(set(changes) - set(RESUME_MAY_CHANGE))
-    if bad:
-        raise dpcore.DPConfigError(f"--resume cannot change {', '.join(bad)}: a resumed run keeps its config.")
-    uri = tracking.resolve_tracking_uri(tracking_uri)
-    tracking.check_tracking_uri(uri)
-    client = MlflowClient(uri)
-    try:
-        run = client.get_run(run_id)
-    except mlflow.exceptions.MlflowException as e:
-        raise dpcore.DPConfigError(f"--resume {run_id}: no such run in {uri} ({e.message.splitlines()[0]}).") from None
-    if run.info.status == "FINISHED":
-        raise dpcore.DPConfigError(f"run {run_id} is already finished; there is nothing to resume.")
-    path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="spec.json", tracking_uri=uri)
-    plan = RunPlan.from_dict(json.loads(Path(path).read_text()))
-    if not Path(plan.journal).is_file():
-        raise dpcore.DPConfigError(
-            f"run {run_id}'s ledger journal {plan.journal} is missing; without it the releases cannot be accounted for."
-        )
-    from .run_ledger import journal_is_locked
-
-    if journal_is_locked(plan.journal):
-        raise dpcore.DPConfigError(
-            f"run {run_id} is still training somewhere (its ledger journal {plan.journal} is locked by a worker). "
-            "Stop that job before resuming; two trainers on one run could spend the budget twice."
-        )
-    plan.config.update(changes)
-    return plan, config_from_dict(plan.config)

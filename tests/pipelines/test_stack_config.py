@@ -174,7 +174,7 @@ def test_a_jobs_api_address_is_not_joined_as_a_cluster(monkeypatch):
 
 
 def test_the_ray_token_that_ray_init_leaves_world_readable_is_made_private(tmp_path, monkeypatch):
-    from pipelines.train.driver import keep_token_private
+    from pipelines.train.cluster import keep_token_private
 
     token = tmp_path / "auth_token"
     token.write_text("f" * 64)

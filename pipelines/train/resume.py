@@ -1,0 +1,48 @@
+"""``--resume``: the plan of an earlier run whose driver died, read back from MLflow."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import dpcore
+
+from .. import tracking
+from ..config import TrainConfig, config_from_dict
+from ..plan import RunPlan
+
+RESUME_MAY_CHANGE = ("quiet", "max_failures", "ray_address")
+
+
+def resume_plan(run_id: str, tracking_uri: str, changes: dict) -> tuple[RunPlan, TrainConfig]:
+    """The plan of an earlier run, to continue it after the driver died."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    bad = sorted(set(changes) - set(RESUME_MAY_CHANGE))
+    if bad:
+        raise dpcore.DPConfigError(f"--resume cannot change {', '.join(bad)}: a resumed run keeps its config.")
+    uri = tracking.resolve_tracking_uri(tracking_uri)
+    tracking.check_tracking_uri(uri)
+    client = MlflowClient(uri)
+    try:
+        run = client.get_run(run_id)
+    except mlflow.exceptions.MlflowException as e:
+        raise dpcore.DPConfigError(f"--resume {run_id}: no such run in {uri} ({e.message.splitlines()[0]}).") from None
+    if run.info.status == "FINISHED":
+        raise dpcore.DPConfigError(f"run {run_id} is already finished; there is nothing to resume.")
+    path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="spec.json", tracking_uri=uri)
+    plan = RunPlan.from_dict(json.loads(Path(path).read_text()))
+    if not Path(plan.journal).is_file():
+        raise dpcore.DPConfigError(
+            f"run {run_id}'s ledger journal {plan.journal} is missing; without it the releases cannot be accounted for."
+        )
+    from .run_ledger import journal_is_locked
+
+    if journal_is_locked(plan.journal):
+        raise dpcore.DPConfigError(
+            f"run {run_id} is still training somewhere (its ledger journal {plan.journal} is locked by a worker). "
+            "Stop that job before resuming; two trainers on one run could spend the budget twice."
+        )
+    plan.config.update(changes)
+    return plan, config_from_dict(plan.config)
