@@ -8,7 +8,8 @@ without touching data.
 All events are for the add/remove-one neighbouring relation at the example level (or the
 client level, for DP-FedAvg: then one "example" is one client's update).
 
-To add a kind of release: one subclass here with its ``kind`` and :meth:`to_dp_event`,
+To add a kind of release: one subclass here with its ``kind`` and :meth:`mechanism` (and
+``sampled = False`` for a release on the whole dataset),
 registered with :func:`register_event`; accountants that need more than the dp_accounting
 event (the PLD cache, the moments accountant) say so for the kinds they know.
 """
@@ -72,8 +73,15 @@ class PrivacyEvent(metaclass=_ByKind):
         if not self.sampled and self.sample_rate != 1.0:
             raise DPConfigError(f"a {self.kind!r} event is a release on the whole dataset: sample_rate must be 1.0.")
 
-    def to_dp_event(self) -> dp_accounting.DpEvent:
+    def mechanism(self) -> dp_accounting.DpEvent:
+        """The noise added to one release on the whole dataset, as a dp_accounting event."""
         raise NotImplementedError
+
+    def to_dp_event(self) -> dp_accounting.DpEvent:
+        """The release as dp_accounting composes it: the mechanism, Poisson-subsampled at rate q
+        unless the release is on the whole dataset."""
+        inner = self.mechanism()
+        return dp_accounting.PoissonSampledDpEvent(self.sample_rate, inner) if self.sampled else inner
 
     def with_noise(self, noise_multiplier: float) -> PrivacyEvent:
         """The same release with another noise multiplier (calibration searches over these)."""
@@ -92,54 +100,48 @@ class PrivacyEvent(metaclass=_ByKind):
         return PoissonGaussian(float(noise_multiplier), float(sample_rate))
 
 
+class _GaussianNoise:
+    def mechanism(self) -> dp_accounting.DpEvent:
+        return dp_accounting.GaussianDpEvent(self.noise_multiplier)
+
+
+class _LaplaceNoise:
+    def mechanism(self) -> dp_accounting.DpEvent:
+        return dp_accounting.LaplaceDpEvent(self.noise_multiplier)
+
+
 @register_event
 @dataclass(frozen=True)
-class PoissonGaussian(PrivacyEvent):
+class PoissonGaussian(_GaussianNoise, PrivacyEvent):
     """One DP-SGD step (or DP-FedAvg round): clipped sum of a Poisson lot + N(0, σ²C²)."""
 
     kind: ClassVar[str] = POISSON_GAUSSIAN
 
-    def to_dp_event(self) -> dp_accounting.DpEvent:
-        return dp_accounting.PoissonSampledDpEvent(
-            self.sample_rate, dp_accounting.GaussianDpEvent(self.noise_multiplier)
-        )
-
 
 @register_event
 @dataclass(frozen=True)
-class Gaussian(PrivacyEvent):
+class Gaussian(_GaussianNoise, PrivacyEvent):
     """A Gaussian release on the whole dataset (DP-PCA's noised Gram matrix)."""
 
     kind: ClassVar[str] = GAUSSIAN
     sampled: ClassVar[bool] = False
 
-    def to_dp_event(self) -> dp_accounting.DpEvent:
-        return dp_accounting.GaussianDpEvent(self.noise_multiplier)
-
 
 @register_event
 @dataclass(frozen=True)
-class PoissonLaplace(PrivacyEvent):
+class PoissonLaplace(_LaplaceNoise, PrivacyEvent):
     """Laplace noise of scale b = σ·Δ₁ on the L1-clipped sum of a Poisson lot (DP-Adam's form)."""
 
     kind: ClassVar[str] = POISSON_LAPLACE
 
-    def to_dp_event(self) -> dp_accounting.DpEvent:
-        return dp_accounting.PoissonSampledDpEvent(
-            self.sample_rate, dp_accounting.LaplaceDpEvent(self.noise_multiplier)
-        )
-
 
 @register_event
 @dataclass(frozen=True)
-class Laplace(PrivacyEvent):
+class Laplace(_LaplaceNoise, PrivacyEvent):
     """A Laplace release on the whole dataset."""
 
     kind: ClassVar[str] = LAPLACE
     sampled: ClassVar[bool] = False
-
-    def to_dp_event(self) -> dp_accounting.DpEvent:
-        return dp_accounting.LaplaceDpEvent(self.noise_multiplier)
 
 
 EVENT_KINDS = tuple(EVENTS)

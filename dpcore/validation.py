@@ -19,13 +19,17 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _finite_positive(value, name: str, what: str) -> float:
+    """``value`` as a float if it is a finite number > 0; else an error naming it and ``what``."""
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:
+        raise DPConfigError(f"{name}={value!r} is invalid: {what}")
+    return float(value)
+
+
 def check_epsilon(epsilon, name: str = "target_epsilon") -> float:
-    if not _is_number(epsilon) or not math.isfinite(epsilon) or epsilon <= 0:
-        raise DPConfigError(
-            f"{name}={epsilon!r} is invalid: ε must be a finite number > 0 "
-            f"(typical values are 0.5 to 10; for example {name}=2.0)."
-        )
-    return float(epsilon)
+    return _finite_positive(
+        epsilon, name, f"ε must be a finite number > 0 (typical values are 0.5 to 10; for example {name}=2.0)."
+    )
 
 
 def check_delta(delta, name: str = "target_delta", dataset_size: int | None = None) -> float:
@@ -55,22 +59,18 @@ def check_sample_rate(sample_rate, name: str = "sample_rate") -> float:
 
 
 def check_clip_norm(clip_norm, name: str = "clip_norm") -> float:
-    if not _is_number(clip_norm) or not math.isfinite(clip_norm) or clip_norm <= 0:
-        raise DPConfigError(
-            f"{name}={clip_norm!r} is invalid: the per-example L2 clipping bound C must be a "
-            f"finite number > 0 (for example {name}=1.0)."
-        )
-    return float(clip_norm)
+    return _finite_positive(
+        clip_norm, name, f"the per-example L2 clipping bound C must be a finite number > 0 (for example {name}=1.0)."
+    )
 
 
 def check_noise_multiplier(noise_multiplier, name: str = "noise_multiplier") -> float:
-    if not _is_number(noise_multiplier) or not math.isfinite(noise_multiplier) or noise_multiplier <= 0:
-        raise DPConfigError(
-            f"{name}={noise_multiplier!r} is invalid: the noise multiplier σ must be a finite "
-            "number > 0. σ=0 releases gradients without privacy; to pick σ from a budget use "
-            "dpcore.calibrate_noise_multiplier(target_epsilon, target_delta, sample_rate, steps)."
-        )
-    return float(noise_multiplier)
+    return _finite_positive(
+        noise_multiplier,
+        name,
+        "the noise multiplier σ must be a finite number > 0. σ=0 releases gradients without privacy; to pick σ "
+        "from a budget use dpcore.calibrate_noise_multiplier(target_epsilon, target_delta, sample_rate, steps).",
+    )
 
 
 def check_positive_int(value, name: str) -> int:

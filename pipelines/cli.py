@@ -37,6 +37,7 @@ def _ingest(argv: list[str]) -> int:
 
     from .config import load_config
     from .data import DATASETS, CorruptShardError, ingest, load_dataset, verify
+    from .data.sources import SOURCE_OPTIONS
 
     p = argparse.ArgumentParser(
         prog=f"{PROG} ingest",
@@ -83,15 +84,7 @@ def _ingest(argv: list[str]) -> int:
             p.error("OUT_DIR is required (or --verify FOLDER)")
         load_config(overrides={"dataset": a.dataset, "data_dir": a.data_dir}).validate()
         ds = load_dataset(
-            a.dataset,
-            data_dir=a.data_dir,
-            download=a.download,
-            image_size=a.image_size,
-            generated_size=a.generated_size,
-            generated_channels=a.generated_channels,
-            val_fraction=a.val_fraction,
-            test_fraction=a.test_fraction,
-            split_seed=a.split_seed,
+            a.dataset, generated_channels=a.generated_channels, **{k: getattr(a, k) for k in SOURCE_OPTIONS}
         )
         t1 = time.monotonic()
         out = ingest(ds, a.out_dir, num_shards=a.num_shards)

@@ -187,18 +187,7 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
             f"audit_canaries={cfg.audit_canaries} gradient canaries do not fit: each needs a parameter coordinate of its own "
             f"and model={cfg.model!r} has {n_params} trainable parameters. Use at most {n_params} canaries."
         )
-    sigma, q, steps = dpcore.plan(
-        dataset_size=n,
-        lot_size=cfg.lot_size,
-        epochs=cfg.epochs,
-        target_epsilon=cfg.target_epsilon,
-        target_delta=cfg.target_delta,
-        noise_multiplier=cfg.noise_multiplier,
-        accountant=cfg.accountant,
-        max_noise_multiplier=None if cfg.noise_multiplier is not None else cfg.max_noise_multiplier,
-        noise=cfg.noise,
-        prior_groups=prior,
-    )
+    sigma, q, steps = dpcore.plan(dataset_size=n, prior_groups=prior, **cfg.plan_options())
     event_kind = dpcore.events.POISSON_LAPLACE if cfg.noise == "laplace" else dpcore.events.POISSON_GAUSSIAN
     # How many steps the budget allows at this σ (≥ the planned steps): computed once here, so
     # that the workers' budget check starts from it instead of searching again.

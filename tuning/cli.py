@@ -10,8 +10,7 @@ from typing import Any
 
 import dpcore
 
-from . import selection
-from .config import PRESETS, PRUNERS, SAMPLERS, SWEEP_FIELDS, SweepConfig
+from .config import SWEEP_FIELDS, SweepConfig
 from .sweep import run_preset, run_sweep
 
 
@@ -50,84 +49,7 @@ def build_parser(prog: str = "dp-platform sweep") -> argparse.ArgumentParser:
         "Watch a study live with: optuna-dashboard sqlite:///optuna.db",
     )
     p.add_argument("config", nargs="?", help="YAML file")
-    g = p.add_argument_group("sweep")
-    defaults = SweepConfig()
-    g.add_argument(
-        "--study", default=argparse.SUPPRESS, help=f"study name; the same name continues it (default: {defaults.study})"
-    )
-    g.add_argument(
-        "--storage",
-        default=argparse.SUPPRESS,
-        help=f"Optuna RDB storage URL (default: $DP_OPTUNA_STORAGE, else {defaults.storage}; postgresql://... on a cluster)",
-    )
-    g.add_argument(
-        "--n-trials",
-        type=int,
-        default=argparse.SUPPRESS,
-        help=f"finished trials to reach (default: {defaults.n_trials})",
-    )
-    g.add_argument(
-        "--max-concurrent",
-        type=int,
-        default=argparse.SUPPRESS,
-        help=f"trials running at once (default: {defaults.max_concurrent})",
-    )
-    g.add_argument("--sampler", choices=SAMPLERS, default=argparse.SUPPRESS, help="tpe (default) or random")
-    g.add_argument(
-        "--pruner",
-        choices=PRUNERS,
-        default=argparse.SUPPRESS,
-        help="none (default) or median (on intermediate validation accuracy)",
-    )
-    g.add_argument("--sampler-seed", type=int, default=argparse.SUPPRESS, help="seed of the sampler (public)")
-    g.add_argument(
-        "--heartbeat-interval",
-        type=int,
-        default=argparse.SUPPRESS,
-        help=f"seconds between trial heartbeats (default {defaults.heartbeat_interval})",
-    )
-    g.add_argument(
-        "--grace-period",
-        type=int,
-        default=argparse.SUPPRESS,
-        help=f"seconds without heartbeat before a trial is stale and retried (default {defaults.grace_period})",
-    )
-    g.add_argument(
-        "--max-retry",
-        type=int,
-        default=argparse.SUPPRESS,
-        help=f"retries of a trial whose process died (default {defaults.max_retry})",
-    )
-    g.add_argument(
-        "--private-selection",
-        choices=selection.DISTRIBUTIONS,
-        default=argparse.SUPPRESS,
-        help="account the choice of the best trial (Papernot & Steinke): a random number of trials from this distribution",
-    )
-    g.add_argument(
-        "--selection-mean",
-        type=float,
-        default=argparse.SUPPRESS,
-        help=f"mean number of trials (default {defaults.selection_mean:g})",
-    )
-    g.add_argument(
-        "--selection-shape",
-        type=float,
-        default=argparse.SUPPRESS,
-        help="negative-binomial shape η (1 = geometric; default 1)",
-    )
-    g.add_argument(
-        "--selection-noise-multiplier",
-        type=float,
-        default=argparse.SUPPRESS,
-        help="σ of the noise on the validation count (default 2)",
-    )
-    g.add_argument(
-        "--preset",
-        choices=PRESETS,
-        default=argparse.SUPPRESS,
-        help="bam-appendix: stage 1 DP-SGD (lr, lot), stage 2 λ for BAM and ρ for DP-SAT",
-    )
+    add_config_arguments(p, SweepConfig)
     add_config_arguments(p)
     return p
 

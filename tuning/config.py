@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import dpcore
+from pipelines.config.options import Section, option
 from pipelines.tracking import redact
 
 from . import selection
@@ -21,24 +22,37 @@ MEDIAN_PRUNER = {"n_startup_trials": 2, "n_warmup_steps": 0}
 
 
 @dataclass(frozen=True)
-class SweepConfig:
-    study: str = "dp-sweep"
-    storage: str = "sqlite:///optuna.db"
-    n_trials: int = 20
-    max_concurrent: int = 2
-    sampler: str = "tpe"
-    pruner: str = "none"
-    sampler_seed: int | None = None
-    heartbeat_interval: int = 10
-    grace_period: int = 30
-    max_retry: int = 2
-    private_selection: str | None = None
-    selection_mean: float = 8.0
-    selection_shape: float = 1.0
-    selection_noise_multiplier: float = 2.0
-    preset: str | None = None
-    space: dict | None = None
-    quiet: bool = False
+class SweepConfig(Section):
+    """A sweep's own options. The training options every trial shares are a TrainConfig beside it."""
+
+    SECTION = "sweep"
+
+    study: str = option("dp-sweep", "study name; the same name continues it")
+    storage: str = option(
+        "sqlite:///optuna.db",
+        "Optuna RDB storage URL (default: $DP_OPTUNA_STORAGE, else sqlite:///optuna.db; postgresql://... on a cluster)",
+    )
+    n_trials: int = option(20, "finished trials to reach")
+    max_concurrent: int = option(2, "trials running at once")
+    sampler: str = option("tpe", "tpe (default) or random", choices=SAMPLERS)
+    pruner: str = option("none", "none (default) or median (on intermediate validation accuracy)", choices=PRUNERS)
+    sampler_seed: int | None = option(None, "seed of the sampler (public)")
+    heartbeat_interval: int = option(10, "seconds between trial heartbeats")
+    grace_period: int = option(30, "seconds without heartbeat before a trial is stale and retried")
+    max_retry: int = option(2, "retries of a trial whose process died")
+    private_selection: str | None = option(
+        None,
+        "account the choice of the best trial (Papernot & Steinke): a random number of trials from this distribution",
+        choices=selection.DISTRIBUTIONS,
+    )
+    selection_mean: float = option(8.0, "mean number of trials")
+    selection_shape: float = option(1.0, "negative-binomial shape η (1 = geometric)")
+    selection_noise_multiplier: float = option(2.0, "σ of the noise on the validation count")
+    preset: str | None = option(
+        None, "bam-appendix: stage 1 DP-SGD (lr, lot), stage 2 λ for BAM and ρ for DP-SAT", choices=PRESETS
+    )
+    space: dict | None = option(None, "the search space (a 'space:' mapping in the YAML file)", flag=False)
+    quiet: bool = option(False, "no progress output", flag=False)  # the training flag --quiet sets it
 
     def validate(self) -> None:
         err = dpcore.DPConfigError

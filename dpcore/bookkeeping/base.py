@@ -168,6 +168,17 @@ def row_sq_norms(W: torch.Tensor, clip_norm: float) -> torch.Tensor:
     return sq
 
 
+def weight_and_bias(m: nn.Module, A: torch.Tensor, G: torch.Tensor, channels_first: bool, sq, ctx: Context) -> Part:
+    """The part of a weight-and-bias layer from its inputs ``A`` and output gradients ``G``
+    (channels first: [B, d, T] and [B, c, T]; else [B, T, d] and [B, T, c]), its examples'
+    squared norms added into ``sq``: per-example weight gradients where they are the cheaper
+    exact form, else the ghost form."""
+    s, W = weight_sq_norms(A, G, channels_first, ctx)
+    sq += s
+    bias_g = bias_per_example(m, G.sum(2 if channels_first else 1), sq)
+    return MaterialisedPart(m, W, bias_g) if W is not None else GhostPart(m, A, G, channels_first, bias_g)
+
+
 def weight_sq_norms(A: torch.Tensor, G: torch.Tensor, channels_first: bool, ctx: Context):
     """(‖W_i‖_F² per example in float64, the per-example gradients W_i or None), by the
     cheaper exact form: W_i = G_iᵀA_i materialised, or the ghost Σ_{t,s}(a_t·a_s)(g_t·g_s)."""

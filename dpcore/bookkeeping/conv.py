@@ -15,13 +15,12 @@ from torch import nn
 from .. import native
 from .base import (
     Context,
-    GhostPart,
     LayerForm,
     MaterialisedPart,
     bias_per_example,
     refuse_frozen_weight,
     row_sq_norms,
-    weight_sq_norms,
+    weight_and_bias,
 )
 
 
@@ -92,7 +91,4 @@ class ConvForm(LayerForm):
         return conv_per_example(m, a, g)
 
     def ghost(self, m: nn.Conv2d, A, G, sq, ctx: Context):
-        s, W = weight_sq_norms(A, G, True, ctx)
-        sq += s
-        bias_g = bias_per_example(m, G.sum(2), sq)
-        return MaterialisedPart(m, W, bias_g) if W is not None else GhostPart(m, A, G, True, bias_g)
+        return weight_and_bias(m, A, G, True, sq, ctx)

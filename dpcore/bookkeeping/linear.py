@@ -9,15 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import (
-    Context,
-    GhostPart,
-    LayerForm,
-    MaterialisedPart,
-    bias_per_example,
-    refuse_frozen_weight,
-    weight_sq_norms,
-)
+from .base import Context, LayerForm, refuse_frozen_weight, weight_and_bias
 
 
 class LinearForm(LayerForm):
@@ -28,7 +20,4 @@ class LinearForm(LayerForm):
         batch = a.shape[0]
         A = a.reshape(batch, -1, a.shape[-1])  # [B, T, d_in]
         G = g.reshape(batch, -1, g.shape[-1])  # [B, T, d_out]
-        s, W = weight_sq_norms(A, G, False, ctx)
-        sq += s
-        bias_g = bias_per_example(m, G.sum(1), sq)
-        return MaterialisedPart(m, W, bias_g) if W is not None else GhostPart(m, A, G, False, bias_g)
+        return weight_and_bias(m, A, G, False, sq, ctx)

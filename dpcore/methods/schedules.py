@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from ..errors import DPConfigError
 from .options import ASCENT_SCHEDULES, AscentArg, Schedule, check_method_options
@@ -19,48 +20,39 @@ def ascent_schedule(
         raise DPConfigError(f"ascent schedule {kind!r} is unknown; choose one of {', '.join(ASCENT_SCHEDULES)}.")
     value = float(value)
     if kind == "constant":
-        return _Constant(value)
+        return AscentSchedule("constant", value)
     if total_steps is None or total_steps < 1:
         raise DPConfigError(f"the {kind!r} ascent schedule needs the run's total number of steps.")
     if kind == "warmup":
         if not (0 < warmup_fraction <= 1):
             raise DPConfigError(f"warmup_fraction={warmup_fraction} must lie in (0, 1].")
-        return _Warmup(value, max(1, int(round(warmup_fraction * total_steps))))
-    return _Cosine(value, total_steps)
+        return AscentSchedule("warmup", value, max(1, int(round(warmup_fraction * total_steps))))
+    return AscentSchedule("cosine", value, total_steps)
 
 
-class _Constant:
-    def __init__(self, value: float):
-        self.value = value
+@dataclass(frozen=True)
+class AscentSchedule:
+    """λ or ρ at a 0-based step: ``constant``, ``warmup`` (linear from 0 over ``steps``) or
+    ``cosine`` (from ``value`` down to 0 over ``steps``)."""
+
+    kind: str
+    value: float
+    steps: int = 1
 
     def __call__(self, step: int) -> float:
+        if self.kind == "warmup":
+            return self.value * min(1.0, step / self.steps)
+        if self.kind == "cosine":
+            return 0.5 * self.value * (1.0 + math.cos(math.pi * min(step, self.steps) / self.steps))
         return self.value
 
     def __repr__(self) -> str:
-        return f"constant({self.value:g})"
-
-
-class _Warmup:
-    def __init__(self, value: float, steps: int):
-        self.value, self.steps = value, steps
-
-    def __call__(self, step: int) -> float:
-        return self.value * min(1.0, step / self.steps)
-
-    def __repr__(self) -> str:
-        return f"warmup({self.value:g}, {self.steps} steps)"
-
-
-class _Cosine:
-    def __init__(self, value: float, total: int):
-        self.value, self.total = value, total
-
-    def __call__(self, step: int) -> float:
-        return 0.5 * self.value * (1.0 + math.cos(math.pi * min(step, self.total) / self.total))
-
-    def __repr__(self) -> str:
-        return f"cosine({self.value:g}, {self.total} steps)"
+        return (
+            f"constant({self.value:g})"
+            if self.kind == "constant"
+            else f"{self.kind}({self.value:g}, {self.steps} steps)"
+        )
 
 
 def as_schedule(ascent: AscentArg) -> Schedule:
-    return ascent if callable(ascent) else _Constant(float(ascent))
+    return ascent if callable(ascent) else AscentSchedule("constant", float(ascent))

@@ -221,25 +221,15 @@ def mechanism_scores(
             raise dpcore.DPConfigError(f"mechanism={m!r} is unknown; use one of {', '.join(MECHANISMS)}.")
     if workers not in (1, 2):
         raise dpcore.DPConfigError(f"workers={workers}: the mechanism audit runs with 1 or 2 workers.")
-    if many:
-        if workers == 2 and all(m in ("dpsgd", "bam", "dpadam-laplace") for m in mechanism):
-            return _spawn_two(
-                list(mechanism), dim, canaries, repetitions, noise_multiplier, sample_rate, clip_norm, seed
-            )
-        return {
-            m: mechanism_scores(
-                m,
-                dim=dim,
-                canaries=canaries,
-                repetitions=repetitions,
-                noise_multiplier=noise_multiplier,
-                sample_rate=sample_rate,
-                clip_norm=clip_norm,
-                seed=seed,
-                workers=workers,
-            )
-            for m in mechanism
-        }
+    common = (dim, canaries, repetitions, noise_multiplier, sample_rate, clip_norm, seed)
+    if not many:
+        return _scores_of(mechanism, workers, *common)
+    if workers == 2 and all(m in ("dpsgd", "bam", "dpadam-laplace") for m in mechanism):
+        return _spawn_two(list(mechanism), *common)
+    return {m: _scores_of(m, workers, *common) for m in mechanism}
+
+
+def _scores_of(mechanism, workers, dim, canaries, repetitions, noise_multiplier, sample_rate, clip_norm, seed):
     if mechanism == "fedavg":
         return _fedavg_scores(dim, canaries, repetitions, noise_multiplier, sample_rate, clip_norm, seed, workers)
     if mechanism == "pca":
@@ -347,14 +337,5 @@ def mechanism_audit(
     workers: int = 1,
 ) -> MechanismAudit:
     """Run the mechanism audit and return ε_lb beside the ledger's ε (see the module doc)."""
-    s, inc = mechanism_scores(
-        mechanism,
-        dim=dim,
-        canaries=canaries,
-        repetitions=repetitions,
-        noise_multiplier=noise_multiplier,
-        sample_rate=sample_rate,
-        seed=seed,
-        workers=workers,
-    )
-    return _bound(mechanism, s, inc, noise_multiplier, sample_rate, delta, confidence, seed, workers)
+    options = {k: v for k, v in locals().items() if k != "mechanism"}  # the keywords above, as given
+    return mechanism_audits([mechanism], **options)[0]

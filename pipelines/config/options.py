@@ -23,10 +23,11 @@ import dpcore
 S = TypeVar("S")
 
 
-def option(default, help: str, group: str | None = None):
+def option(default, help: str, group: str | None = None, choices=None, flag: bool = True):
     """One option: its default and the help text the CLI shows. ``group`` overrides the
-    section's name as the heading of its flag in ``--help``."""
-    return field(default=default, metadata={"help": help, "group": group})
+    section's name as the heading of its flag in ``--help``; ``choices`` lets the flag refuse
+    anything else; ``flag=False`` keeps it out of the command line (YAML only)."""
+    return field(default=default, metadata={"help": help, "group": group, "choices": choices, "flag": flag})
 
 
 class Section:
@@ -216,6 +217,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls) -> None:
     groups: dict[str, argparse._ArgumentGroup] = {}
     headings = section_of(cls)
     for f in dataclasses.fields(cls):
+        if not f.metadata.get("flag", True):
+            continue
         g = headings[f.name]
         if g not in groups:
             groups[g] = parser.add_argument_group(g)
@@ -230,4 +233,23 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls) -> None:
             )
         else:
             kind = int if t.startswith("int") else float if t.startswith("float") else str
-            groups[g].add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=f.name.upper(), help=helptext)
+            choices = f.metadata.get("choices")
+            groups[g].add_argument(
+                flag,
+                type=kind,
+                default=argparse.SUPPRESS,
+                help=helptext,
+                **({"choices": choices} if choices else {"metavar": f.name.upper()}),
+            )
+
+
+def config_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A command's parser with the YAML CONFIG argument; add the options with
+    :func:`add_config_arguments`."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog="Options come from the defaults, then the YAML CONFIG file, then these flags.",
+    )
+    p.add_argument("config", nargs="?", help="YAML file of options (keys as the flags with _ or -, flat or by section)")
+    return p

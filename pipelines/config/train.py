@@ -284,18 +284,35 @@ class TrainConfig(
         """Check every option that needs no data: each section's own checks, then what crosses
         sections. Raises DPConfigError naming the value and the fix."""
         self.check_sections()
-        dpcore.check_method_options(  # the method objects decide what combines (one place)
-            method=self.method,
-            ascent=self.resolved_ascent(),
-            bam_variant=self.bam_variant,
-            noise=self.noise,
-            clip_norm_type=self.clip_norm_type,
-            augmentation_multiplicity=self.augmentation_multiplicity,
-            clipping=self.clipping,
-            accountant=self.accountant,
-        )
+        # the method objects decide what combines (one place)
+        dpcore.check_method_options(**self.method_options(), clipping=self.clipping, accountant=self.accountant)
         if self.pca_components and self.model != "mlp":
             raise dpcore.DPConfigError(
                 f"pca_components={self.pca_components} projects the inputs to vectors, which only model='mlp' "
                 f"takes (not {self.model!r})."
             )
+
+    def method_options(self) -> dict:
+        """The method's options as ``dpcore.check_method_options`` and ``DPOptimizer`` take them
+        (λ/ρ resolved to its value; the worker turns it into the run's schedule)."""
+        return {
+            "method": self.method,
+            "ascent": self.resolved_ascent(),
+            "bam_variant": self.bam_variant,
+            "noise": self.noise,
+            "clip_norm_type": self.clip_norm_type,
+            "augmentation_multiplicity": self.augmentation_multiplicity,
+        }
+
+    def plan_options(self) -> dict:
+        """``dpcore.plan``'s arguments but the dataset size and the run's other releases."""
+        return {
+            "lot_size": self.lot_size,
+            "epochs": self.epochs,
+            "target_epsilon": self.target_epsilon,
+            "target_delta": self.target_delta,
+            "noise_multiplier": self.noise_multiplier,
+            "accountant": self.accountant,
+            "max_noise_multiplier": None if self.noise_multiplier is not None else self.max_noise_multiplier,
+            "noise": self.noise,
+        }

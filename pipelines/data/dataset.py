@@ -119,16 +119,22 @@ def with_sizes(info: dict, n_train: int, n_val: int, n_test: int) -> dict:
     return {**info, "train_examples": n_train, "val_examples": n_val, "test_examples": n_test}
 
 
-def split_dataset(name, x, y, num_classes, test_fraction, val_fraction, split_seed, **extra) -> Dataset:
-    """One pool of labelled data → train/val/test by a public permutation."""
+def split_sizes(name: str, n: int, test_fraction: float, val_fraction: float) -> tuple[int, int, int]:
+    """(train, validation, test) sizes of a pool of ``n`` examples; an error if no training example is left."""
     check_fractions(test_fraction, val_fraction)
-    n = x.shape[0]
-    perm = split_permutation(n, split_seed)
     n_test = int(round(n * test_fraction))
     n_val = int(round(n * val_fraction))
-    test_idx, val_idx, train_idx = perm[:n_test], perm[n_test : n_test + n_val], perm[n_test + n_val :]
-    if len(train_idx) == 0:
+    if n - n_test - n_val <= 0:
         raise DPConfigError(f"the dataset {name!r} has no training examples after the split (N={n}).")
+    return n - n_test - n_val, n_val, n_test
+
+
+def split_dataset(name, x, y, num_classes, test_fraction, val_fraction, split_seed, **extra) -> Dataset:
+    """One pool of labelled data → train/val/test by a public permutation."""
+    n = x.shape[0]
+    _, n_val, n_test = split_sizes(name, n, test_fraction, val_fraction)
+    perm = split_permutation(n, split_seed)
+    test_idx, val_idx, train_idx = perm[:n_test], perm[n_test : n_test + n_val], perm[n_test + n_val :]
     info = {
         "source": "one pool",
         "test_fraction": test_fraction,
@@ -147,8 +153,10 @@ def split_dataset(name, x, y, num_classes, test_fraction, val_fraction, split_se
     )
 
 
-def train_test_dataset(name, x_tr, y_tr, x_te, y_te, num_classes, val_fraction, split_seed, **extra) -> Dataset:
-    """A dataset with its own test set: validation is carved out of the training set."""
+def train_test_dataset(name, train, test, num_classes, val_fraction, split_seed, **extra) -> Dataset:
+    """A dataset with its own test set (``train`` and ``test`` are (x, y) pairs): validation
+    is carved out of the training set."""
+    (x_tr, y_tr), (x_te, y_te) = train, test
     check_fractions(0.0, val_fraction)
     n = x_tr.shape[0]
     perm = split_permutation(n, split_seed)

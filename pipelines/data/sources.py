@@ -39,9 +39,9 @@ from .dataset import (
     Dataset,
     Normalization,
     Split,
-    check_fractions,
     published_normalization,
     split_dataset,
+    split_sizes,
     train_test_dataset,
     with_sizes,
 )
@@ -88,7 +88,7 @@ def load_generated(
         image_shape = (int(generated_channels), int(image_size), int(image_size))
     if isinstance(generated_size, bool) or not isinstance(generated_size, int) or generated_size < 10:
         raise DPConfigError(f"generated_size={generated_size!r} is invalid: it must be an integer ≥ 10.")
-    check_fractions(test_fraction, val_fraction)
+    n_train, n_val, n_test = split_sizes("generated", generated_size, test_fraction, val_fraction)
     g = torch.Generator().manual_seed(GENERATED_SEED)
     shape = tuple(int(s) for s in image_shape)
     prototypes = torch.randn((num_classes,) + shape, generator=g)
@@ -100,11 +100,6 @@ def load_generated(
         x[lo:hi] = (
             (128.0 + _GENERATED_GAIN * (prototypes[y[lo:hi]] + 1.5 * noise)).round_().clamp_(0, 255).to(torch.uint8)
         )
-    n_test = int(round(generated_size * test_fraction))
-    n_val = int(round(generated_size * val_fraction))
-    n_train = generated_size - n_test - n_val
-    if n_train <= 0:
-        raise DPConfigError(f"the dataset 'generated' has no training examples after the split (N={generated_size}).")
     info = {
         "source": "generated (i.i.d.)",
         "test_fraction": test_fraction,
@@ -157,25 +152,15 @@ def load_idx(
         getattr(torchvision.datasets, _TORCHVISION[name])(root=str(root), train=True, download=True)
         getattr(torchvision.datasets, _TORCHVISION[name])(root=str(root), train=False, download=True)
     files = find_idx_files(name, data_dir)
-    x_tr, y_tr = read_idx_split(*files["train"])
-    x_te, y_te = read_idx_split(*files["test"])
-    if x_tr.shape[1:] != x_te.shape[1:]:
+    train, test = read_idx_split(*files["train"]), read_idx_split(*files["test"])
+    if train[0].shape[1:] != test[0].shape[1:]:
         raise DPConfigError(
-            f"{files['train'][0]} holds images of {tuple(x_tr.shape[2:])} but {files['test'][0]} of {tuple(x_te.shape[2:])}."
+            f"{files['train'][0]} holds images of {tuple(train[0].shape[2:])} but {files['test'][0]} of "
+            f"{tuple(test[0].shape[2:])}."
         )
     source = {"files": {split: [str(p) for p in pair] for split, pair in files.items()}}
-    return train_test_dataset(
-        name,
-        x_tr,
-        y_tr,
-        x_te,
-        y_te,
-        10,
-        val_fraction,
-        split_seed,
-        normalization=published_normalization(name),
-        source=source,
-    )
+    norm = published_normalization(name)
+    return train_test_dataset(name, train, test, 10, val_fraction, split_seed, normalization=norm, source=source)
 
 
 def load_torchvision(
@@ -199,18 +184,9 @@ def load_torchvision(
         x = x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)  # [N,H,W] or [N,H,W,C] -> [N,C,H,W]
         return x.contiguous(), torch.as_tensor(np.asarray(ds.targets), dtype=torch.long)
 
-    x_tr, y_tr = tensors(train)
-    x_te, y_te = tensors(test)
+    norm = published_normalization(name)
     return train_test_dataset(
-        name,
-        x_tr,
-        y_tr,
-        x_te,
-        y_te,
-        len(train.classes),
-        val_fraction,
-        split_seed,
-        normalization=published_normalization(name),
+        name, tensors(train), tensors(test), len(train.classes), val_fraction, split_seed, normalization=norm
     )
 
 
@@ -247,12 +223,12 @@ def load_imagefolder(
     norm = Normalization(1.0 / 255.0)  # pixels to [0, 1]: a fixed public scale, no statistic of the private images
     test_dir = next((root / d for d in ("test", "val") if (root / d).is_dir()), None)
     if (root / "train").is_dir() and test_dir is not None:
-        x_tr, y_tr, classes = load(root / "train")
-        x_te, y_te, test_classes = load(test_dir)
+        *train, classes = load(root / "train")
+        *test, test_classes = load(test_dir)
         if test_classes != classes:
             raise DPConfigError(f"{root}/train and {test_dir} have different class folders.")
         return train_test_dataset(
-            "imagefolder", x_tr, y_tr, x_te, y_te, len(classes), val_fraction, split_seed, normalization=norm
+            "imagefolder", train, test, len(classes), val_fraction, split_seed, normalization=norm
         )
     x, y, classes = load(root)
     return split_dataset("imagefolder", x, y, len(classes), test_fraction, val_fraction, split_seed, normalization=norm)

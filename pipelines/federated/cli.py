@@ -9,19 +9,18 @@ import warnings
 import dpcore
 
 from ..config import add_config_arguments, load_config
+from ..config.options import config_parser
 from .config import FederatedConfig
 from .rounds import run_federated
 
 
 # ------------------------------------------------------------------------------------------
 def build_parser(prog: str = "python -m pipelines.federated") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="Client-level (ε, δ)-DP federated averaging (DP-FedAvg, Geyer et al. 2017 / McMahan et al. 2018) with "
+    p = config_parser(
+        prog,
+        "Client-level (ε, δ)-DP federated averaging (DP-FedAvg, Geyer et al. 2017 / McMahan et al. 2018) with "
         "clients simulated on Ray actors; the ledger, metrics and model go to MLflow.",
-        epilog="Options come from the defaults, then the YAML CONFIG file, then these flags.",
     )
-    p.add_argument("config", nargs="?", help="YAML file of options (keys as the flags, with _ or -)")
     add_config_arguments(p, FederatedConfig)
     return p
 

@@ -16,18 +16,17 @@ import dpcore
 
 from .. import tracking
 from ..config import add_config_arguments, load_config
+from ..config.options import config_parser
 from .driver import run
 from .resume import RESUME_MAY_CHANGE
 
 
 def build_parser(prog: str = "python -m pipelines.train") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="Train a model with example-level (ε, δ)-differential privacy (DP-SGD family) on Ray Train "
+    p = config_parser(
+        prog,
+        "Train a model with example-level (ε, δ)-differential privacy (DP-SGD family) on Ray Train "
         "workers, and log the run's privacy ledger, metrics and model to MLflow. ε is computed from the ledger.",
-        epilog="Options come from the defaults, then the YAML CONFIG file, then these flags.",
     )
-    p.add_argument("config", nargs="?", help="YAML file of options (keys as the flags, with _ or -)")
     p.add_argument(
         "--resume",
         metavar="RUN_ID",

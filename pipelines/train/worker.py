@@ -67,16 +67,13 @@ def method_options(cfg: TrainConfig, plan: RunPlan, rank: int) -> dict:
         augment = CropFlipMultiplicity(
             cfg.augmentation_multiplicity, cfg.augment_padding, cfg.augment_flip, seed=cfg.init_seed * 1000 + rank
         )
+    options = cfg.method_options()
     return {
-        "method": cfg.method,
+        **options,
         "ascent": dpcore.ascent_schedule(
-            cfg.resolved_ascent(), cfg.ascent_schedule, plan.steps, cfg.ascent_warmup_fraction
+            options["ascent"], cfg.ascent_schedule, plan.steps, cfg.ascent_warmup_fraction
         ),
-        "bam_variant": cfg.bam_variant,
-        "noise": cfg.noise,
-        "clip_norm_type": cfg.clip_norm_type,
         "augment": augment,
-        "augmentation_multiplicity": cfg.augmentation_multiplicity,
         "diagnostics": cfg.diagnostics,
     }
 
