@@ -35,9 +35,7 @@ PROG = "dp-platform"
 def _ingest(argv: list[str]) -> int:
     import time
 
-    from .config import load_config
-    from .data import DATASETS, CorruptShardError, ingest, load_dataset, verify
-    from .data.sources import SOURCE_OPTIONS
+    from .catalog import DATASETS
 
     p = argparse.ArgumentParser(
         prog=f"{PROG} ingest",
@@ -69,6 +67,10 @@ def _ingest(argv: list[str]) -> int:
     p.add_argument("--test-fraction", type=float, default=0.2, help="test fraction, for datasets without a test set")
     p.add_argument("--split-seed", type=int, default=0, help="seed of the public split permutation")
     a = p.parse_args(argv)
+    from .config import load_config  # torch and pyarrow: after the flags are parsed
+    from .data import CorruptShardError, ingest, load_dataset, verify
+    from .data.sources import SOURCE_OPTIONS
+
     t0 = time.monotonic()
     try:
         if a.verify:
@@ -118,10 +120,6 @@ def fetch_ledger(run_id: str, tracking_uri: str):
 
 
 def _ledger(argv: list[str]) -> int:
-    import mlflow
-
-    from .tracking import resolve_tracking_uri
-
     p = argparse.ArgumentParser(
         prog=f"{PROG} ledger",
         description="Print a run's privacy ledger (every noisy release, with the cumulative ε) from MLflow.",
@@ -135,6 +133,10 @@ def _ledger(argv: list[str]) -> int:
     p.add_argument("--all", action="store_true", help="print every entry (default: the first and last 10)")
     p.add_argument("--csv", action="store_true", help="print CSV instead of a table")
     a = p.parse_args(argv)
+    import mlflow
+
+    from .tracking import resolve_tracking_uri
+
     uri = resolve_tracking_uri(a.tracking_uri)
     try:
         run = mlflow.MlflowClient(uri).get_run(a.run_id)
@@ -270,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return getattr(jobs, f"main_{cmd}")(rest, prog=f"{PROG} {cmd}")
     if cmd == "bench":
-        from .ops.bench import main as bench_main
+        from .ops.bench_cli import main as bench_main
 
         return bench_main(rest)
     return commands[cmd](rest)

@@ -32,7 +32,8 @@ from torch import nn
 from dpcore import DPConfigError
 from dpcore.layers import WSConv2d
 
-MODELS = ("mlp", "small_cnn", "cnn", "resnet9", "wrn16_4", "scatter_linear", "scatter_cnn", "tv:<torchvision name>")
+from .catalog import MODELS
+
 GROUPS = 16
 SCATTER_GROUPS = 27  # Tramèr & Boneh's GroupNorm over the 81 scattering channels
 
@@ -313,6 +314,18 @@ ARCHITECTURE_OPTIONS = {  # which models take which options
 }
 
 
+# model name (catalog.MODELS) -> builder; "tv:<name>" is any torchvision model
+MODEL_BUILDERS = {
+    "mlp": mlp,
+    "small_cnn": small_cnn,
+    "cnn": mnist_cnn,
+    "resnet9": resnet9,
+    "wrn16_4": wide_resnet,
+    "scatter_linear": scatter_linear,
+    "scatter_cnn": scatter_cnn,
+}
+
+
 def build_model(
     name: str,
     input_shape: tuple[int, ...],
@@ -323,15 +336,7 @@ def build_model(
     weight_standardization: bool = False,
 ) -> nn.Module:
     """Build ``name`` for ``input_shape`` [C, H, W] and ``num_classes`` (see module doc)."""
-    builders = {
-        "mlp": mlp,
-        "small_cnn": small_cnn,
-        "cnn": mnist_cnn,
-        "resnet9": resnet9,
-        "wrn16_4": wide_resnet,
-        "scatter_linear": scatter_linear,
-        "scatter_cnn": scatter_cnn,
-    }
+    builders = MODEL_BUILDERS
     given = {
         "activation": activation,
         "groupnorm": groupnorm or None,

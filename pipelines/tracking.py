@@ -19,6 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .plan import RunPlan
 
 import contextlib
@@ -33,8 +35,6 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
-
-import numpy as np
 
 import dpcore
 

@@ -11,7 +11,6 @@ from typing import Any
 import dpcore
 
 from .config import SWEEP_FIELDS, SweepConfig
-from .sweep import run_preset, run_sweep
 
 
 def print_summary(s: dict) -> None:
@@ -91,6 +90,8 @@ def main(argv: list[str] | None = None, prog: str = "dp-platform sweep") -> int:
     try:
         sweep, base = load_sweep_config(path, args)
         if sweep.preset == "bam-appendix":
+            from .sweep import run_preset  # Optuna, Ray and MLflow: after the flags are parsed
+
             out = run_preset(sweep, base)
             for name, s in [("stage 1 (DP-SGD)", out["stage1"])] + [
                 (f"stage 2 ({m})", s) for m, s in out["stage2"].items()
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None, prog: str = "dp-platform sweep") -> int:
                 print(f"== {name}")
                 print_summary(s)
             return 0
+        from .sweep import run_sweep
+
         out = run_sweep(sweep, base)
     except dpcore.DPError as e:
         print(f"error: {e}", file=sys.stderr)

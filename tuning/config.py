@@ -12,12 +12,12 @@ import dpcore
 from pipelines.config.options import Section, option
 from pipelines.tracking import redact
 
-from . import selection
 from .space import SearchSpace
 
 SAMPLERS = ("tpe", "random")
 PRUNERS = ("none", "median")
 PRESETS = ("bam-appendix",)
+DISTRIBUTIONS = ("poisson", "negative-binomial")  # of the number of trials, for private selection
 MEDIAN_PRUNER = {"n_startup_trials": 2, "n_warmup_steps": 0}
 
 
@@ -43,7 +43,7 @@ class SweepConfig(Section):
     private_selection: str | None = option(
         None,
         "account the choice of the best trial (Papernot & Steinke): a random number of trials from this distribution",
-        choices=selection.DISTRIBUTIONS,
+        choices=DISTRIBUTIONS,
     )
     selection_mean: float = option(8.0, "mean number of trials")
     selection_shape: float = option(1.0, "negative-binomial shape η (1 = geometric)")
@@ -71,9 +71,9 @@ class SweepConfig(Section):
         if self.preset is not None and self.preset not in PRESETS:
             raise err(f"preset={self.preset!r} is unknown; available: {', '.join(PRESETS)}.")
         if self.private_selection is not None:
-            if self.private_selection not in selection.DISTRIBUTIONS:
+            if self.private_selection not in DISTRIBUTIONS:
                 raise err(
-                    f"private_selection={self.private_selection!r} is unknown; choose one of {', '.join(selection.DISTRIBUTIONS)}."
+                    f"private_selection={self.private_selection!r} is unknown; choose one of {', '.join(DISTRIBUTIONS)}."
                 )
             if self.sampler != "random" or self.pruner != "none":
                 raise err(

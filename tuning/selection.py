@@ -25,8 +25,6 @@ import dp_accounting
 import dpcore
 from dpcore.accountants.rdp import quiet_absl
 
-DISTRIBUTIONS = ("poisson", "negative-binomial")
-
 
 def trial_event(noise_multiplier: float, sample_rate: float, steps: int, score_noise: float) -> dp_accounting.DpEvent:
     return dp_accounting.ComposedDpEvent(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dpcore
 
-from .mechanisms import MECHANISMS, mechanism_audit
+from ..catalog import AUDIT_MECHANISMS as MECHANISMS
 
 
 def main(argv: list[str] | None = None, prog: str = "dp-platform audit") -> int:
@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None, prog: str = "dp-platform audit") -> int:
                 warnings.simplefilter(
                     "ignore", dpcore.SeededRandomnessWarning
                 )  # the mechanism audit is seeded on purpose
+                from .mechanisms import mechanism_audit  # torch: after the flags are parsed
+
                 res = mechanism_audit(
                     mechanism,
                     dim=mech_args["dim"],

@@ -53,7 +53,9 @@ from torch import nn
 import dpcore
 from dpcore.audit import distinguishing_epsilon_lower_bound
 
-MECHANISMS = ("dpsgd", "bam", "dpadam-laplace", "fedavg", "pca")
+from ..catalog import AUDIT_MECHANISMS
+
+MECHANISMS = AUDIT_MECHANISMS
 
 
 @dataclass(frozen=True)

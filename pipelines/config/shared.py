@@ -10,8 +10,7 @@ from pathlib import Path
 
 import dpcore
 
-from ..data import DATASETS, NEEDS_DATA_DIR, USES_DATA_DIR
-from ..models import MODELS, check_activation
+from ..catalog import DATASETS, MODELS, NEEDS_DATA_DIR, USES_DATA_DIR
 from .options import Section, check_count, option
 
 
@@ -75,6 +74,8 @@ def check_model(cfg) -> None:
     if not (cfg.model in MODELS[:-1] or (cfg.model.startswith("tv:") and len(cfg.model) > 3)):
         raise dpcore.DPConfigError(f"model={cfg.model!r} is unknown; available: {', '.join(MODELS)}.")
     if getattr(cfg, "activation", None) is not None:
+        from ..models import check_activation
+
         check_activation(cfg.activation)
 
 

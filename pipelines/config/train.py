@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import dpcore
 
-from ..models import MODELS
+from ..catalog import MODELS
 from .options import Composed, Section, check_choice, check_count, check_positive_number, check_seed, option
 from .shared import AuditOptions, DatasetOptions, TrackingOptions, check_model
 

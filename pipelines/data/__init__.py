@@ -2,13 +2,11 @@
 memory-mapped by workers (:mod:`.shards`), and public fixed feature transforms cached once per
 dataset (:mod:`.features`)."""
 
-from .idx import IDX_DATASETS, find_idx_files, read_idx_split
+from ..catalog import DATASETS, IDX_DATASETS, NEEDS_DATA_DIR, USES_DATA_DIR
+from .idx import find_idx_files, read_idx_split
 from .mapped import MappedSplit, model_example, open_split, read_split, train_size
 from .shards import CorruptShardError, ingest, read_manifest, sha256_file, verify
 from .sources import (
-    DATASETS,
-    NEEDS_DATA_DIR,
-    USES_DATA_DIR,
     Dataset,
     Normalization,
     Split,

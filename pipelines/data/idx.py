@@ -26,11 +26,8 @@ import torch
 
 from dpcore import DPConfigError
 
-# dataset name -> (torchvision's folder name, the standard install path, the Debian package)
-IDX_DATASETS = {
-    "fashion-mnist": ("FashionMNIST", "/usr/share/datasets/fashion-mnist", "dataset-fashion-mnist"),
-    "mnist": ("MNIST", "/usr/share/datasets/mnist", None),
-}
+from ..catalog import IDX_DATASETS
+
 FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),

@@ -35,6 +35,7 @@ import torch
 
 from dpcore import DPConfigError
 
+from ..catalog import DATASETS
 from .dataset import (
     Dataset,
     Normalization,
@@ -46,10 +47,6 @@ from .dataset import (
     with_sizes,
 )
 from .idx import IDX_DATASETS, find_idx_files, read_idx_split
-
-DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder", "generated")
-NEEDS_DATA_DIR = ("cifar10", "cifar100", "imagefolder")  # mnist and fashion-mnist have a standard path
-USES_DATA_DIR = NEEDS_DATA_DIR + tuple(IDX_DATASETS)
 
 
 # ------------------------------------------------------------------------------------------

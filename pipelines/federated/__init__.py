@@ -22,8 +22,20 @@ clipping, the ledger) is :mod:`dpcore.federated`; this module runs it:
   to MLflow with ``dp.level=client``.
 """
 
-from .config import ActorFault, FederatedConfig
-from .plan import plan_federated
-from .rounds import run_federated
+_LAZY = {
+    "ActorFault": "config",
+    "FederatedConfig": "config",
+    "plan_federated": "plan",
+    "run_federated": "rounds",
+}
 
-__all__ = ["ActorFault", "FederatedConfig", "plan_federated", "run_federated"]
+
+def __getattr__(name: str):  # loaded on first use: the command line's help imports no torch
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

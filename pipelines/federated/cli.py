@@ -11,7 +11,6 @@ import dpcore
 from ..config import add_config_arguments, load_config
 from ..config.options import config_parser
 from .config import FederatedConfig
-from .rounds import run_federated
 
 
 # ------------------------------------------------------------------------------------------
@@ -32,6 +31,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.federat
         with warnings.catch_warnings():
             warnings.simplefilter("once", dpcore.SeededRandomnessWarning)
             cfg = load_config(config_path, args, cls=FederatedConfig)
+            from .rounds import run_federated  # torch, Ray and MLflow: after the flags are parsed
+
             out = run_federated(cfg)
     except dpcore.DPError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -28,9 +28,10 @@ import torch.nn.functional as F
 from dpcore import DPConfigError
 from dpcore.federated import clip_update
 
+from ..catalog import CLIENT_SPLITS
 from ..models import build_model
 
-SPLITS = ("noniid", "iid")
+SPLITS = CLIENT_SPLITS
 
 
 def split_clients(

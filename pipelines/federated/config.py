@@ -6,13 +6,11 @@ import math
 from dataclasses import dataclass
 
 import dpcore
-from dpcore.federated import CLIP_POLICIES, AdaptiveClipping
 
+from ..catalog import CLIENT_SPLITS as SPLITS
+from ..catalog import DATASETS, MODELS
 from ..config import AuditOptions, Composed, DatasetOptions, Section, TrackingOptions, check_model, option
 from ..config.options import check_choice, check_count, check_positive_number, check_seed
-from ..data import DATASETS
-from ..models import MODELS
-from .clients import SPLITS
 
 STOPPING = ("epsilon", "delta")
 EXECUTORS = ("ray", "local")
@@ -101,12 +99,16 @@ class FedPrivacyConfig(Section):
         "epsilon",
         "epsilon: stop before ε at δ passes the target; delta: Geyer et al.'s rule, stop before δ at the fixed ε passes Q",
     )
-    accountant: str = option("pld", f"accountant: {', '.join(dpcore.ACCOUNTANTS)}")
+    accountant: str = option(
+        "pld", "accountant: pld (tight; the default), rdp (Rényi DP), moments (Abadi et al.'s moments accountant)"
+    )
     seed: int | None = option(
         None, "seed for client sampling and noise: tests and research only (default: secure, OS entropy)"
     )
 
     def check(self) -> None:
+        from dpcore.federated import CLIP_POLICIES, AdaptiveClipping
+
         err = dpcore.DPConfigError
         check_choice(self, "clip_policy", CLIP_POLICIES)
         check_choice(self, "stopping", STOPPING)

@@ -17,7 +17,6 @@ import dpcore
 from .. import tracking
 from ..config import add_config_arguments, load_config
 from ..config.options import config_parser
-from .driver import run
 from .resume import RESUME_MAY_CHANGE
 
 
@@ -53,6 +52,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.train")
             cfg = load_config(config_path, args)
             if resume is None and cfg.seed is not None:
                 dpcore.make_randomness(cfg.seed)  # the warning, once, on the driver
+            from .driver import run  # torch, Ray and MLflow: after the flags are parsed
+
             out = run(cfg, resume=resume, resume_changes={k: v for k, v in args.items() if k in RESUME_MAY_CHANGE})
     except dpcore.DPError as e:
         print(f"error: {e}", file=sys.stderr)

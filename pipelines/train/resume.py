@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import dpcore
 
 from .. import tracking
 from ..config import TrainConfig, config_from_dict
-from ..plan import RunPlan
+
+if TYPE_CHECKING:
+    from ..plan import RunPlan
 
 RESUME_MAY_CHANGE = ("quiet", "max_failures", "ray_address")
 
@@ -18,6 +21,8 @@ def resume_plan(run_id: str, tracking_uri: str, changes: dict) -> tuple[RunPlan,
     """The plan of an earlier run, to continue it after the driver died."""
     import mlflow
     from mlflow import MlflowClient
+
+    from ..plan import RunPlan
 
     bad = sorted(set(changes) - set(RESUME_MAY_CHANGE))
     if bad:

@@ -1,0 +1,86 @@
+"""The command line answers at once: ``dp-platform [CMD] --help`` builds its help without
+importing torch, Ray, MLflow, Optuna, pyarrow or scikit-learn (K, must-show 5). The times are
+measured by docs/benchmarks/cli_help.sh (a table, not a timed test)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+COMMANDS = ["", "train", "sweep", "federated", "audit", "ingest", "ledger", "ui", "bench", "stack", "submit"]
+COMMANDS += ["status", "logs", "stop"]
+HEAVY = ("torch", "ray", "mlflow", "optuna", "pyarrow", "sklearn", "scipy", "dp_accounting", "numpy")
+
+PROBE = """
+import json, sys
+from pipelines.cli import main
+argv = sys.argv[1:]
+try:
+    code = main(argv)
+except SystemExit as e:
+    code = e.code
+print(json.dumps({"code": code, "heavy": sorted(m for m in HEAVY if m in sys.modules)}))
+""".replace("HEAVY", repr(HEAVY))
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=[c or "top" for c in COMMANDS])
+def test_help_imports_nothing_heavy(command):
+    argv = [command, "--help"] if command else ["--help"]
+    out = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    *help_lines, last = out.stdout.strip().splitlines()
+    result = json.loads(last)
+    assert result["code"] in (0, None)
+    assert result["heavy"] == [], f"`dp-platform {command} --help` imported {result['heavy']}"
+    assert len(help_lines) > 5  # a real help text
+
+
+def test_the_version_answers_without_heavy_imports():
+    out = subprocess.run([sys.executable, "-c", PROBE, "--version"], capture_output=True, text=True, timeout=60)
+    first, last = out.stdout.strip().splitlines()
+    assert first.startswith("dp-platform ") and json.loads(last) == {"code": 0, "heavy": []}
+
+
+def test_import_dpcore_is_lazy_and_complete():
+    """``import dpcore`` loads no torch; every exported name still resolves, to the same object
+    as its home module's."""
+    code = """
+import importlib, sys
+import dpcore
+assert "torch" not in sys.modules
+from dpcore import DPConfigError
+assert "torch" not in sys.modules
+for name in dpcore.__all__:
+    value = getattr(dpcore, name)
+    home = dpcore._EXPORTS.get(name)
+    if home is not None:
+        assert value is getattr(importlib.import_module("dpcore." + home), name), name
+assert sorted(dpcore.__all__) == sorted(set(dpcore._EXPORTS) | set(dpcore._SUBMODULES))
+try:
+    dpcore.no_such_name
+except AttributeError:
+    pass
+else:
+    raise AssertionError("no AttributeError")
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_catalog_names_what_the_modules_implement():
+    from pipelines import catalog
+    from pipelines.audit import mechanisms
+    from pipelines.data import sources
+    from pipelines.ops import bench, bench_cli
+
+    assert tuple(bench.MODELS) == bench_cli.BENCH_MODELS
+    assert mechanisms.MECHANISMS == catalog.AUDIT_MECHANISMS
+    for name in catalog.DATASETS:  # every listed dataset has a loader (an unknown one is refused)
+        assert name in sources.DATASETS
+    from pipelines.models import MODEL_BUILDERS
+
+    assert set(catalog.MODELS[:-1]) == set(MODEL_BUILDERS)
