@@ -40,11 +40,21 @@ def _faults(env_extra):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
 def test_kept_memory_removes_the_page_faults_of_a_private_step():
-    applied, tuned = _faults({})
-    assert applied
-    off, default = _faults({"DP_MALLOC_TUNE": "0"})
-    assert not off
+    tuned = []
+    for _ in range(3):  # with the setting: nearly no fault, every time
+        applied, faults = _faults({})
+        assert applied and faults < 50, faults
+        tuned.append(faults)
     # With glibc's defaults a private MNIST-CNN step (batch 256) faults in thousands of fresh
-    # pages every time (3,754 per step measured here); with the setting, nearly none.
-    assert tuned < 50, tuned
-    assert default > 20 * max(tuned, 1.0), (default, tuned)
+    # pages on most runs, but not all: glibc's dynamic mmap threshold sometimes settles where
+    # the temporaries are reused (measured 2026-11-24 over 14 fresh processes: 0.2, 0.2, 43, 252
+    # and ten runs of 1,400 to 7,147 per step). So the default is sampled until it faults, up to
+    # 6 times (all six quiet by chance: about 1e-5).
+    defaults = []
+    for _ in range(6):
+        off, faults = _faults({"DP_MALLOC_TUNE": "0"})
+        assert not off
+        defaults.append(faults)
+        if faults > 20 * max(max(tuned), 1.0):
+            break
+    assert max(defaults) > 20 * max(max(tuned), 1.0), (defaults, tuned)
