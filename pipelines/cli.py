@@ -13,6 +13,7 @@ dp-platform submit [--sweep] CONFIG [-- ARGS] a training run or a sweep as a Ray
 dp-platform status [JOB_ID]                   a job's status (with the reason when it failed), or all jobs
 dp-platform logs JOB_ID [--follow]            a job's logs
 dp-platform stop JOB_ID                       stop a job
+dp-platform clean [--yes]                     remove dp_runs/, the local mlflow.db and mlruns/, ~/.cache/dp-platform (asks first)
 dp-platform --version                         the installed version
 """
 
@@ -189,26 +190,115 @@ def ui_argv(tracking_uri: str, host: str, port: int) -> list[str]:
     ]
 
 
-def _ui(argv: list[str]) -> int:
-    from .tracking import resolve_tracking_uri
+def _stack_mlflow_port() -> int | None:
+    """The port of the local stack's MLflow server, if a stack is up on this machine."""
+    from .ops.stack.common import default_dir
 
+    state = default_dir() / "stack.json"
+    try:
+        import json
+
+        return int(json.loads(state.read_text())["ports"]["mlflow"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _wait_for_page(proc: subprocess.Popen, url: str, timeout: float = 180.0) -> bool:
+    """Poll ``url`` until it answers 200 (True), the server exits, or ``timeout`` passes (False)."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.25)
+    return False
+
+
+def _ui(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
-        prog=f"{PROG} ui", description="Start the MLflow UI on 127.0.0.1 against the same tracking store as train."
+        prog=f"{PROG} ui",
+        description="Start the MLflow UI on 127.0.0.1 against the same tracking store as train. It prints the URL "
+        "once the page answers.",
     )
     p.add_argument(
         "--tracking-uri",
         default=os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db",
         help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)",
     )
-    p.add_argument("--port", type=int, default=5000, help="port (default 5000)")
+    p.add_argument("--port", type=int, help="port (default: 5000, or a free one if 5000 is taken)")
     p.add_argument("--host", default="127.0.0.1", help="interface (default 127.0.0.1: this machine only)")
     a = p.parse_args(argv)
+    from .ops.stack.common import free_port, port_in_use
+    from .tracking import TrackingError, check_tracking_uri, redact, resolve_tracking_uri
+
     uri = resolve_tracking_uri(a.tracking_uri)
-    print(f"MLflow UI for {uri} at http://{a.host}:{a.port}  (Ctrl-C stops it)", flush=True)
+    if uri.startswith(("http://", "https://")):
+        print(f"{redact(uri)} is a tracking server: it serves its own UI there (log in if it asks).")
+        return 0
     try:
-        return subprocess.call(ui_argv(uri, a.host, a.port))
+        check_tracking_uri(uri)
+    except TrackingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+        print(
+            f"note: {uri[len('sqlite:///') :]} does not exist yet: the UI is empty until a run logs to it.", flush=True
+        )
+    stack_port = _stack_mlflow_port()
+    port = a.port if a.port is not None else 5000
+    if port_in_use(a.host, port):
+        holder = (
+            f"the platform's stack serves its MLflow server there (http://{a.host}:{port}, with login; its runs are "
+            "the stack's, not this store's)"
+            if port == stack_port
+            else "another program listens there"
+        )
+        if a.port is not None:
+            print(f"error: port {port} is taken: {holder}. Give another --port, or leave it out.", file=sys.stderr)
+            return 2
+        port = free_port(a.host)
+        print(f"port 5000 is taken ({holder}); this UI uses port {port}.", flush=True)
+    url = f"http://{a.host}:{port}"
+    from .ops.clean import cache_dir
+
+    log = cache_dir() / "logs" / f"ui-{port}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"starting the MLflow UI for {redact(uri)} … (its log: {log})", flush=True)
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # stop the server with this process, whatever stops it
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            ui_argv(uri, a.host, port), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        if not _wait_for_page(proc, url + "/health"):
+            code = proc.poll()
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+            print(
+                f"error: the MLflow UI did not come up on {url}"
+                + (f" (it exited with code {code})" if code is not None else " in 180 s")
+                + f"; the end of its log ({log}):\n{tail}",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"MLflow UI: {url}  (Ctrl-C stops it)", flush=True)
+        return proc.wait()
     except KeyboardInterrupt:
         return 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         "status": None,
         "logs": None,
         "stop": None,
+        "clean": None,
     }
     if argv and argv[0] == "--version":
         from importlib.metadata import version
@@ -271,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         from .ops import jobs
 
         return getattr(jobs, f"main_{cmd}")(rest, prog=f"{PROG} {cmd}")
+    if cmd == "clean":
+        from .ops.clean import main as clean_main
+
+        return clean_main(rest, prog=f"{PROG} clean")
     if cmd == "bench":
         from .ops.bench_cli import main as bench_main
 

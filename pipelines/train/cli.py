@@ -95,13 +95,32 @@ def print_summary(out: dict) -> None:
     print(f"open the UI: {ui_command(out['tracking_uri'])}")
 
 
+def cli_command() -> str:
+    """``dp-platform`` as this shell can run it: the bare name when it is on PATH (an active
+    venv), else the path of the one installed beside this Python (``.venv/bin/dp-platform``)."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    beside = Path(sys.executable).parent / "dp-platform"
+    on_path = shutil.which("dp-platform")
+    if on_path and (not beside.exists() or Path(on_path).resolve() == beside.resolve()):
+        return "dp-platform"
+    if not beside.exists():
+        return f"{sys.executable} -m pipelines.cli"
+    rel = os.path.relpath(beside)
+    return rel if not rel.startswith("..") else str(beside)
+
+
 def ui_command(tracking_uri: str) -> str:
+    """The command that opens the UI on this run's store, as this shell can type it."""
+    import shlex
+
     default = tracking.resolve_tracking_uri("sqlite:///mlflow.db")
     if tracking_uri.startswith(("http://", "https://")):
         return tracking_uri  # a tracking server serves its own UI
-    if tracking_uri == default:
-        return "dp-platform ui"
-    return f"dp-platform ui --tracking-uri {tracking_uri}"
+    ui = f"{cli_command()} ui"
+    return ui if tracking_uri == default else f"{ui} --tracking-uri {shlex.quote(tracking_uri)}"
 
 
 if __name__ == "__main__":

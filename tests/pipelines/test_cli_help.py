@@ -11,7 +11,7 @@ import sys
 import pytest
 
 COMMANDS = ["", "train", "sweep", "federated", "audit", "ingest", "ledger", "ui", "bench", "stack", "submit"]
-COMMANDS += ["status", "logs", "stop"]
+COMMANDS += ["status", "logs", "stop", "clean"]
 HEAVY = ("torch", "ray", "mlflow", "optuna", "pyarrow", "sklearn", "scipy", "dp_accounting", "numpy")
 
 PROBE = """

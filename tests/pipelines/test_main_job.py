@@ -3,9 +3,11 @@ cluster, ./mlflow.db, the printed UI command, the UI listing the run; and a driv
 and is resumed with --resume (that one joins a running cluster, as a job submitted to a
 cluster does)."""
 
+import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -19,20 +21,26 @@ import pytest
 CLI = [sys.executable, "-m", "pipelines.cli"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _without_venv_on_path() -> dict:
+    """The environment of a newcomer who did not activate the venv: its bin is not on PATH."""
+    venv_bin = os.path.dirname(sys.executable)
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != venv_bin)
+    return {**os.environ, "PATH": path}
 
 
 @pytest.mark.slow
 def test_main_job_prints_the_ui_command_and_the_ui_lists_the_run(tmp_path):
+    """The run's last line names the command that opens the UI; typed word for word (with the
+    venv not activated, as the README's first command leaves the shell) it serves this run, on
+    port 5000 or, when that is taken, on a free port it names, once the page answers."""
+    env = _without_venv_on_path()
     res = subprocess.run(
         CLI + ["train", "--epochs", "10", "--target-epsilon", "4"],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=tmp_path,
+        env=env,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     run_id = re.search(r"^run ([0-9a-f]{32}) ", res.stdout, re.M).group(1)
@@ -40,33 +48,27 @@ def test_main_job_prints_the_ui_command_and_the_ui_lists_the_run(tmp_path):
     eps = float(re.search(r"ε spent: ([0-9.]+) at δ=1e-05", res.stdout).group(1))
     assert 0.0 < eps <= 4.0 and acc > 0.6  # chance is 0.1
     assert "workers=2" in res.stdout and "randomness=secure" in res.stdout
-    assert "open the UI: dp-platform ui" in res.stdout
+    command = re.search(r"^open the UI: (.+)$", res.stdout, re.M).group(1)
+    argv = shlex.split(command)
+    assert argv[1:] == ["ui"] and os.path.isabs(argv[0]) and os.access(argv[0], os.X_OK), command
     assert re.search(r"step \d+/\d+\s+ε=", res.stderr)  # progress: steps, ε, ETA
     assert (tmp_path / "mlflow.db").is_file()
 
-    port = _free_port()
-    ui = subprocess.Popen(
-        CLI + ["ui", "--port", str(port)],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    blocker = socket.socket()  # port 5000 taken (if nothing else has it): the UI must pick another
+    with contextlib.suppress(OSError):
+        blocker.bind(("127.0.0.1", 5000))
+        blocker.listen()
+    ui = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(120):
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
+        said = []
+        for line in ui.stdout:  # the URL is printed once the page answers, and only then
+            said.append(line)
+            if line.startswith("MLflow UI: "):
+                break
         else:
-            pytest.fail(
-                "the UI did not come up: " + ui.stdout.read1().decode(errors="replace")
-                if ui.poll() is not None
-                else "timeout"
-            )
+            pytest.fail(f"the UI did not come up (exit {ui.wait()}): {''.join(said)}")
+        url = re.search(r"(http://127\.0\.0\.1:(\d+))", said[-1]).group(1)
+        assert not url.endswith(":5000") and any("port 5000 is taken" in s for s in said)
         with urllib.request.urlopen(url + "/", timeout=10) as r:
             assert "MLflow" in r.read().decode(errors="replace")
         client = mlflow.MlflowClient(url)  # the REST API the UI itself calls
@@ -76,6 +78,7 @@ def test_main_job_prints_the_ui_command_and_the_ui_lists_the_run(tmp_path):
         listed = next(r for r in runs if r.info.run_id == run_id)
         assert listed.data.tags["dp.level"] == "example" and abs(float(listed.data.tags["dp.epsilon"]) - eps) < 1e-3
     finally:
+        blocker.close()
         os.killpg(ui.pid, signal.SIGTERM)
         ui.wait(timeout=30)
 
