@@ -1,4 +1,4 @@
-"""``dp-platform``: one command for the platform.
+"""dp-platform: one command for the platform.
 
 dp-platform train [CONFIG.yaml] [--flags]     train with DP on Ray; ledger and model to MLflow
 dp-platform sweep [CONFIG.yaml] [--flags]     Optuna sweep at a fixed (ε, δ); trials on Ray, runs in MLflow

@@ -193,8 +193,7 @@ def mlflow_run(
     releases that happened are part of the record even when the run failed)."""
     created = False
     if run_id is None:
-        exp = client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
+        exp_id = ensure_experiment(client, experiment)
         found = client.search_runs([exp_id], filter_string=find, max_results=1) if find else []
         if found:
             run_id = found[0].info.run_id
@@ -215,6 +214,32 @@ def mlflow_run(
             with contextlib.suppress(Exception):
                 on_failure(run_id)
         client.set_terminated(run_id, status=status)
+
+
+# MLflow 3's UI opens an experiment of this kind on its runs table (not the GenAI overview).
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
+def ensure_experiment(client, name: str) -> str:
+    """The id of experiment ``name``, created if needed, marked as a model-training experiment
+    so that the UI opens on its runs table (a kind set by someone else is left as it is)."""
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        return client.create_experiment(name, tags=EXPERIMENT_KIND)
+    if "mlflow.experimentKind" not in exp.tags:
+        for k, v in EXPERIMENT_KIND.items():
+            client.set_experiment_tag(exp.experiment_id, k, v)
+    return exp.experiment_id
+
+
+def describe_run(client, run_id: str, epsilon: float, delta: float, accountant: str, accuracy: float | None) -> None:
+    """The run's description (the first thing its page shows): ε rounded for reading (the full
+    value stays in the ``epsilon`` metrics and the ``dp.epsilon`` tag), δ and test accuracy."""
+    text = f"**ε = {epsilon:.2f}** at δ = {delta:g} ({accountant})"
+    if accuracy is not None and accuracy == accuracy:  # not NaN
+        text += f" · test accuracy **{accuracy:.2%}**"
+    client.set_tag(run_id, "mlflow.note.content", text)
+    client.set_tag(run_id, "dp.epsilon_rounded", f"{epsilon:.2f}")
 
 
 def record_released(client, run_id: str, ledger: dpcore.PrivacyLedger) -> None:

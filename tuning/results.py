@@ -101,6 +101,7 @@ def finalise(study, sweep: SweepConfig, base, client, parent_id: str, sel, n_tri
         "selection_total_epsilon": None if sel is None else sel["total_epsilon"],
     }
     _log_plots(study, client, parent_id)
+    _describe_parent(client, parent_id, base, sel, complete)
     if not complete:
         client.set_tag(parent_id, "sweep.best_trial", "none")
         summary["best"] = None
@@ -128,6 +129,20 @@ def finalise(study, sweep: SweepConfig, base, client, parent_id: str, sel, n_tri
         "registered_model": registered,
     }
     return summary
+
+
+def _describe_parent(client, parent_id: str, base, sel, complete) -> None:
+    """The parent run says, without a click, the ε every trial met and what choosing cost."""
+    spent = [float(t.user_attrs["epsilon"]) for t in complete if "epsilon" in t.user_attrs]
+    met = f"every trial ε ≤ {base.target_epsilon:g} at δ = {base.target_delta:g}"
+    if spent:
+        met += f" (largest spent {max(spent):.2f}, over {len(spent)} complete trials)"
+        client.set_tag(parent_id, "dp.trial_epsilon_max", f"{max(spent):.6g}")
+    if sel is None:
+        choice = "choosing the best trial on validation data is **not** accounted"
+    else:
+        choice = f"choosing the best trial is accounted: total **ε = {sel['total_epsilon']:.2f}** (RDP)"
+    client.set_tag(parent_id, "mlflow.note.content", f"**{met}**; {choice}")
 
 
 def _register_best(client, base, attrs: dict) -> str | None:

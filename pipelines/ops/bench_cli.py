@@ -31,7 +31,9 @@ BENCH_MODELS = ("mnist_cnn", "resnet9", "mlp4")
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="dp-platform bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="dp-platform bench",
+        description=__doc__.replace("``", ""),  # the module's doc, without its reST quoting
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--models",

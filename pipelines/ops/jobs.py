@@ -216,7 +216,7 @@ def main_submit(argv: list[str], prog: str = "dp-platform submit", sweep_checker
         prog=prog,
         usage=f"{prog} [options] [CONFIG] [-- JOB OPTIONS]",
         description="Submit a training run (or, with --sweep, a sweep) to a Ray cluster through the Jobs API, print its "
-        "id and follow its logs. It runs `python -m pipelines.train CONFIG ARGS` (or `python -m pipelines.cli sweep ...`) "
+        "id and follow its logs. It runs 'python -m pipelines.train CONFIG ARGS' (or 'python -m pipelines.cli sweep ...') "
         "in a copy of --working-dir on the cluster.",
         epilog="The same job by hand: RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir . -- "
         "python -m pipelines.train configs/digits.yaml",

@@ -286,6 +286,8 @@ def run(
         from ..data import model_example
 
         version = tracking.log_run_model(run_id, model, model_example(plan.data_dir), epsilon, cfg, prefix="dp")
+        accuracy = metrics.get("test_accuracy")
+        tracking.describe_run(client, run_id, epsilon, cfg.target_delta, cfg.accountant, accuracy)
         return {
             "run_id": run_id,
             "tracking_uri": plan.tracking_uri,

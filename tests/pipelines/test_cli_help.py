@@ -36,6 +36,9 @@ def test_help_imports_nothing_heavy(command):
     assert result["code"] in (0, None)
     assert result["heavy"] == [], f"`dp-platform {command} --help` imported {result['heavy']}"
     assert len(help_lines) > 5  # a real help text
+    text = "\n".join(help_lines)
+    for markup in ("`", ":mod:", ":func:", ":class:", ":data:", "(default: None)"):
+        assert markup not in text, f"`dp-platform {command} --help` shows {markup!r}"
 
 
 def test_the_version_answers_without_heavy_imports():

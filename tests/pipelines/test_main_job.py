@@ -76,6 +76,8 @@ def test_main_job_prints_the_ui_command_and_the_ui_lists_the_run(tmp_path):
         runs = client.search_runs([exp.experiment_id])
         assert run_id in {r.info.run_id for r in runs}
         listed = next(r for r in runs if r.info.run_id == run_id)
+        assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # opens on the runs table
+        assert listed.data.tags["mlflow.note.content"].startswith(f"**ε = {eps:.2f}** at δ = 1e-05 (pld)")
         assert listed.data.tags["dp.level"] == "example" and abs(float(listed.data.tags["dp.epsilon"]) - eps) < 1e-3
     finally:
         blocker.close()

@@ -48,6 +48,30 @@ def cli(*args, env=None, timeout=600, cwd=REPO) -> subprocess.CompletedProcess:
     )
 
 
+def cli_on_a_terminal(*args, env) -> tuple[int, str]:
+    """Run the CLI as a user does, in a terminal (a pseudo-terminal whose session it leads),
+    and then close that terminal: the kernel hangs up the session's foreground process group,
+    as when a user closes the window `stack up` was typed in."""
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(REPO)
+        os.execve(sys.executable, [sys.executable, "-m", "pipelines.cli", *args], env)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # EIO: the child closed its side
+            break
+        if not chunk:
+            break
+        out += chunk
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)  # the terminal goes away
+    return os.waitstatus_to_exitcode(status), out.decode(errors="replace")
+
+
 def http(url, auth=None, bearer=None):
     req = urllib.request.Request(url)
     if auth:
@@ -108,7 +132,7 @@ def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("stack") / "s"
     ports = {k: stk.free_port() for k in stk.DEFAULT_PORTS}
     env = _clean_env(DP_STACK_DIR=str(root))
-    up = cli(
+    code, up_out = cli_on_a_terminal(
         "stack",
         "up",
         *[f"--{k}-port={v}" for k, v in ports.items()],
@@ -118,10 +142,11 @@ def stack(tmp_path_factory):
         '{"head_node": 1}',
         env=env,
     )
-    assert up.returncode == 0, up.stdout + up.stderr
+    assert code == 0, up_out
     up_state = (root / "stack.json").read_text()  # the full state (MLflow's pid included), for the teardown
     try:
-        assert "the stack is up" in up.stdout and "credentials:" in up.stdout, up.stdout
+        assert "the stack is up" in up_out and "credentials:" in up_out, up_out
+        time.sleep(2)  # the hang-up of the closed terminal has been delivered by now
         node = cli("stack", "add-node", "--num-cpus", "1", "--resources", '{"worker_node": 1}', env=env)
         assert node.returncode == 0, node.stdout + node.stderr
         s = Stack(root)
@@ -132,12 +157,26 @@ def stack(tmp_path_factory):
     finally:
         os.environ.pop("MLFLOW_TRACKING_USERNAME", None)
         os.environ.pop("MLFLOW_TRACKING_PASSWORD", None)
-        if (root / "stack.json").exists():
-            cli("stack", "down", "--purge", env=env)
+        if (root / "stack.json").exists():  # a plain down, then a purge of what it left
+            down = cli("stack", "down", env=env)
+            assert down.returncode == 0 and "data and secrets stay" in down.stdout, down.stdout + down.stderr
+            purge = cli("stack", "down", "--purge", env=env)
+            assert purge.returncode == 0 and not root.exists(), purge.stdout + purge.stderr
+            assert not stk_postgres._pg_base(root.resolve()).exists()
         else:  # a test stopped it (or failed midway): stop whatever is left, then remove the data
             stk_commands._stop(json.loads(up_state))
         shutil.rmtree(stk_postgres._pg_base(root.resolve()), ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_the_stack_survives_the_terminal_it_was_started_from(stack):
+    """`stack up` ran in a terminal that was closed right after: every service is still up, and
+    none of its processes is in that terminal's session."""
+    assert all(v["ok"] for v in stk.check(stack.root).values()), stk.check(stack.root)
+    groups = stk.stack_processes(stack.state)
+    assert groups["ray"] and groups["mlflow"]
+    sessions = {os.getsid(p.pid) for g in groups.values() for p in g if p.is_running()}
+    assert os.getsid(0) not in sessions
 
 
 # ------------------------------------------------------------------------------ secure defaults

@@ -184,3 +184,24 @@ def test_the_ray_token_that_ray_init_leaves_world_readable_is_made_private(tmp_p
     assert token.stat().st_mode & 0o777 == 0o600
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "absent"))
     keep_token_private()  # nothing to do, no error
+
+
+def test_purge_after_a_plain_down_removes_the_data_and_secrets(tmp_path, monkeypatch):
+    """`stack down` keeps the data; `stack down --purge` afterwards (no stack.json any more)
+    still finds and removes it, unless PostgreSQL still runs on it."""
+    from pipelines.ops.stack import commands
+
+    root, pg = tmp_path / "stack", tmp_path / "pg"
+    (pg / "data").mkdir(parents=True)
+    root.mkdir()
+    (root / "credentials.env").write_text("secret")
+    monkeypatch.setattr(commands, "_pg_base", lambda r: pg)
+    (pg / "data" / "postmaster.pid").write_text(f"{os.getpid()}\n")  # a live server on that data
+    with pytest.raises(stack.StackError, match="still runs"):
+        commands.down(root, purge=True)
+    assert root.exists() and pg.exists()
+    (pg / "data" / "postmaster.pid").unlink()
+    said = commands.down(root, purge=True)
+    assert not root.exists() and not pg.exists() and "removed" in said[0]
+    with pytest.raises(stack.StackError, match="no stack"):
+        commands.down(root, purge=True)  # nothing left at all

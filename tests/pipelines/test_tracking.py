@@ -44,3 +44,30 @@ def test_children_nest_under_their_parent_and_a_found_or_given_run_is_continued(
     with tracking.mlflow_run(client, experiment="e", run_id=child) as resumed:  # a resumed training run
         assert resumed == child
     assert client.get_run(child).info.status == "FINISHED"
+
+
+def test_experiments_open_on_the_runs_table(client):
+    """MLflow 3's UI shows the GenAI overview unless the experiment's kind says model training."""
+    exp_id = tracking.ensure_experiment(client, "fresh")
+    assert client.get_experiment(exp_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    old = client.create_experiment("older")  # made before the platform set the kind
+    assert tracking.ensure_experiment(client, "older") == old
+    assert client.get_experiment(old).tags["mlflow.experimentKind"] == "custom_model_development"
+    mine = client.create_experiment("mine", tags={"mlflow.experimentKind": "genai_development"})
+    tracking.ensure_experiment(client, "mine")  # a kind someone chose is kept
+    assert client.get_experiment(mine).tags["mlflow.experimentKind"] == "genai_development"
+    with tracking.mlflow_run(client, experiment="via-run") as run_id:
+        exp = client.get_experiment(client.get_run(run_id).info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_the_description_rounds_epsilon_and_the_full_value_stays(client):
+    with tracking.mlflow_run(client, experiment="e") as run_id:
+        client.set_tag(run_id, "dp.epsilon", "1.994528386924076")
+        tracking.describe_run(client, run_id, 1.994528386924076, 1e-5, "pld", 0.89687)
+    tags = client.get_run(run_id).data.tags
+    assert tags["mlflow.note.content"] == "**ε = 1.99** at δ = 1e-05 (pld) · test accuracy **89.69%**"
+    assert tags["dp.epsilon_rounded"] == "1.99" and tags["dp.epsilon"] == "1.994528386924076"
+    with tracking.mlflow_run(client, experiment="e") as run_id:
+        tracking.describe_run(client, run_id, 0.5, 1e-5, "rdp", float("nan"))  # no accuracy (stopped early)
+    assert client.get_run(run_id).data.tags["mlflow.note.content"] == "**ε = 0.50** at δ = 1e-05 (rdp)"

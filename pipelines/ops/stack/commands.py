@@ -124,8 +124,33 @@ def _stop(state: dict, which=("ray", "mlflow", "postgres")) -> list[str]:
     return said
 
 
+def _postmaster_alive(pg_base: Path) -> int | None:
+    """The pid of a PostgreSQL server still running on the data in ``pg_base``, if any."""
+    try:
+        pid = int((pg_base / "data" / "postmaster.pid").read_text().split()[0])
+        os.kill(pid, 0)
+        return pid
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _purge_stopped(root: Path) -> list[str]:
+    """``down --purge`` after a plain ``down``: no service runs, the data and secrets remain."""
+    pg = _pg_base(root)
+    if not root.exists() and not pg.exists():
+        load_state(root)  # raises: there is no stack here at all
+    pid = _postmaster_alive(pg)
+    if pid is not None:
+        raise StackError(f"PostgreSQL (pid {pid}) still runs on {pg}/data; stop it before purging its data.")
+    shutil.rmtree(pg, ignore_errors=True)
+    shutil.rmtree(root, ignore_errors=True)
+    return [f"no service was running; removed {root} and {pg}"]
+
+
 def down(root: Path | None = None, purge: bool = False) -> list[str]:
     root = Path(root or default_dir()).expanduser().resolve()
+    if purge and not (root / "stack.json").exists():
+        return _purge_stopped(root)
     state = load_state(root)
     said = _stop(state)
     (root / "stack.json").unlink(missing_ok=True)
@@ -133,6 +158,8 @@ def down(root: Path | None = None, purge: bool = False) -> list[str]:
         shutil.rmtree(state["pg_base"], ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
         said.append(f"removed {root} and {state['pg_base']}")
+    else:
+        said.append(f"data and secrets stay in {root} and {state['pg_base']} (`{PROG} down --purge` removes them)")
     return said
 
 

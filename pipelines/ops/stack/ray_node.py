@@ -25,7 +25,16 @@ def node_env(root: Path) -> dict[str, str]:
 
 
 def _ray_start(args: list[str], env: dict, what: str) -> None:
-    r = subprocess.run([_bin("ray"), "start", *args], env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    # In a session of its own: Ray's daemons must not get the SIGHUP of the terminal `stack up` ran
+    # in when that terminal closes (PostgreSQL and MLflow are detached the same way).
+    r = subprocess.run(
+        [_bin("ray"), "start", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     if r.returncode != 0:
         raise StackError(f"{what} did not start (`ray start` exited {r.returncode}):\n{(r.stdout + r.stderr)[-3000:]}")
 
