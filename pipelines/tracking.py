@@ -357,11 +357,17 @@ def log_model(
     if not registered_name:
         return None
     client = mlflow.MlflowClient()
-    version = mlflow.register_model(
-        info.model_uri,
-        registered_name,
-        tags={"dp.epsilon": f"{epsilon:.6g}", "dp.delta": f"{delta:g}", "dp.accountant": accountant},
-    )
+    from mlflow.utils.logging_utils import MLFLOW_LOGGING_STREAM
+
+    was, MLFLOW_LOGGING_STREAM.enabled = MLFLOW_LOGGING_STREAM.enabled, False  # its "Successfully registered" prints:
+    try:  # the run's summary says where the model went
+        version = mlflow.register_model(
+            info.model_uri,
+            registered_name,
+            tags={"dp.epsilon": f"{epsilon:.6g}", "dp.delta": f"{delta:g}", "dp.accountant": accountant},
+        )
+    finally:
+        MLFLOW_LOGGING_STREAM.enabled = was
     client.update_model_version(
         registered_name,
         version.version,

@@ -52,9 +52,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.train")
             cfg = load_config(config_path, args)
             if resume is None and cfg.seed is not None:
                 dpcore.make_randomness(cfg.seed)  # the warning, once, on the driver
-            from .driver import run  # torch, Ray and MLflow: after the flags are parsed
+            import mlflow  # noqa: F401  (torch, Ray and MLflow: after the flags are parsed; imported before
+            import ray  # noqa: F401  their logging is routed, since importing them configures it)
 
-            out = run(cfg, resume=resume, resume_changes={k: v for k, v in args.items() if k in RESUME_MAY_CHANGE})
+            from ..logs import library_logs, log_path
+            from .driver import run
+
+            with library_logs(log_path(cfg.storage_path, "train")) as logs:
+                out = run(cfg, resume=resume, resume_changes={k: v for k, v in args.items() if k in RESUME_MAY_CHANGE})
+            out["library_log"] = str(logs)
     except dpcore.DPError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -92,6 +98,8 @@ def print_summary(out: dict) -> None:
     if out["registered_model"]:
         print(f"model: {out['registered_model']} in the MLflow registry")
     print(f"time: {out['seconds']:.1f}s")
+    if out.get("library_log"):
+        print(f"logs: {out['library_log']} (MLflow, Ray); the workers' output is in Ray's session logs")
     print(f"open the UI: {ui_command(out['tracking_uri'])}")
 
 

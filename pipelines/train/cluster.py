@@ -31,7 +31,8 @@ def ray_cluster(cfg):
         # Joined, not started here: stay connected until the process ends, so that the job's
         # runtime env (under `ray job submit`, the package the driver runs from) stays referenced
         # while the driver still logs to MLflow from it.
-        ray.init(address=address, logging_level=logging.WARNING)
+        # log_to_driver=False: the workers' own output stays in Ray's session logs, off this terminal
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
         yield
         return
     else:
@@ -39,6 +40,7 @@ def ray_cluster(cfg):
         # preemption watcher (an extra actor process, started at every run) has nothing to watch.
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
         ray.init(
+            log_to_driver=False,
             num_cpus=max(os.cpu_count() or 1, cfg.num_workers),
             num_gpus=None if cfg.use_gpu else 0,
             include_dashboard=True,
