@@ -281,7 +281,9 @@ def run(
         audit = audit_result(plan, cfg, checkpoint) if cfg.audit_canaries else None
         if audit is not None:
             tracking.log_audit(client, run_id, audit, epsilon)
-        tracking.plot_run(client, run_id, ledger)
+        from ..plots import plot_run
+
+        plot_run(client, run_id, ledger)
 
         from ..data import model_example
 
