@@ -31,9 +31,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.federat
         with warnings.catch_warnings():
             warnings.simplefilter("once", dpcore.SeededRandomnessWarning)
             cfg = load_config(config_path, args, cls=FederatedConfig)
-            from .rounds import run_federated  # torch, Ray and MLflow: after the flags are parsed
+            import mlflow  # noqa: F401  (torch, Ray and MLflow: after the flags are parsed; imported before
+            import ray  # noqa: F401  their logging is routed, since importing them configures it)
 
-            out = run_federated(cfg)
+            from ..logs import library_logs, log_path
+            from .rounds import run_federated
+
+            with library_logs(log_path(cfg.storage_path, "federated")) as logs:
+                out = run_federated(cfg)
     except dpcore.DPError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -72,6 +77,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.federat
         )
     if out["registered_model"]:
         print(f"model: {out['registered_model']} in the MLflow registry")
+    print(f"logs: {logs} (MLflow, Ray)")
     from ..train import ui_command
 
     print(f"open the UI: {ui_command(out['tracking_uri'])}")

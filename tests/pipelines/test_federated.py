@@ -6,6 +6,7 @@ distribution. The pipeline runs on real Ray actors and a real MLflow store.
 """
 
 import math
+import re
 import subprocess
 import sys
 
@@ -369,6 +370,9 @@ def test_cli_runs_on_ray_and_tracks_the_run_at_client_level(tmp_path, ray_env):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "round 4/4" in proc.stderr and "ε=" in proc.stderr and "test acc=" in proc.stderr
     assert "client-level" in proc.stdout
+    log = re.search(r"^logs: (\S+) \(MLflow, Ray\)$", proc.stdout, re.M).group(1)  # the libraries' log
+    assert log.startswith(str(tmp_path / "runs" / "logs" / "federated-")) and "mlflow" in open(log).read()
+    assert "Creating initial MLflow database tables" not in proc.stderr
     client = mlflow.MlflowClient(uri)
     run = client.search_runs([client.get_experiment_by_name("dp-federated").experiment_id])[0]
     tags = run.data.tags
