@@ -20,7 +20,6 @@ from .shared import (
     TrackingOptions,
     check_audit_options,
     check_dataset,
-    check_dataset_and_model,
     check_model,
 )
 from .train import (
@@ -75,7 +74,6 @@ __all__ = [
     "add_config_arguments",
     "check_audit_options",
     "check_dataset",
-    "check_dataset_and_model",
     "check_model",
     "config_from_dict",
     "load_config",

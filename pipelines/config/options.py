@@ -52,9 +52,6 @@ class Section:
 class Composed:
     """Mixin of a config composed of sections: section access, checks, and dicts."""
 
-    def sections(self) -> list[type]:
-        return [c for c in type(self).__mro__ if issubclass(c, Section) and c.own_fields()]
-
     def section(self, cls: type[S]) -> S:
         """The typed section ``cls`` holding this config's values of its options."""
         return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})

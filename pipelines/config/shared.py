@@ -79,12 +79,6 @@ def check_model(cfg) -> None:
         check_activation(cfg.activation)
 
 
-def check_dataset_and_model(cfg) -> None:
-    """``cfg.dataset`` (with its data_dir) and ``cfg.model`` name things that exist."""
-    check_dataset(cfg)
-    check_model(cfg)
-
-
 @dataclass(frozen=True)
 class AuditOptions(Section):
     """The one-run privacy audit (Steinke, Nasr and Jagielski 2023)."""
