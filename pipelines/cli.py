@@ -219,6 +219,24 @@ def _wait_for_page(proc: subprocess.Popen, url: str, timeout: float = 180.0) -> 
     return False
 
 
+def _experiment_links(url: str) -> list[tuple[str, str]]:
+    """(name, link to its runs table) for the store's experiments, the most recently updated
+    first, from the REST API the UI itself calls; the empty Default experiment is left out."""
+    import json
+    import urllib.request
+
+    from .tracking import ui_link
+
+    try:
+        with urllib.request.urlopen(f"{url}/api/2.0/mlflow/experiments/search?max_results=100", timeout=10) as r:
+            exps = json.loads(r.read()).get("experiments", [])
+    except (OSError, ValueError):
+        return []
+    exps.sort(key=lambda e: -int(e.get("last_update_time", 0)))
+    named = [e for e in exps if e["name"] != "Default"] or exps
+    return [(e["name"], ui_link(url, e["experiment_id"])) for e in named]
+
+
 def _ui(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog=f"{PROG} ui",
@@ -288,7 +306,13 @@ def _ui(argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return 1
-        print(f"MLflow UI: {url}  (Ctrl-C stops it)", flush=True)
+        links = _experiment_links(url)
+        if links:  # the runs table in the model-training view: the plain URL opens the GenAI overview
+            print(f"MLflow UI: {links[0][1]}  (experiment {links[0][0]}; Ctrl-C stops it)", flush=True)
+            for name, link in links[1:5]:
+                print(f"  experiment {name}: {link}", flush=True)
+        else:
+            print(f"MLflow UI: {url}/#/?workflowType=machine_learning  (Ctrl-C stops it)", flush=True)
         return proc.wait()
     except KeyboardInterrupt:
         return 0

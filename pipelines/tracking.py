@@ -216,8 +216,16 @@ def mlflow_run(
         client.set_terminated(run_id, status=status)
 
 
-# MLflow 3's UI opens an experiment of this kind on its runs table (not the GenAI overview).
+# The experiment's kind for the API and for MLflow UIs that read it. MLflow 3.17's UI ignores it
+# and takes the kind from its GenAI / Model-training switch, which a link sets with UI_VIEW.
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+UI_VIEW = "?workflowType=machine_learning"
+
+
+def ui_link(base: str, experiment_id: str, run_id: str | None = None) -> str:
+    """The UI page of an experiment (its runs table) or of one run, opened in MLflow 3's
+    model-training view: a plain link opens the GenAI overview ("No data available")."""
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "") + UI_VIEW
 
 
 def ensure_experiment(client, name: str) -> str:
@@ -232,14 +240,22 @@ def ensure_experiment(client, name: str) -> str:
     return exp.experiment_id
 
 
-def describe_run(client, run_id: str, epsilon: float, delta: float, accountant: str, accuracy: float | None) -> None:
-    """The run's description (the first thing its page shows): ε rounded for reading (the full
-    value stays in the ``epsilon`` metrics and the ``dp.epsilon`` tag), δ and test accuracy."""
+def describe_run(
+    client, run_id: str, name: str, epsilon: float, delta: float, accountant: str, accuracy: float | None
+) -> None:
+    """What the UI shows without a click. The run's name in the runs list starts with ε and
+    test accuracy (``ε=1.99 · 93.1% · <name>``: the list shows no metric columns until a user
+    picks them, and cuts names after about 17 characters). Its description, the first thing
+    its page shows: ε rounded for reading (the full value stays in the ``epsilon`` metrics and
+    the ``dp.epsilon`` tag), δ and test accuracy."""
     text = f"**ε = {epsilon:.2f}** at δ = {delta:g} ({accountant})"
+    title = f"ε={epsilon:.2f}"
     if accuracy is not None and accuracy == accuracy:  # not NaN
         text += f" · test accuracy **{accuracy:.2%}**"
+        title += f" · {accuracy:.1%}"
     client.set_tag(run_id, "mlflow.note.content", text)
     client.set_tag(run_id, "dp.epsilon_rounded", f"{epsilon:.2f}")
+    client.update_run(run_id, name=f"{title} · {name}")
 
 
 def record_released(client, run_id: str, ledger: dpcore.PrivacyLedger) -> None:

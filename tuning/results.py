@@ -101,7 +101,7 @@ def finalise(study, sweep: SweepConfig, base, client, parent_id: str, sel, n_tri
         "selection_total_epsilon": None if sel is None else sel["total_epsilon"],
     }
     _log_plots(study, client, parent_id)
-    _describe_parent(client, parent_id, base, sel, complete)
+    _describe_parent(client, parent_id, sweep.study, base, sel, complete)
     if not complete:
         client.set_tag(parent_id, "sweep.best_trial", "none")
         summary["best"] = None
@@ -131,8 +131,10 @@ def finalise(study, sweep: SweepConfig, base, client, parent_id: str, sel, n_tri
     return summary
 
 
-def _describe_parent(client, parent_id: str, base, sel, complete) -> None:
-    """The parent run says, without a click, the ε every trial met and what choosing cost."""
+def _describe_parent(client, parent_id: str, study: str, base, sel, complete) -> None:
+    """The parent run says, without a click, the ε every trial met and what choosing cost: in its
+    description, and at the start of its name in the runs list (``ε≤2 each · sweep-<study>``, or
+    ``ε=2.41 in all · ...`` when the choice is accounted)."""
     spent = [float(t.user_attrs["epsilon"]) for t in complete if "epsilon" in t.user_attrs]
     met = f"every trial ε ≤ {base.target_epsilon:g} at δ = {base.target_delta:g}"
     if spent:
@@ -143,6 +145,8 @@ def _describe_parent(client, parent_id: str, base, sel, complete) -> None:
     else:
         choice = f"choosing the best trial is accounted: total **ε = {sel['total_epsilon']:.2f}** (RDP)"
     client.set_tag(parent_id, "mlflow.note.content", f"**{met}**; {choice}")
+    title = f"ε≤{base.target_epsilon:g} each" if sel is None else f"ε={sel['total_epsilon']:.2f} in all"
+    client.update_run(parent_id, name=f"{title} · sweep-{study}")
 
 
 def _register_best(client, base, attrs: dict) -> str | None:

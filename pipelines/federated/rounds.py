@@ -235,7 +235,7 @@ def run_federated(cfg: FederatedConfig | None = None, faults: ActorFault | None 
             tracking.log_ledger(client, run_id, ledger)
             client.log_metric(run_id, "final_epsilon", epsilon)
             client.log_metric(run_id, "final_test_accuracy", test_acc)
-            tracking.describe_run(client, run_id, epsilon, cfg.target_delta, cfg.accountant, test_acc)
+            tracking.describe_run(client, run_id, plan["run_name"], epsilon, cfg.target_delta, cfg.accountant, test_acc)
             client.log_metric(run_id, "rounds", done)
             audit_out = None
             if audit is not None:

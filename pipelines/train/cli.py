@@ -100,7 +100,7 @@ def print_summary(out: dict) -> None:
     print(f"time: {out['seconds']:.1f}s")
     if out.get("library_log"):
         print(f"logs: {out['library_log']} (MLflow, Ray); the workers' output is in Ray's session logs")
-    print(f"open the UI: {ui_command(out['tracking_uri'])}")
+    print(f"open the UI: {ui_command(out['tracking_uri'], out.get('experiment_id'), out['run_id'])}")
 
 
 def cli_command() -> str:
@@ -120,13 +120,15 @@ def cli_command() -> str:
     return rel if not rel.startswith("..") else str(beside)
 
 
-def ui_command(tracking_uri: str) -> str:
-    """The command that opens the UI on this run's store, as this shell can type it."""
+def ui_command(tracking_uri: str, experiment_id: str | None = None, run_id: str | None = None) -> str:
+    """The command that opens the UI on this run's store, as this shell can type it; for a
+    tracking server, which serves its own UI, the run's page there."""
     import shlex
 
     default = tracking.resolve_tracking_uri("sqlite:///mlflow.db")
     if tracking_uri.startswith(("http://", "https://")):
-        return tracking_uri  # a tracking server serves its own UI
+        base = tracking.redact(tracking_uri)
+        return tracking.ui_link(base, experiment_id, run_id) if experiment_id else base
     ui = f"{cli_command()} ui"
     return ui if tracking_uri == default else f"{ui} --tracking-uri {shlex.quote(tracking_uri)}"
 

@@ -289,9 +289,10 @@ def run(
 
         version = tracking.log_run_model(run_id, model, model_example(plan.data_dir), epsilon, cfg, prefix="dp")
         accuracy = metrics.get("test_accuracy")
-        tracking.describe_run(client, run_id, epsilon, cfg.target_delta, cfg.accountant, accuracy)
+        tracking.describe_run(client, run_id, plan.run_name, epsilon, cfg.target_delta, cfg.accountant, accuracy)
         return {
             "run_id": run_id,
+            "experiment_id": client.get_run(run_id).info.experiment_id,
             "tracking_uri": plan.tracking_uri,
             "dataset": cfg.dataset,
             "train_examples": plan.dataset_size,

@@ -18,6 +18,8 @@ import urllib.request
 import mlflow
 import pytest
 
+from ..browser import browser, screenshot, scroll_to, wait_for_text
+
 CLI = [sys.executable, "-m", "pipelines.cli"]
 
 
@@ -68,6 +70,7 @@ def test_main_job_prints_the_ui_command_and_the_ui_lists_the_run(tmp_path):
         else:
             pytest.fail(f"the UI did not come up (exit {ui.wait()}): {''.join(said)}")
         url = re.search(r"(http://127\.0\.0\.1:(\d+))", said[-1]).group(1)
+        link = re.search(r"^MLflow UI: (\S+)  \(experiment dp-training; ", said[-1]).group(1)
         assert not url.endswith(":5000") and any("port 5000 is taken" in s for s in said)
         with urllib.request.urlopen(url + "/", timeout=10) as r:
             assert "MLflow" in r.read().decode(errors="replace")
@@ -79,6 +82,22 @@ def test_main_job_prints_the_ui_command_and_the_ui_lists_the_run(tmp_path):
         assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # opens on the runs table
         assert listed.data.tags["mlflow.note.content"].startswith(f"**ε = {eps:.2f}** at δ = 1e-05 (pld)")
         assert listed.data.tags["dp.level"] == "example" and abs(float(listed.data.tags["dp.epsilon"]) - eps) < 1e-3
+        # K, must-show 3, in a real browser: the printed link opens on the runs table (not MLflow 3's
+        # GenAI overview), whose run names start with ε and accuracy; the run's page says ε rounded
+        # in its description, keeps the full value in the metric, and has no test hooks
+        with browser() as d:
+            d.get(link)
+            text = wait_for_text(d, "Run Name", f"ε={eps:.2f} · {acc:.1%} · digits-mlp-")
+            assert "No data available" not in text
+            screenshot(d, "ui_runs_table.png")
+            d.get(link.replace("?", f"/runs/{run_id}?"))
+            text = wait_for_text(d, "Description", "Parameters")
+            assert f"ε = {eps:.2f} at δ = 1e-05 (pld) · test accuracy {acc:.2%}" in text
+            lines = text.splitlines()
+            assert abs(float(lines[lines.index("epsilon") + 1]) - eps) < 1e-4
+            assert not re.search(r"(?m)^fault", text), "a test hook among the user's parameters"
+            scroll_to(d, "Description")
+            screenshot(d, "ui_run_page.png")
     finally:
         blocker.close()
         os.killpg(ui.pid, signal.SIGTERM)

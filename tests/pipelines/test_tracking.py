@@ -47,7 +47,8 @@ def test_children_nest_under_their_parent_and_a_found_or_given_run_is_continued(
 
 
 def test_experiments_open_on_the_runs_table(client):
-    """MLflow 3's UI shows the GenAI overview unless the experiment's kind says model training."""
+    """The experiment's kind says model training (for the API and UIs that read it; MLflow
+    3.17's UI takes it from the link, which the browser tests check)."""
     exp_id = tracking.ensure_experiment(client, "fresh")
     assert client.get_experiment(exp_id).tags["mlflow.experimentKind"] == "custom_model_development"
     old = client.create_experiment("older")  # made before the platform set the kind
@@ -62,12 +63,24 @@ def test_experiments_open_on_the_runs_table(client):
 
 
 def test_the_description_rounds_epsilon_and_the_full_value_stays(client):
-    with tracking.mlflow_run(client, experiment="e") as run_id:
+    with tracking.mlflow_run(client, experiment="e", run_name="fmnist") as run_id:
         client.set_tag(run_id, "dp.epsilon", "1.994528386924076")
-        tracking.describe_run(client, run_id, 1.994528386924076, 1e-5, "pld", 0.89687)
-    tags = client.get_run(run_id).data.tags
+        tracking.describe_run(client, run_id, "fmnist", 1.994528386924076, 1e-5, "pld", 0.89687)
+    run = client.get_run(run_id)
+    tags = run.data.tags
     assert tags["mlflow.note.content"] == "**ε = 1.99** at δ = 1e-05 (pld) · test accuracy **89.69%**"
     assert tags["dp.epsilon_rounded"] == "1.99" and tags["dp.epsilon"] == "1.994528386924076"
-    with tracking.mlflow_run(client, experiment="e") as run_id:
-        tracking.describe_run(client, run_id, 0.5, 1e-5, "rdp", float("nan"))  # no accuracy (stopped early)
-    assert client.get_run(run_id).data.tags["mlflow.note.content"] == "**ε = 0.50** at δ = 1e-05 (rdp)"
+    assert run.info.run_name == "ε=1.99 · 89.7% · fmnist"  # what the runs list shows first
+    with tracking.mlflow_run(client, experiment="e", run_name="early") as run_id:
+        tracking.describe_run(client, run_id, "early", 0.5, 1e-5, "rdp", float("nan"))  # no accuracy (stopped early)
+    run = client.get_run(run_id)
+    assert run.data.tags["mlflow.note.content"] == "**ε = 0.50** at δ = 1e-05 (rdp)"
+    assert run.info.run_name == "ε=0.50 · early"
+
+
+def test_ui_links_open_the_model_training_view():
+    assert tracking.ui_link("http://h:5000/", "3") == "http://h:5000/#/experiments/3?workflowType=machine_learning"
+    assert (
+        tracking.ui_link("http://h:5000", "3", "abc")
+        == "http://h:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
+    )

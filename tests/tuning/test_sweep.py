@@ -98,6 +98,7 @@ def test_sweep_completes_its_trials_with_parent_and_child_runs(e2e):
     note = parent.data.tags["mlflow.note.content"]
     assert f"every trial ε ≤ {e2e['base'].target_epsilon:g}" in note and f"largest spent {spent:.2f}" in note
     assert "**not** accounted" in note
+    assert parent.info.run_name == f"ε≤{e2e['base'].target_epsilon:g} each · sweep-e2e"  # the runs list's first words
     assert float(parent.data.tags["dp.trial_epsilon_max"]) == pytest.approx(spent, rel=1e-5)  # 6 significant digits
     children = client.search_runs(
         [parent.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{out['parent_run_id']}'"
@@ -181,6 +182,7 @@ def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path):
     assert float(parent.data.tags["dp.sweep_total_epsilon"]) == pytest.approx(reference, rel=1e-5)
     assert "accounted (Papernot & Steinke 2022)" in parent.data.tags["dp.selection"]
     assert f"total **ε = {reference:.2f}**" in parent.data.tags["mlflow.note.content"]
+    assert parent.info.run_name == f"ε={reference:.2f} in all · sweep-private"
     study = optuna.load_study(study_name="private", storage=sweep.storage)
     assert out["n_trials"] == study.user_attrs["selection_k"] == len(study.trials)
     assert reference > 2.0  # selection is not free
