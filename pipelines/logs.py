@@ -1,14 +1,24 @@
-"""The libraries' own logging (MLflow, Ray, Alembic) goes to a log file during a command, so
-that the terminal shows the platform's progress and summary; warnings still reach the terminal."""
+"""A command's log file. While a command runs, the libraries' own logging (MLflow, Ray,
+Alembic, Optuna) and the Python warnings they raise go to ``<storage>/logs/<command>-<time>.log``,
+so that the terminal shows the platform's progress and summary. Their errors still reach the
+terminal. Warnings that change what a run means (δ too large) are shown when they happen and
+kept, so that the summary can repeat them; the summary also names the file and how many
+library warnings it holds."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 import time
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 LIBRARIES = ("mlflow", "ray", "alembic", "optuna")
+# Python warnings raised from these packages (or of their own categories) go to the file too.
+WARNING_PACKAGES = LIBRARIES + ("sqlalchemy", "pydantic", "torch", "google")
 
 
 def log_path(storage_path: str, command: str) -> Path:
@@ -16,12 +26,54 @@ def log_path(storage_path: str, command: str) -> Path:
     return Path(storage_path).expanduser().resolve() / "logs" / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}.log"
 
 
+@dataclass
+class CommandLog:
+    path: Path
+    library_warnings: int = 0  # library warnings written to the file
+    kept: list[str] = field(default_factory=list)  # warnings that change what the run means, in order
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def summary(self, what: str) -> str:
+        """The summary's line naming the file: ``logs: PATH (MLflow, Ray; 3 warnings there)``."""
+        n = self.library_warnings
+        return f"logs: {self.path} ({what}" + (f"; {n} warning{'s' * (n != 1)} there" if n else "") + ")"
+
+    def repeat_kept(self) -> list[str]:
+        """The kept warnings, once each, for the summary."""
+        return [f"warning: {m}" for m in dict.fromkeys(self.kept)]
+
+
+class _Counter(logging.FileHandler):
+    def __init__(self, path: Path, log: CommandLog):
+        super().__init__(path)
+        self.log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno == logging.WARNING:
+            self.log.library_warnings += 1
+        super().emit(record)
+
+
+def _from_library(category: type, filename: str) -> bool:
+    if category.__module__.split(".")[0] in WARNING_PACKAGES:
+        return True
+    parts = Path(filename).parts
+    return any(p in ("site-packages", "dist-packages") for p in parts) and any(
+        parts[i + 1] in WARNING_PACKAGES for i, p in enumerate(parts[:-1]) if p in ("site-packages", "dist-packages")
+    )
+
+
 @contextlib.contextmanager
-def library_logs(path: Path):
-    """While inside: the libraries' records at INFO and above go to ``path``, and their own
-    terminal handlers pass only warnings and errors. Restored on exit."""
+def library_logs(path: Path, keep: tuple[type[Warning], ...] = ()):
+    """While inside: the libraries' records at INFO and above, and the Python warnings raised
+    from them, go to ``path``; the libraries' own terminal handlers pass only errors. Python
+    warnings of the ``keep`` categories are shown (``warning: <message>``) and kept in the yielded
+    :class:`CommandLog`. MLflow's artifact progress bars are off. All restored on exit."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
+    log = CommandLog(path)
+    handler = _Counter(path, log)
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     saved_levels: list[tuple[logging.Handler, int]] = []
@@ -34,11 +86,39 @@ def library_logs(path: Path):
         for h in lg.handlers:
             if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
                 saved_levels.append((h, h.level))
-                h.setLevel(max(h.level, logging.WARNING))
+                h.setLevel(max(h.level, logging.ERROR))
         lg.addHandler(handler)
+    shown = warnings.showwarning
+    py_warnings = logging.getLogger("py.warnings.libraries")
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if keep and issubclass(category, keep):  # our own words, without Python's source line
+            log.kept.append(str(message))
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+            return
+        if _from_library(category, filename):  # counted by the file's handler
+            py_warnings.handle(
+                py_warnings.makeRecord(
+                    py_warnings.name, logging.WARNING, filename, lineno, f"{category.__name__}: {message}", None, None
+                )
+            )
+            return
+        shown(message, category, filename, lineno, file, line)
+
+    py_warnings.addHandler(handler)
+    py_warnings.propagate = False
+    warnings.showwarning = showwarning
+    bars = os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
     try:
-        yield path
+        yield log
     finally:
+        warnings.showwarning = shown
+        if bars is None:
+            os.environ.pop("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", None)
+        else:
+            os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = bars
+        py_warnings.removeHandler(handler)
         for name in LIBRARIES:
             logging.getLogger(name).removeHandler(handler)
         for h, level in saved_levels:

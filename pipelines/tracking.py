@@ -330,6 +330,11 @@ def log_model(
     return version
 
 
+def skips_registry(cfg) -> bool:
+    """True when a run's model is logged without registering it (``registered_model: none``)."""
+    return (cfg.registered_model or "").lower() == "none"
+
+
 def log_run_model(run_id: str, model, example, epsilon: float, cfg, prefix: str = "dp"):
     """Log a run's final model (if ``cfg.log_model``) and register it as ``cfg.registered_model``,
     by default ``<prefix>-<dataset>-<model>``; "none" logs it without registering. Returns the
@@ -337,7 +342,7 @@ def log_run_model(run_id: str, model, example, epsilon: float, cfg, prefix: str 
     if not cfg.log_model:
         return None
     name = cfg.registered_model or f"{prefix}-{cfg.dataset}-{cfg.model.replace(':', '_')}"
-    registered = None if name.lower() == "none" else name
+    registered = None if skips_registry(cfg) else name
     return log_model(run_id, model, example, registered, epsilon, cfg.target_delta, cfg.accountant)
 
 

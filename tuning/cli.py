@@ -89,26 +89,40 @@ def main(argv: list[str] | None = None, prog: str = "dp-platform sweep") -> int:
     path = args.pop("config")
     try:
         sweep, base = load_sweep_config(path, args)
-        if sweep.preset == "bam-appendix":
-            from .sweep import run_preset  # Optuna, Ray and MLflow: after the flags are parsed
+        import mlflow  # noqa: F401  (Optuna, Ray and MLflow: after the flags are parsed; imported before
+        import optuna  # noqa: F401  their logging is routed, since importing them configures it)
+        import ray  # noqa: F401
 
-            out = run_preset(sweep, base)
-            for name, s in [("stage 1 (DP-SGD)", out["stage1"])] + [
-                (f"stage 2 ({m})", s) for m, s in out["stage2"].items()
-            ]:
-                print(f"== {name}")
-                print_summary(s)
-            return 0
-        from .sweep import run_sweep
+        from pipelines.logs import library_logs, log_path
 
-        out = run_sweep(sweep, base)
+        from .sweep import run_preset, run_sweep
+
+        with library_logs(log_path(base.storage_path, "sweep"), keep=(dpcore.DeltaTooLargeWarning,)) as logs:
+            if sweep.preset == "bam-appendix":
+                out = run_preset(sweep, base)
+            else:
+                out = run_sweep(sweep, base)
     except dpcore.DPError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except TypeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print_summary(out)
+    if sweep.preset == "bam-appendix":
+        for name, s in [("stage 1 (DP-SGD)", out["stage1"])] + [
+            (f"stage 2 ({m})", s) for m, s in out["stage2"].items()
+        ]:
+            print(f"== {name}")
+            print_summary(s)
+    else:
+        print_summary(out)
+    print(logs.summary("MLflow, Ray, Optuna") + "; each trial's own output is in Ray's session logs")
+    for line in logs.repeat_kept():
+        print(line)
+    from pipelines.tracking import resolve_tracking_uri
+    from pipelines.train.cli import ui_command
+
+    print(f"open the UI: {ui_command(resolve_tracking_uri(base.tracking_uri))}")
     return 0
 
 

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.federat
             from ..logs import library_logs, log_path
             from .rounds import run_federated
 
-            with library_logs(log_path(cfg.storage_path, "federated")) as logs:
+            with library_logs(log_path(cfg.storage_path, "federated"), keep=(dpcore.DeltaTooLargeWarning,)) as logs:
                 out = run_federated(cfg)
     except dpcore.DPError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -77,7 +77,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.federat
         )
     if out["registered_model"]:
         print(f"model: {out['registered_model']} in the MLflow registry")
-    print(f"logs: {logs} (MLflow, Ray)")
+    print(logs.summary("MLflow, Ray"))
+    for line in logs.repeat_kept():
+        print(line)
+    if cfg.diagnostics:
+        print(
+            "warning: NON-PRIVATE diagnostics were on: realised clients, bytes and update norms are logged without "
+            "noise and are not covered by ε (tag dp.diagnostics=non-private)"
+        )
     from ..train import ui_command
 
     print(f"open the UI: {ui_command(out['tracking_uri'])}")

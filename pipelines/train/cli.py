@@ -58,9 +58,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.train")
             from ..logs import library_logs, log_path
             from .driver import run
 
-            with library_logs(log_path(cfg.storage_path, "train")) as logs:
+            with library_logs(
+                log_path(cfg.storage_path, "train"), keep=(dpcore.DeltaTooLargeWarning,)
+            ) as logs:  # δ too large: repeated in the summary
                 out = run(cfg, resume=resume, resume_changes={k: v for k, v in args.items() if k in RESUME_MAY_CHANGE})
-            out["library_log"] = str(logs)
+            out["log"] = logs
     except dpcore.DPError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -98,8 +100,15 @@ def print_summary(out: dict) -> None:
     if out["registered_model"]:
         print(f"model: {out['registered_model']} in the MLflow registry")
     print(f"time: {out['seconds']:.1f}s")
-    if out.get("library_log"):
-        print(f"logs: {out['library_log']} (MLflow, Ray); the workers' output is in Ray's session logs")
+    if out.get("log") is not None:
+        print(out["log"].summary("MLflow, Ray") + "; the workers' output is in Ray's session logs")
+        for line in out["log"].repeat_kept():
+            print(line)
+    if out.get("diagnostics"):
+        print(
+            "warning: NON-PRIVATE diagnostics were on: the run's training-set statistics (loss, accuracy, clip "
+            "fractions) are logged without noise and are not covered by ε (tag dp.diagnostics=non-private)"
+        )
     print(f"open the UI: {ui_command(out['tracking_uri'], out.get('experiment_id'), out['run_id'])}")
 
 

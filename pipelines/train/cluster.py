@@ -13,13 +13,14 @@ import dpcore
 def ray_cluster(cfg):
     """Join ``ray_address`` (or RAY_ADDRESS, e.g. under ``ray job submit``) and stay connected, or
     else start a local cluster, on 127.0.0.1 with the dashboard on, and stop it afterwards.
+    Yields how: "connected" (Ray was already initialised here), "joined" or "started".
     ``cfg`` needs ``ray_address``, ``num_workers`` and ``use_gpu`` (a TrainConfig has them)."""
     import logging
 
     import ray
 
     if ray.is_initialized():
-        yield
+        yield "connected"
         return
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
     if address and address.startswith(("http://", "https://")):
@@ -33,7 +34,7 @@ def ray_cluster(cfg):
         # while the driver still logs to MLflow from it.
         # log_to_driver=False: the workers' own output stays in Ray's session logs, off this terminal
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
-        yield
+        yield "joined"
         return
     else:
         # A one-node cluster of our own is never drained by a cloud provider: Ray Train's
@@ -50,7 +51,7 @@ def ray_cluster(cfg):
         )
         keep_token_private()
     try:
-        yield
+        yield "started"
     finally:
         ray.shutdown()
 

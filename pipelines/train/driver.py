@@ -250,75 +250,95 @@ def run(
         ensure_pca(plan, cfg, client, run_id)
         ensure_audit(plan, cfg)
         trace("mlflow run set up")
-        with (
-            contextlib.nullcontext() if cfg.in_process else ray_cluster(cfg),
-            JournalProgress(plan, enabled=not cfg.quiet),
-        ):
-            trace("cluster ready")
-            result = _fit(plan, cfg, pruner, faults)
-        if result.error is not None:
-            raise _worker_dp_error(result.error) or result.error
-        ledger = open_run_ledger(plan)
-        epsilon = ledger.epsilon()
-        metrics = result.metrics or {}
-        checkpoint = final_checkpoint(plan, cfg.num_workers, result.checkpoint)
-        committed = ledger.committed_steps()
-        meta = json.loads((Path(checkpoint) / "meta.json").read_text())
-        if meta["releases"] != len(ledger) or meta["step"] != len(committed):
-            raise RuntimeError(
-                f"the last checkpoint ({checkpoint}: step {meta['step']}) is not the end of the ledger ({len(committed)} committed steps)"
-            )
-        model = load_final_model(plan, checkpoint)
-        client.set_tag(run_id, "dp.epsilon", f"{epsilon:.6g}")
-        from .placement import read_placement
+        with JournalProgress(plan, enabled=not cfg.quiet) as progress:
+            return _fit_and_log(plan, cfg, client, run_id, t0, progress, pruner, faults)
 
-        placement = read_placement(plan)
-        if placement:
-            tracking.write_json_artifact(client, run_id, "placement.json", placement, artifact_path="ray")
-            client.set_tag(run_id, "ray.nodes", str(len({p["node_id"] for p in placement})))
-        tracking.log_ledger(client, run_id, ledger)
-        client.log_metric(run_id, "final_epsilon", epsilon)
-        audit = audit_result(plan, cfg, checkpoint) if cfg.audit_canaries else None
-        if audit is not None:
-            tracking.log_audit(client, run_id, audit, epsilon)
-        from ..plots import plot_run
 
-        plot_run(client, run_id, ledger)
+def _fit_and_log(plan: RunPlan, cfg: TrainConfig, client, run_id: str, t0: float, progress, pruner, faults) -> dict:
+    """Train on Ray, then compute ε from the ledger and log the ledger, plots and model; each
+    phase is on the progress line (before the first step) or on a line of its own (after the last)."""
+    workers = "training in this process" if cfg.in_process else f"starting {cfg.num_workers} Ray Train worker(s)"
+    if not cfg.in_process:
+        progress.phase("connecting to Ray" if cfg.ray_address or os.environ.get("RAY_ADDRESS") else "starting Ray")
+    with contextlib.nullcontext("in-process") if cfg.in_process else ray_cluster(cfg) as cluster:
+        trace("cluster ready")
+        progress.phase(workers + (" (Ray is up)" if cluster == "started" else ""))
+        result = _fit(plan, cfg, pruner, faults)
+        trace("fit returned")
+        progress.steps_done()
+        progress.phase("Ray Train finished" + ("; stopping the local Ray cluster" if cluster == "started" else ""))
+    if result.error is not None:
+        raise _worker_dp_error(result.error) or result.error
+    ledger = open_run_ledger(plan)
+    epsilon = ledger.epsilon()
+    progress.phase(
+        f"ε = {epsilon:.4f} from the run's ledger ({cfg.accountant}); logging the ledger and plots to MLflow"
+    )
+    metrics = result.metrics or {}
+    checkpoint = final_checkpoint(plan, cfg.num_workers, result.checkpoint)
+    committed = ledger.committed_steps()
+    meta = json.loads((Path(checkpoint) / "meta.json").read_text())
+    if meta["releases"] != len(ledger) or meta["step"] != len(committed):
+        raise RuntimeError(
+            f"the last checkpoint ({checkpoint}: step {meta['step']}) is not the end of the ledger ({len(committed)} committed steps)"
+        )
+    model = load_final_model(plan, checkpoint)
+    client.set_tag(run_id, "dp.epsilon", f"{epsilon:.6g}")
+    from .placement import read_placement
 
-        from ..data import model_example
+    placement = read_placement(plan)
+    if placement:
+        tracking.write_json_artifact(client, run_id, "placement.json", placement, artifact_path="ray")
+        client.set_tag(run_id, "ray.nodes", str(len({p["node_id"] for p in placement})))
+    tracking.log_ledger(client, run_id, ledger)
+    client.log_metric(run_id, "final_epsilon", epsilon)
+    if cfg.audit_canaries:
+        progress.phase("scoring the audit's canaries")
+    audit = audit_result(plan, cfg, checkpoint) if cfg.audit_canaries else None
+    if audit is not None:
+        tracking.log_audit(client, run_id, audit, epsilon)
+    from ..plots import plot_run
 
-        version = tracking.log_run_model(run_id, model, model_example(plan.data_dir), epsilon, cfg, prefix="dp")
-        accuracy = metrics.get("test_accuracy")
-        tracking.describe_run(client, run_id, plan.run_name, epsilon, cfg.target_delta, cfg.accountant, accuracy)
-        return {
-            "run_id": run_id,
-            "experiment_id": client.get_run(run_id).info.experiment_id,
-            "tracking_uri": plan.tracking_uri,
-            "dataset": cfg.dataset,
-            "train_examples": plan.dataset_size,
-            "num_workers": cfg.num_workers,
-            "nodes": len({p["node_id"] for p in placement}),
-            "steps": len(committed),
-            "planned_steps": plan.steps,
-            "releases": len(ledger),
-            "rolled_back": sum(e.status != "committed" for e in ledger.entries),
-            "test_accuracy": metrics.get("test_accuracy", float("nan")),
-            "val_accuracy": metrics.get("val_accuracy", float("nan")),
-            "epsilon": epsilon,
-            "delta": cfg.target_delta,
-            "accountant": cfg.accountant,
-            "noise_multiplier": plan.noise_multiplier,
-            "sample_rate": plan.sample_rate,
-            "randomness": "secure" if cfg.seed is None else f"seeded (seed={cfg.seed})",
-            "seconds": time.monotonic() - t0,
-            "checkpoint": checkpoint,
-            "registered_model": None if version is None else f"{version.name} v{version.version}",
-            "pruned": bool(meta.get("pruned", False)),
-            "audit": audit,
-            "spec": plan,
-            "ledger": ledger,
-            "model": model,
-        }
+    plot_run(client, run_id, ledger)
+
+    from ..data import model_example
+
+    if cfg.log_model:
+        progress.phase("logging the model to MLflow" + ("" if tracking.skips_registry(cfg) else " and registering it"))
+    version = tracking.log_run_model(run_id, model, model_example(plan.data_dir), epsilon, cfg, prefix="dp")
+    accuracy = metrics.get("test_accuracy")
+    tracking.describe_run(client, run_id, plan.run_name, epsilon, cfg.target_delta, cfg.accountant, accuracy)
+    trace("logged")
+    return {
+        "run_id": run_id,
+        "experiment_id": client.get_run(run_id).info.experiment_id,
+        "tracking_uri": plan.tracking_uri,
+        "dataset": cfg.dataset,
+        "train_examples": plan.dataset_size,
+        "num_workers": cfg.num_workers,
+        "nodes": len({p["node_id"] for p in placement}),
+        "steps": len(committed),
+        "planned_steps": plan.steps,
+        "releases": len(ledger),
+        "rolled_back": sum(e.status != "committed" for e in ledger.entries),
+        "test_accuracy": metrics.get("test_accuracy", float("nan")),
+        "val_accuracy": metrics.get("val_accuracy", float("nan")),
+        "epsilon": epsilon,
+        "delta": cfg.target_delta,
+        "accountant": cfg.accountant,
+        "noise_multiplier": plan.noise_multiplier,
+        "sample_rate": plan.sample_rate,
+        "randomness": "secure" if cfg.seed is None else f"seeded (seed={cfg.seed})",
+        "diagnostics": bool(cfg.diagnostics),
+        "seconds": time.monotonic() - t0,
+        "checkpoint": checkpoint,
+        "registered_model": None if version is None else f"{version.name} v{version.version}",
+        "pruned": bool(meta.get("pruned", False)),
+        "audit": audit,
+        "spec": plan,
+        "ledger": ledger,
+        "model": model,
+    }
 
 
 def _worker_dp_error(error: BaseException) -> dpcore.DPError | None:

@@ -48,6 +48,7 @@ from .checkpoint import (
     read_checkpoint,
 )
 from .placement import memory_status, record_placement
+from .progress import note_phase
 from .report import Tracker as _Tracker
 from .report import report as _report
 from .run_ledger import open_ledger
@@ -190,6 +191,8 @@ class Worker:
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         record_placement(plan, self.rank)
+        if self.rank == 0:
+            note_phase(plan, f"{self.world} worker(s) up; loading the data")
         self.device = _device(cfg)
         if cfg.seed is not None:
             import warnings
@@ -207,6 +210,8 @@ class Worker:
         )
         trace("data opened")
         self.held_out = {k: open_split(data_dir, k) for k in ("val", "test")} if self.rank == 0 else None
+        if self.rank == 0:
+            note_phase(plan, f"data loaded ({len(self.train)} training examples on rank 0); the first step")
         self.optimizer = make_optimizer(cfg, [p for p in self.model.parameters() if p.requires_grad])
         self.peak_anon = 0.0  # the largest anonymous resident set seen at a report (Linux keeps no peak of it)
 
@@ -330,6 +335,8 @@ class Worker:
 
     def report(self, step: int, rate: float) -> bool:
         """Metrics and a checkpoint; True if the run was pruned."""
+        if self.rank == 0 and step == self.last_step:
+            note_phase(self.plan, "last step done; evaluating on the validation and test splits, saving the checkpoint")
         self.peak_anon = max(self.peak_anon, memory_status().get("rss_anon_mib", 0.0))
         self.reported_releases, pruned = _report(
             self.plan,

@@ -77,7 +77,9 @@ def test_the_cli_flag(tmp_path):
             "1",
             "--registered-model",
             "none",
-            "--quiet",
+            "--target-delta",
+            "1e-3",
+            "--diagnostics",
         ],
         cwd=tmp_path,
         capture_output=True,
@@ -86,3 +88,26 @@ def test_the_cli_flag(tmp_path):
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "workers=1 on 1 node(s)" in res.stdout and "ε spent:" in res.stdout
+    # K, must-show 4: start-up phases on the progress line, a line for each phase after the last
+    # step, no library warnings or errors, and the warnings that change what the run means
+    # (δ ≥ 1/N, NON-PRIVATE diagnostics) repeated in the summary
+    err = res.stderr.splitlines()
+    delta = "warning: target_delta=0.001 is ≥ 1/N = 1/1258"
+    assert err[0].startswith(delta) and sum(delta in line for line in err) == 1
+    assert "] training in this process  ε=…" in err[1] and "] 1 worker(s) up; loading the data" in err[2]
+    assert "] data loaded (1258 training examples on rank 0); the first step" in err[3]
+    last = next(i for i, line in enumerate(err) if "] step 2/2" in line)
+    assert [line.split("  (")[0] for line in err[last + 1 :]] == [
+        "  last step done; evaluating on the validation and test splits, saving the checkpoint",
+        "  Ray Train finished",
+        "  ε = "
+        + res.stdout.split("ε spent: ")[1][:6]
+        + " from the run's ledger (pld); logging the ledger and plots to MLflow",
+        "  logging the model to MLflow",
+    ]
+    assert not any("WARNING" in line or "ERROR" in line for line in err), res.stderr
+    out = res.stdout.splitlines()
+    logs = next(line for line in out if line.startswith("logs: "))
+    assert logs.split()[1].startswith(str(tmp_path / "dp_runs" / "logs" / "train-"))
+    i = out.index(logs)
+    assert out[i + 1].startswith(delta) and out[i + 2].startswith("warning: NON-PRIVATE diagnostics were on")

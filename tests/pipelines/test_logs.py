@@ -1,15 +1,20 @@
 """The libraries' logging goes to the command's log file; their terminal handlers keep only
-warnings and errors, and everything is as it was afterwards (K, must-show 4 in part)."""
+errors; Python warnings raised from the libraries go to the file as well, while the warnings
+that change what a run means are shown and kept for the summary; everything is as it was
+afterwards (K, must-show 4)."""
 
 from __future__ import annotations
 
 import io
 import logging
+import os
+import warnings
 
+import dpcore
 from pipelines.logs import library_logs, log_path
 
 
-def test_library_info_goes_to_the_file_and_warnings_still_reach_the_terminal(tmp_path):
+def test_library_records_go_to_the_file_and_only_errors_reach_the_terminal(tmp_path):
     terminal = io.StringIO()
     lg = logging.getLogger("mlflow.store.db.utils")
     handler = logging.StreamHandler(terminal)
@@ -19,14 +24,48 @@ def test_library_info_goes_to_the_file_and_warnings_still_reach_the_terminal(tmp
         path = log_path(str(tmp_path), "train")
         with library_logs(path) as logs:
             lg.info("Creating initial MLflow database tables...")
-            logging.getLogger("ray.train").warning("a real warning")
+            logging.getLogger("ray.train").warning("Token authentication is enabled")
             lg.warning("disk almost full")
-        text = logs.read_text()
-        assert "Creating initial MLflow database tables" in text and "a real warning" in text
-        assert "Creating initial" not in terminal.getvalue() and "disk almost full" in terminal.getvalue()
-        assert logs.parent == tmp_path.resolve() / "logs" and logs.name.startswith("train-")
+            lg.error("the store is gone")
+        text = logs.path.read_text()
+        assert "Creating initial MLflow database tables" in text and "Token authentication" in text
+        assert "disk almost full" in text and "the store is gone" in text
+        assert terminal.getvalue() == "the store is gone\n"  # no warning-level line on the terminal
+        assert logs.library_warnings == 2 and "(MLflow, Ray; 2 warnings there)" in logs.summary("MLflow, Ray")
+        assert logs.path.parent == tmp_path.resolve() / "logs" and logs.path.name.startswith("train-")
         lg.info("after")  # restored: the terminal handler passes INFO again, the file gets nothing
-        assert "after" not in logs.read_text()
+        assert "after" not in logs.path.read_text()
         assert logging.getLogger("mlflow").level == level and handler.level == logging.NOTSET
     finally:
         logging.getLogger("mlflow").removeHandler(handler)
+
+
+def test_library_python_warnings_go_to_the_file_and_meaningful_ones_are_kept(tmp_path, capsys):
+    import optuna
+
+    with warnings.catch_warnings(record=True) as passed_on:  # what reaches the usual display
+        warnings.simplefilter("always")
+        shown = warnings.showwarning
+        with library_logs(log_path(str(tmp_path), "sweep"), keep=(dpcore.DeltaTooLargeWarning,)) as logs:
+            assert os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] == "false"
+            warnings.warn(
+                "RetryHeartbeatStaleTrialCallback is experimental", optuna.exceptions.ExperimentalWarning, stacklevel=1
+            )
+            warnings.warn_explicit(
+                "Heartbeat of storage is supposed to be used with Study.optimize.",
+                UserWarning,
+                "/venv/lib/python3.11/site-packages/optuna/study/study.py",
+                579,
+            )
+            warnings.warn("target_delta=0.001 is ≥ 1/N", dpcore.DeltaTooLargeWarning, stacklevel=1)
+            warnings.warn("a warning of the platform's own", UserWarning, stacklevel=1)
+        assert warnings.showwarning is shown
+    err = capsys.readouterr().err
+    assert "experimental" not in err and "Heartbeat" not in err  # in the file instead
+    assert err == "warning: target_delta=0.001 is ≥ 1/N\n"  # our words, without Python's source line
+    assert [str(w.message) for w in passed_on] == ["a warning of the platform's own"]
+    text = logs.path.read_text()
+    assert "ExperimentalWarning: RetryHeartbeatStaleTrialCallback is experimental" in text and "Heartbeat" in text
+    assert logs.library_warnings == 2
+    assert logs.repeat_kept() == ["warning: target_delta=0.001 is ≥ 1/N"]
+    assert "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR" not in os.environ

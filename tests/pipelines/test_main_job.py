@@ -54,6 +54,23 @@ def test_main_job_prints_the_ui_command_and_the_ui_lists_the_run(tmp_path):
     argv = shlex.split(command)
     assert argv[1:] == ["ui"] and os.path.isabs(argv[0]) and os.access(argv[0], os.X_OK), command
     assert re.search(r"step \d+/\d+\s+ε=", res.stderr)  # progress: steps, ε, ETA
+    # K, must-show 4: no library warning or error on the terminal (Ray's token notice, MLflow's
+    # set-up lines: in the log file the summary names); start-up phases on the progress line; a
+    # line for every phase after the last step
+    assert not re.search(r"\b(WARNING|ERROR)\b", res.stderr + res.stdout), res.stderr
+    for phase in ("starting Ray", "starting 2 Ray Train worker(s) (Ray is up)", "2 worker(s) up; loading the data"):
+        assert f"] {phase}  ε=…" in res.stderr, res.stderr
+    assert "] data loaded (629 training examples on rank 0); the first step  ε=…" in res.stderr, res.stderr
+    after = res.stderr.split("[########################] step")[-1].splitlines()[1:]
+    assert [line.split("  (")[0].split(" from")[0] for line in after] == [
+        "  last step done; evaluating on the validation and test splits, saving the checkpoint",
+        "  Ray Train finished; stopping the local Ray cluster",
+        f"  ε = {eps:.4f}",
+        "  logging the model to MLflow and registering it",
+    ], res.stderr
+    logs = re.search(r"^logs: (\S+) \(MLflow, Ray(?:; (\d+) warnings? there)?\)", res.stdout, re.M)
+    text = open(logs.group(1)).read()
+    assert len(re.findall(r"\bWARNING\b", text)) >= int(logs.group(2) or 0) and "mlflow" in text
     assert (tmp_path / "mlflow.db").is_file()
 
     blocker = socket.socket()  # port 5000 taken (if nothing else has it): the UI must pick another
