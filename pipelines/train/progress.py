@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import statistics
 import sys
 import threading
@@ -150,8 +151,9 @@ class JournalProgress:
         label = self._phase if self._steps == 0 and not final else f"step {self._steps}/{self.total}"
         extra = f"  restarts: {self._rolled}" if self._rolled else ""
         line = f"[{'#' * filled}{'.' * (width - filled)}] {label}  ε={eps}  {elapsed:5.1f}s{eta_text}{extra}"
-        if self.interactive:
-            self._write("\r" + line.ljust(100) + ("\n" if final else ""))
+        if self.interactive:  # redrawn in place: never wider than the terminal, or it would wrap
+            width = shutil.get_terminal_size((100, 24)).columns - 1
+            self._write("\r" + line[:width].ljust(width) + ("\n" if final else ""))
         else:
             self._write(line + "\n")
         self._printed_at = self.clock()

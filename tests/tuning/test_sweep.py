@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -260,6 +261,11 @@ def test_killed_sweep_driver_continues_with_the_same_command(tmp_path, ray_env):
     before = optuna.load_study(study_name="resume", storage=storage).trials
     res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    # K, must-show 4: Optuna's experimental-feature warnings, Ray's and MLflow's logging go to the
+    # log file the summary names; no library warning or error on the terminal
+    said = res.stdout + res.stderr
+    assert not re.search(r"\b(WARNING|ERROR)\b|ExperimentalWarning|Downloading artifacts", said), said[-3000:]
+    assert re.search(rf"^logs: {re.escape(str(tmp_path))}/runs/logs/sweep-\S+ \(MLflow, Ray, Optuna", res.stdout, re.M)
     trials = optuna.load_study(study_name="resume", storage=storage).trials
     numbers = [t.number for t in trials]
     assert len(numbers) == len(set(numbers))
