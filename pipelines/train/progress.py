@@ -48,6 +48,18 @@ def estimate_eta(records: list[tuple[int, float]], every: int, total: int) -> fl
     return (total - done) * step + checkpoints_left * pause
 
 
+def _new_lines(path: Path, offset: int) -> tuple[list[str], int]:
+    """The complete lines written to ``path`` after byte ``offset``, and the offset after them
+    (a line still being written is left for the next poll)."""
+    if not path.exists():
+        return [], offset
+    with open(path, "rb") as f:
+        f.seek(offset)
+        chunk = f.read()
+    *lines, partial = chunk.split(b"\n")
+    return [line.decode("utf-8") for line in lines], offset + len(chunk) - len(partial)
+
+
 class JournalProgress:
     """Driver-side progress: follows the ledger journal and the phase file of a run."""
 
@@ -111,22 +123,12 @@ class JournalProgress:
                 self._print_bar()
 
     def _poll(self) -> None:
-        if self.path.exists():
-            with open(self.path, encoding="utf-8") as f:
-                f.seek(self._offset)
-                chunk = f.read()
-            lines = chunk.split("\n")
-            self._offset += len(chunk) - len(lines[-1])
-            for line in lines[:-1]:
-                self._record(json.loads(line))
-        if self.phases_path.exists():
-            with open(self.phases_path, encoding="utf-8") as f:
-                f.seek(self._phase_offset)
-                chunk = f.read()
-            lines = chunk.split("\n")
-            self._phase_offset += len(chunk) - len(lines[-1])
-            for text in lines[:-1]:
-                self._show_phase(text)
+        lines, self._offset = _new_lines(self.path, self._offset)
+        for line in lines:
+            self._record(json.loads(line))
+        lines, self._phase_offset = _new_lines(self.phases_path, self._phase_offset)
+        for text in lines:
+            self._show_phase(text)
 
     def _record(self, rec: dict) -> None:
         if rec.get("op") == "append":
