@@ -8,9 +8,9 @@ without touching data.
 All events are for the add/remove-one neighbouring relation at the example level (or the
 client level, for DP-FedAvg: then one "example" is one client's update).
 
-To add a kind of release: one subclass here with its ``kind`` and :meth:`mechanism` (and
-``sampled = False`` for a release on the whole dataset),
-registered with :func:`register_event`; accountants that need more than the dp_accounting
+To add a kind of release: one subclass here with its :meth:`mechanism`, declared with
+``@event(kind)`` (``@event(kind, sampled=False)`` for a release on the whole dataset), which
+makes it a frozen dataclass and registers it; accountants that need more than the dp_accounting
 event (the PLD cache, the moments accountant) say so for the kinds they know.
 """
 
@@ -38,6 +38,17 @@ def register_event(cls: type[PrivacyEvent]) -> type[PrivacyEvent]:
         raise ValueError(f"event kind {cls.kind!r} is empty or already registered")
     EVENTS[cls.kind] = cls
     return cls
+
+
+def event(kind: str, sampled: bool = True):
+    """Class decorator for a kind of release: sets its ``kind`` (and ``sampled``), makes it a
+    frozen dataclass (values: equal events hash equal) and registers it."""
+
+    def declare(cls):
+        cls.kind, cls.sampled = kind, sampled
+        return register_event(dataclass(frozen=True)(cls))
+
+    return declare
 
 
 class _ByKind(type):
@@ -110,38 +121,24 @@ class _LaplaceNoise:
         return dp_accounting.LaplaceDpEvent(self.noise_multiplier)
 
 
-@register_event
-@dataclass(frozen=True)
+@event(POISSON_GAUSSIAN)
 class PoissonGaussian(_GaussianNoise, PrivacyEvent):
     """One DP-SGD step (or DP-FedAvg round): clipped sum of a Poisson lot + N(0, σ²C²)."""
 
-    kind: ClassVar[str] = POISSON_GAUSSIAN
 
-
-@register_event
-@dataclass(frozen=True)
-class Gaussian(_GaussianNoise, PrivacyEvent):
-    """A Gaussian release on the whole dataset (DP-PCA's noised Gram matrix)."""
-
-    kind: ClassVar[str] = GAUSSIAN
-    sampled: ClassVar[bool] = False
-
-
-@register_event
-@dataclass(frozen=True)
+@event(POISSON_LAPLACE)
 class PoissonLaplace(_LaplaceNoise, PrivacyEvent):
     """Laplace noise of scale b = σ·Δ₁ on the L1-clipped sum of a Poisson lot (DP-Adam's form)."""
 
-    kind: ClassVar[str] = POISSON_LAPLACE
+
+@event(GAUSSIAN, sampled=False)
+class Gaussian(_GaussianNoise, PrivacyEvent):
+    """A Gaussian release on the whole dataset (DP-PCA's noised Gram matrix)."""
 
 
-@register_event
-@dataclass(frozen=True)
+@event(LAPLACE, sampled=False)
 class Laplace(_LaplaceNoise, PrivacyEvent):
     """A Laplace release on the whole dataset."""
-
-    kind: ClassVar[str] = LAPLACE
-    sampled: ClassVar[bool] = False
 
 
 EVENT_KINDS = tuple(EVENTS)
