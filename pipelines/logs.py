@@ -21,6 +21,21 @@ LIBRARIES = ("mlflow", "ray", "alembic", "optuna")
 WARNING_PACKAGES = LIBRARIES + ("sqlalchemy", "pydantic", "torch", "google")
 
 
+# MLflow's artifact progress bars, and the "View run ... at" links it writes to stdout for a
+# tracking server (the summary prints the run's link, in the UI's model-training view).
+QUIET_ENV = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+
+
+_ACTIVE: list = []  # the open library_logs' handler adjusters, innermost last
+
+
+def library_imported() -> None:
+    """Call after importing a library inside :func:`library_logs` (Ray adds its terminal handler
+    when it is first imported): its terminal handlers then pass only errors, like the others."""
+    if _ACTIVE:
+        _ACTIVE[-1]()
+
+
 def log_path(storage_path: str, command: str) -> Path:
     """Where a command's library log goes: ``<storage>/logs/<command>-<time>.log``."""
     return Path(storage_path).expanduser().resolve() / "logs" / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}.log"
@@ -70,24 +85,32 @@ def library_logs(path: Path, keep: tuple[type[Warning], ...] = ()):
     """While inside: the libraries' records at INFO and above, and the Python warnings raised
     from them, go to ``path``; the libraries' own terminal handlers pass only errors. Python
     warnings of the ``keep`` categories are shown (``warning: <message>``) and kept in the yielded
-    :class:`CommandLog`. MLflow's artifact progress bars are off. All restored on exit."""
+    :class:`CommandLog`. MLflow's artifact progress bars and "View run" links are off. All
+    restored on exit."""
     path.parent.mkdir(parents=True, exist_ok=True)
     log = CommandLog(path)
     handler = _Counter(path, log)
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    saved_levels: list[tuple[logging.Handler, int]] = []
+    saved_levels: dict[logging.Handler, int] = {}
     saved_loggers: list[tuple[logging.Logger, int]] = []
+
+    def quiet_terminal_handlers() -> None:
+        for name in LIBRARIES:
+            for h in logging.getLogger(name).handlers:
+                if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                    if h not in saved_levels:
+                        saved_levels[h] = h.level
+                    h.setLevel(max(h.level, logging.ERROR))
+
     for name in LIBRARIES:
         lg = logging.getLogger(name)
         saved_loggers.append((lg, lg.level))
         if lg.level == logging.NOTSET or lg.level > logging.INFO:
             lg.setLevel(logging.INFO)
-        for h in lg.handlers:
-            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
-                saved_levels.append((h, h.level))
-                h.setLevel(max(h.level, logging.ERROR))
         lg.addHandler(handler)
+    quiet_terminal_handlers()
+    _ACTIVE.append(quiet_terminal_handlers)
     shown = warnings.showwarning
     py_warnings = logging.getLogger("py.warnings.libraries")
 
@@ -108,20 +131,22 @@ def library_logs(path: Path, keep: tuple[type[Warning], ...] = ()):
     py_warnings.addHandler(handler)
     py_warnings.propagate = False
     warnings.showwarning = showwarning
-    bars = os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
-    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
+    saved_env = {k: os.environ.get(k) for k in QUIET_ENV}
+    os.environ.update(QUIET_ENV)
     try:
         yield log
     finally:
+        _ACTIVE.remove(quiet_terminal_handlers)
         warnings.showwarning = shown
-        if bars is None:
-            os.environ.pop("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", None)
-        else:
-            os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = bars
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         py_warnings.removeHandler(handler)
         for name in LIBRARIES:
             logging.getLogger(name).removeHandler(handler)
-        for h, level in saved_levels:
+        for h, level in saved_levels.items():
             h.setLevel(level)
         for lg, level in saved_loggers:
             lg.setLevel(level)

@@ -89,7 +89,10 @@ def client(address: str):
     from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
 
+    from ..logs import library_imported
+
     logging.getLogger("ray").setLevel(logging.WARNING)
+    library_imported()  # Ray's terminal handler, added at its import: errors only while a command log is open
     try:
         return JobSubmissionClient(address)
     except AuthenticationError:
@@ -234,6 +237,19 @@ def main_submit(argv: list[str], prog: str = "dp-platform submit", sweep_checker
     cut = argv.index("--") if "--" in argv else len(argv)
     a = p.parse_args(argv[:cut])
     args = argv[cut + 1 :]  # the job's own options: everything after --
+    from ..logs import library_logs
+    from .clean import cache_dir
+
+    # Ray's job client logs (the upload, the log stream) go to a file, as a run's libraries do
+    with library_logs(cache_dir() / "logs" / f"submit-{time.strftime('%Y%m%d-%H%M%S')}.log") as logs:
+        code = _submit_and_follow(a, args, sweep_checker)
+    if code is not None:
+        print(logs.summary("Ray's job client"))
+    return code if code is not None else 2
+
+
+def _submit_and_follow(a: argparse.Namespace, args: list[str], sweep_checker) -> int | None:
+    """Submit, print the job's id and commands, follow its logs; the exit code (None: refused)."""
     try:
         c, jid = submit(
             a.config,
@@ -253,7 +269,7 @@ def main_submit(argv: list[str], prog: str = "dp-platform submit", sweep_checker
         RuntimeError,
     ) as e:  # RuntimeError: the Jobs API refused (e.g. a duplicate --job-id)
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return None
     print(
         f"submitted job {jid}\n  status: dp-platform status {jid}\n  logs:   dp-platform logs {jid} --follow\n  stop:  "
         f" dp-platform stop {jid}",

@@ -48,6 +48,7 @@ def test_library_python_warnings_go_to_the_file_and_meaningful_ones_are_kept(tmp
         shown = warnings.showwarning
         with library_logs(log_path(str(tmp_path), "sweep"), keep=(dpcore.DeltaTooLargeWarning,)) as logs:
             assert os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] == "false"
+            assert os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] == "true"
             warnings.warn(
                 "RetryHeartbeatStaleTrialCallback is experimental", optuna.exceptions.ExperimentalWarning, stacklevel=1
             )
@@ -69,3 +70,23 @@ def test_library_python_warnings_go_to_the_file_and_meaningful_ones_are_kept(tmp
     assert logs.library_warnings == 2
     assert logs.repeat_kept() == ["warning: target_delta=0.001 is ≥ 1/N"]
     assert "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR" not in os.environ
+    assert "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT" not in os.environ
+
+
+def test_a_library_imported_inside_gets_its_terminal_handler_quieted_too(tmp_path):
+    """Ray adds its terminal handler when first imported, which `submit` does inside the log."""
+    from pipelines.logs import library_imported
+
+    terminal = io.StringIO()
+    late = logging.StreamHandler(terminal)
+    ray_logger = logging.getLogger("ray")
+    try:
+        with library_logs(log_path(str(tmp_path), "submit")) as logs:
+            ray_logger.addHandler(late)  # as `import ray` does
+            library_imported()
+            logging.getLogger("ray.dashboard.modules.job.sdk").warning("Directory '.git' is now ignored")
+        assert terminal.getvalue() == "" and "Directory '.git'" in logs.path.read_text()
+        assert late.level == logging.NOTSET  # restored
+    finally:
+        ray_logger.removeHandler(late)
+    library_imported()  # outside any command log: nothing to do

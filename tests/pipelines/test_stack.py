@@ -255,6 +255,12 @@ def test_training_job_runs_on_both_nodes_and_tracks_to_postgres(stack):
     assert st.returncode == 0 and "SUCCEEDED" in st.stdout, st.stdout + st.stderr
     logs = cli("logs", job, env=stack.env)
     assert logs.returncode == 0 and f"run {run_id}" in logs.stdout
+    # K, must-show 4, through the Jobs API: the job's output holds the platform's progress and
+    # summary, not MLflow's "View run" links nor a library warning or error (the log file has them)
+    assert "View run" not in out and not re.search(r"\b(WARNING|ERROR)\b", out), out[-4000:]
+    assert re.search(
+        rf"^open the UI: http://\S+/#/experiments/\d+/runs/{run_id}\?workflowType=machine_learning$", out, re.M
+    )
     stack.results["train"] = {"run_id": run_id, "job": job, "logs": logs.stdout + out}
 
     client = stack.mlflow_client()
