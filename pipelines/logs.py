@@ -26,6 +26,14 @@ WARNING_PACKAGES = LIBRARIES + ("sqlalchemy", "pydantic", "torch", "google")
 QUIET_ENV = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 
 
+def meaning_warnings() -> tuple[type[Warning], ...]:
+    """The warnings that change what a run means, shown when raised and repeated in the summary:
+    δ ≥ 1/N (a weak guarantee) and seeded randomness (predictable noise: research only)."""
+    import dpcore
+
+    return (dpcore.DeltaTooLargeWarning, dpcore.SeededRandomnessWarning)
+
+
 _ACTIVE: list = []  # the open library_logs' handler adjusters, innermost last
 
 

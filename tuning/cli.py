@@ -93,11 +93,11 @@ def main(argv: list[str] | None = None, prog: str = "dp-platform sweep") -> int:
         import optuna  # noqa: F401  their logging is routed, since importing them configures it)
         import ray  # noqa: F401
 
-        from pipelines.logs import library_logs, log_path
+        from pipelines.logs import library_logs, log_path, meaning_warnings
 
         from .sweep import run_preset, run_sweep
 
-        with library_logs(log_path(base.storage_path, "sweep"), keep=(dpcore.DeltaTooLargeWarning,)) as logs:
+        with library_logs(log_path(base.storage_path, "sweep"), keep=meaning_warnings()) as logs:
             if sweep.preset == "bam-appendix":
                 out = run_preset(sweep, base)
             else:

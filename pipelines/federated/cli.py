@@ -34,10 +34,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.federat
             import mlflow  # noqa: F401  (torch, Ray and MLflow: after the flags are parsed; imported before
             import ray  # noqa: F401  their logging is routed, since importing them configures it)
 
-            from ..logs import library_logs, log_path
+            from ..logs import library_logs, log_path, meaning_warnings
             from .rounds import run_federated
 
-            with library_logs(log_path(cfg.storage_path, "federated"), keep=(dpcore.DeltaTooLargeWarning,)) as logs:
+            with library_logs(log_path(cfg.storage_path, "federated"), keep=meaning_warnings()) as logs:
                 out = run_federated(cfg)
     except dpcore.DPError as e:
         print(f"error: {e}", file=sys.stderr)

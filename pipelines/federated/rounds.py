@@ -4,6 +4,7 @@ round once (:mod:`dpcore.federated`), evaluate, track (see the package's docstri
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -127,14 +128,20 @@ def run_federated(cfg: FederatedConfig | None = None, faults: ActorFault | None 
                 "scores": torch.zeros(cfg.audit_canaries, dtype=torch.float64),
                 "sampling": randomness.spawn("audit-sampling"),
             }
+        say = _phases(cfg, t0)
         try:
-            with _cluster(cfg):
+            if cfg.executor == "ray":
+                say("connecting to Ray" if cfg.ray_address or os.environ.get("RAY_ADDRESS") else "starting Ray")
+            with _cluster(cfg) as cluster:
                 fault = (faults.at_round, faults.actor) if faults is not None else None
+                if cfg.executor == "ray":
+                    say(f"starting {cfg.num_actors} client actor(s)")
                 pool = (
                     RayPool(runner_args, cfg.num_actors, cfg.cpus_per_actor, cfg.max_actor_restarts, fault)
                     if cfg.executor == "ray"
                     else LocalPool(runner_args, int(cfg.cpus_per_actor))
                 )
+                say("actors up; the first round")
                 t_rounds = time.monotonic()
                 for r in range(1, rounds + 1):
                     try:
@@ -227,7 +234,9 @@ def run_federated(cfg: FederatedConfig | None = None, faults: ActorFault | None 
                         ],
                     )
                 seconds_rounds = time.monotonic() - t_rounds
+                say(f"{done} round(s) done" + ("; stopping the local Ray cluster" if cluster == "started" else ""))
             epsilon = ledger.epsilon()
+            say(f"ε = {epsilon:.4f} from the run's ledger ({cfg.accountant}); logging the ledger and plots to MLflow")
             dlt = dpcore.accountants.delta(ledger.groups(), cfg.target_epsilon, cfg.accountant) if len(ledger) else 0.0
             test_acc, _ = _evaluate(model, data.test)
             client.set_tag(run_id, "dp.epsilon", f"{epsilon:.6g}")
@@ -257,6 +266,8 @@ def run_federated(cfg: FederatedConfig | None = None, faults: ActorFault | None 
                 tracking.log_audit(client, run_id, audit_out, epsilon)
             _plot(client, run_id, ledger, history, cfg)
             example = data.test.x[:4].numpy().astype("float32")
+            if cfg.log_model:
+                say("logging the model to MLflow" + ("" if tracking.skips_registry(cfg) else " and registering it"))
             version = tracking.log_run_model(run_id, model, example, epsilon, cfg, prefix="dp-fedavg")
             return {
                 "run_id": run_id,
@@ -303,15 +314,27 @@ def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tenso
     return out
 
 
+def _phases(cfg: FederatedConfig, t0: float):
+    """A line on stderr for each phase of the run outside its rounds (unless ``quiet``)."""
+
+    def say(text: str) -> None:
+        if not cfg.quiet:
+            print(f"  {text}  ({time.monotonic() - t0:.1f}s)", file=sys.stderr, flush=True)
+
+    return say
+
+
 @contextlib.contextmanager
 def _cluster(cfg: FederatedConfig):
+    """The Ray cluster the actors run on (see :func:`pipelines.train.ray_cluster`); yields how it
+    was reached ("started", "joined", "connected"), or "local" without Ray."""
     if cfg.executor != "ray":
-        yield
+        yield "local"
         return
     from ..train import ray_cluster
 
-    with ray_cluster(SimpleNamespace(ray_address=cfg.ray_address, num_workers=cfg.num_actors, use_gpu=False)):
-        yield
+    with ray_cluster(SimpleNamespace(ray_address=cfg.ray_address, num_workers=cfg.num_actors, use_gpu=False)) as how:
+        yield how
 
 
 def _plot(client, run_id: str, ledger, history: list[dict], cfg: FederatedConfig) -> None:

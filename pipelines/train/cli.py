@@ -50,17 +50,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.train")
                         f"(got {', '.join('--' + k.replace('_', '-') for k in changed) or config_path})."
                     )
             cfg = load_config(config_path, args)
-            if resume is None and cfg.seed is not None:
-                dpcore.make_randomness(cfg.seed)  # the warning, once, on the driver
             import mlflow  # noqa: F401  (torch, Ray and MLflow: after the flags are parsed; imported before
             import ray  # noqa: F401  their logging is routed, since importing them configures it)
 
-            from ..logs import library_logs, log_path
+            from ..logs import library_logs, log_path, meaning_warnings
             from .driver import run
 
-            with library_logs(
-                log_path(cfg.storage_path, "train"), keep=(dpcore.DeltaTooLargeWarning,)
-            ) as logs:  # δ too large: repeated in the summary
+            with library_logs(log_path(cfg.storage_path, "train"), keep=meaning_warnings()) as logs:
+                if resume is None and cfg.seed is not None:
+                    dpcore.make_randomness(cfg.seed)  # the warning, once, on the driver
                 out = run(cfg, resume=resume, resume_changes={k: v for k, v in args.items() if k in RESUME_MAY_CHANGE})
             out["log"] = logs
     except dpcore.DPError as e:

@@ -369,6 +369,12 @@ def test_cli_runs_on_ray_and_tracks_the_run_at_client_level(tmp_path, ray_env):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "round 4/4" in proc.stderr and "ε=" in proc.stderr and "test acc=" in proc.stderr
+    err = proc.stderr.splitlines()
+    assert err[0].startswith("warning: ") and "seed" in err[0]  # --seed 1: predictable noise, said plainly
+    assert sum(line.startswith("warning: ") and "seed" in line for line in proc.stdout.splitlines()) == 1  # and again
+    phases = [line.split("  (")[0].strip() for line in err if line.startswith("  ")]
+    assert phases[:3] == ["connecting to Ray", "starting 2 client actor(s)", "actors up; the first round"], phases
+    assert phases[3] == "4 round(s) done" and phases[4].startswith("ε = ") and "logging the model" in phases[5]
     assert "client-level" in proc.stdout
     log = re.search(r"^logs: (\S+) \(MLflow, Ray(; \d+ warnings? there)?\)$", proc.stdout, re.M).group(
         1
