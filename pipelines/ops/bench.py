@@ -23,6 +23,7 @@ MODELS = {  # the names are bench_cli.BENCH_MODELS
     # name: (builder, input shape, batch)
     "mnist_cnn": (lambda: build_model("cnn", (1, 28, 28), 10), (1, 28, 28), 256),
     "resnet9": (lambda: build_model("resnet9", (3, 32, 32), 10), (3, 32, 32), 64),
+    "wrn16_4": (lambda: build_model("wrn16_4", (3, 32, 32), 10), (3, 32, 32), 64),
     "mlp4": (lambda: mlp((1, 28, 28), 10, hidden=512, depth=4), (1, 28, 28), 256),
 }
 
@@ -270,9 +271,11 @@ def print_tables(
         if "ms_per_step" not in r:
             print(f"| {r['model']} | {r['mode']} | – | – | – | – | {r['note']} |")
             continue
+        vs_opacus = r["throughput_vs_opacus_best"]
+        vs_opacus = "–" if vs_opacus != vs_opacus else f"{vs_opacus:.2f}"  # NaN: Opacus was not run
         print(
             f"| {r['model']} ({r['batch']}) | {r['mode']} | {r['ms_per_step']:.1f} | {r['samples_per_s']:.0f} | "
-            f"{r['x_non_private']:.2f} | {r['throughput_vs_opacus_best']:.2f} | {r['note']} |"
+            f"{r['x_non_private']:.2f} | {vs_opacus} | {r['note']} |"
         )
     if acc_rows:
         print("\nAccountant speed")

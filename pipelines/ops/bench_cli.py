@@ -26,7 +26,7 @@ import json
 import os
 import sys
 
-BENCH_MODELS = ("mnist_cnn", "resnet9", "mlp4")
+BENCH_MODELS = ("mnist_cnn", "resnet9", "wrn16_4", "mlp4")
 
 
 def main(argv: list[str] | None = None) -> int:

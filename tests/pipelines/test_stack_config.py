@@ -205,3 +205,18 @@ def test_purge_after_a_plain_down_removes_the_data_and_secrets(tmp_path, monkeyp
     assert not root.exists() and not pg.exists() and "removed" in said[0]
     with pytest.raises(stack.StackError, match="no stack"):
         commands.down(root, purge=True)  # nothing left at all
+
+
+def test_add_node_says_the_head_is_gone_at_once(tmp_path):
+    """`stack add-node` when the head is not running: a message and the fix, not minutes of
+    `ray start` waiting for a GCS that is not there."""
+    import json
+    import time
+
+    (tmp_path / "stack.json").write_text(
+        json.dumps({"host": "127.0.0.1", "ports": {"gcs": stack_common.free_port()}, "ray_temp": str(tmp_path / "ray")})
+    )
+    t0 = time.monotonic()
+    with pytest.raises(stack.StackError, match=r"Ray head \(127\.0\.0\.1:\d+\) is not running.*stack down.*stack up"):
+        stack.add_node(tmp_path)
+    assert time.monotonic() - t0 < 5

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import StackError, _bin, default_dir, free_port, load_state, read_env_file
+from .common import StackError, _bin, default_dir, free_port, load_state, port_in_use, read_env_file
 
 
 def node_env(root: Path) -> dict[str, str]:
@@ -24,17 +24,27 @@ def node_env(root: Path) -> dict[str, str]:
     return env
 
 
+RAY_START_TIMEOUT_S = 180  # `ray start` of one node here takes 3-10 s
+
+
 def _ray_start(args: list[str], env: dict, what: str) -> None:
     # In a session of its own: Ray's daemons must not get the SIGHUP of the terminal `stack up` ran
     # in when that terminal closes (PostgreSQL and MLflow are detached the same way).
-    r = subprocess.run(
-        [_bin("ray"), "start", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    try:
+        r = subprocess.run(
+            [_bin("ray"), "start", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            timeout=RAY_START_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as e:
+        said = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""))[-2000:]
+        raise StackError(
+            f"{what} did not start within {RAY_START_TIMEOUT_S} s (`ray start` was stopped):\n{said}"
+        ) from None
     if r.returncode != 0:
         raise StackError(f"{what} did not start (`ray start` exited {r.returncode}):\n{(r.stdout + r.stderr)[-3000:]}")
 
@@ -85,6 +95,11 @@ def add_node(root: Path | None = None, num_cpus: int | None = None, resources: d
     root = Path(root or default_dir())
     state = load_state(root)
     gcs = f"{state['host']}:{state['ports']['gcs']}"
+    if not port_in_use(state["host"], int(state["ports"]["gcs"])):  # else `ray start` waits minutes for it
+        raise StackError(
+            f"the stack's Ray head ({gcs}) is not running, so no node can join it. Restart the stack: "
+            "`dp-platform stack down`, then `dp-platform stack up`."
+        )
     # Each node its own temp folder (inside the stack's, so that `down` finds it): nodes sharing
     # one would unpack a job's package into the same place, and one node's re-extraction pulls
     # the working directory from under a job driver on another.
