@@ -1,0 +1,162 @@
+"""``dp-platform ui``: the MLflow UI on this machine, against the same tracking store as
+``train``. It checks the store and the port first (the stack's MLflow server, or another
+program, may hold 5000: then a free port), prints the runs table's link once the page answers
+(in MLflow 3's model-training view), and stops the server with itself."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def ui_argv(tracking_uri: str, host: str, port: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "ui",
+        "--backend-store-uri",
+        tracking_uri,
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
+
+
+def _stack_mlflow_port() -> int | None:
+    """The port of the local stack's MLflow server, if a stack is up on this machine."""
+    from .stack.common import default_dir
+
+    state = default_dir() / "stack.json"
+    try:
+        import json
+
+        return int(json.loads(state.read_text())["ports"]["mlflow"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _wait_for_page(proc: subprocess.Popen, url: str, timeout: float = 180.0) -> bool:
+    """Poll ``url`` until it answers 200 (True), the server exits, or ``timeout`` passes (False)."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.25)
+    return False
+
+
+def _experiment_links(url: str) -> list[tuple[str, str]]:
+    """(name, link to its runs table) for the store's experiments, the most recently updated
+    first, from the REST API the UI itself calls; the empty Default experiment is left out."""
+    import json
+    import urllib.request
+
+    from ..tracking import ui_link
+
+    try:
+        with urllib.request.urlopen(f"{url}/api/2.0/mlflow/experiments/search?max_results=100", timeout=10) as r:
+            exps = json.loads(r.read()).get("experiments", [])
+    except (OSError, ValueError):
+        return []
+    exps.sort(key=lambda e: -int(e.get("last_update_time", 0)))
+    named = [e for e in exps if e["name"] != "Default"] or exps
+    return [(e["name"], ui_link(url, e["experiment_id"])) for e in named]
+
+
+def main(argv: list[str], prog: str = "dp-platform ui") -> int:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Start the MLflow UI on 127.0.0.1 against the same tracking store as train. It prints the URL "
+        "once the page answers.",
+    )
+    p.add_argument(
+        "--tracking-uri",
+        default=os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db",
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)",
+    )
+    p.add_argument("--port", type=int, help="port (default: 5000, or a free one if 5000 is taken)")
+    p.add_argument("--host", default="127.0.0.1", help="interface (default 127.0.0.1: this machine only)")
+    a = p.parse_args(argv)
+    from ..tracking import TrackingError, check_tracking_uri, redact, resolve_tracking_uri
+    from .stack.common import free_port, port_in_use
+
+    uri = resolve_tracking_uri(a.tracking_uri)
+    if uri.startswith(("http://", "https://")):
+        print(f"{redact(uri)} is a tracking server: it serves its own UI there (log in if it asks).")
+        return 0
+    try:
+        check_tracking_uri(uri)
+    except TrackingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+        print(
+            f"note: {uri[len('sqlite:///') :]} does not exist yet: the UI is empty until a run logs to it.", flush=True
+        )
+    stack_port = _stack_mlflow_port()
+    port = a.port if a.port is not None else 5000
+    if port_in_use(a.host, port):
+        holder = (
+            f"the platform's stack serves its MLflow server there (http://{a.host}:{port}, with login; its runs are "
+            "the stack's, not this store's)"
+            if port == stack_port
+            else "another program listens there"
+        )
+        if a.port is not None:
+            print(f"error: port {port} is taken: {holder}. Give another --port, or leave it out.", file=sys.stderr)
+            return 2
+        port = free_port(a.host)
+        print(f"port 5000 is taken ({holder}); this UI uses port {port}.", flush=True)
+    url = f"http://{a.host}:{port}"
+    from .clean import cache_dir
+
+    log = cache_dir() / "logs" / f"ui-{port}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"starting the MLflow UI for {redact(uri)} … (its log: {log})", flush=True)
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # stop the server with this process, whatever stops it
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            ui_argv(uri, a.host, port), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        if not _wait_for_page(proc, url + "/health"):
+            code = proc.poll()
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+            print(
+                f"error: the MLflow UI did not come up on {url}"
+                + (f" (it exited with code {code})" if code is not None else " in 180 s")
+                + f"; the end of its log ({log}):\n{tail}",
+                file=sys.stderr,
+            )
+            return 1
+        links = _experiment_links(url)
+        if links:  # the runs table in the model-training view: the plain URL opens the GenAI overview
+            print(f"MLflow UI: {links[0][1]}  (experiment {links[0][0]}; Ctrl-C stops it)", flush=True)
+            for name, link in links[1:5]:
+                print(f"  experiment {name}: {link}", flush=True)
+        else:
+            print(f"MLflow UI: {url}/#/?workflowType=machine_learning  (Ctrl-C stops it)", flush=True)
+        return proc.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
