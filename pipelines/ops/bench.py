@@ -109,6 +109,13 @@ def _opacus(make, x, y, mode):
 
 
 def time_steps(model_name: str, rounds: int, warmup: int = 3, opacus: bool = True) -> list[dict]:
+    with warnings.catch_warnings():  # Opacus's notes (its secure RNG is off, its backward hooks): known, not ours
+        warnings.filterwarnings("ignore", module="opacus")
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        return _time_steps(model_name, rounds, warmup, opacus)
+
+
+def _time_steps(model_name: str, rounds: int, warmup: int, opacus: bool) -> list[dict]:
     make, shape, batch = MODELS[model_name]
     x, y = _data(shape, batch)
     steps: dict[str, object] = {"non-private": _non_private(make, x, y)}
