@@ -67,6 +67,12 @@ class CommandLog:
         """The kept warnings, once each, for the summary."""
         return [f"warning: {m}" for m in dict.fromkeys(self.kept)]
 
+    def print_report(self, what: str, note: str = "") -> None:
+        """The summary's part: the line naming the file (``note`` after it), then the kept warnings."""
+        print(self.summary(what) + note)
+        for line in self.repeat_kept():
+            print(line)
+
 
 class _Counter(logging.FileHandler):
     def __init__(self, path: Path, log: CommandLog):
@@ -82,10 +88,8 @@ class _Counter(logging.FileHandler):
 def _from_library(category: type, filename: str) -> bool:
     if category.__module__.split(".")[0] in WARNING_PACKAGES:
         return True
-    parts = Path(filename).parts
-    return any(p in ("site-packages", "dist-packages") for p in parts) and any(
-        parts[i + 1] in WARNING_PACKAGES for i, p in enumerate(parts[:-1]) if p in ("site-packages", "dist-packages")
-    )
+    parts = Path(filename).parts  # .../site-packages/<package>/...
+    return any(p in ("site-packages", "dist-packages") and nxt in WARNING_PACKAGES for p, nxt in zip(parts, parts[1:]))
 
 
 @contextlib.contextmanager

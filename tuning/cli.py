@@ -116,9 +116,7 @@ def main(argv: list[str] | None = None, prog: str = "dp-platform sweep") -> int:
             print_summary(s)
     else:
         print_summary(out)
-    print(logs.summary("MLflow, Ray, Optuna") + "; each trial's own output is in Ray's session logs")
-    for line in logs.repeat_kept():
-        print(line)
+    logs.print_report("MLflow, Ray, Optuna", "; each trial's own output is in Ray's session logs")
     from pipelines.tracking import resolve_tracking_uri
     from pipelines.train.cli import ui_command
 

@@ -77,9 +77,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.federat
         )
     if out["registered_model"]:
         print(f"model: {out['registered_model']} in the MLflow registry")
-    print(logs.summary("MLflow, Ray"))
-    for line in logs.repeat_kept():
-        print(line)
+    logs.print_report("MLflow, Ray")
     if cfg.diagnostics:
         print(
             "warning: NON-PRIVATE diagnostics were on: realised clients, bytes and update norms are logged without "

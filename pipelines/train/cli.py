@@ -99,9 +99,7 @@ def print_summary(out: dict) -> None:
         print(f"model: {out['registered_model']} in the MLflow registry")
     print(f"time: {out['seconds']:.1f}s")
     if out.get("log") is not None:
-        print(out["log"].summary("MLflow, Ray") + "; the workers' output is in Ray's session logs")
-        for line in out["log"].repeat_kept():
-            print(line)
+        out["log"].print_report("MLflow, Ray", "; the workers' output is in Ray's session logs")
     if out.get("diagnostics"):
         print(
             "warning: NON-PRIVATE diagnostics were on: the run's training-set statistics (loss, accuracy, clip "

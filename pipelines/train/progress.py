@@ -88,7 +88,6 @@ class JournalProgress:
         if self.enabled:
             self._thread.join(timeout=5)
             with contextlib.suppress(Exception):  # never hide the real outcome behind a progress error
-                self._poll()
                 self.steps_done()
 
     # -- what the driver says
@@ -106,15 +105,18 @@ class JournalProgress:
         with self._lock:
             with contextlib.suppress(Exception):  # the last steps and phases, before the driver's own
                 self._poll()
-            if not self._bar_done:
-                self._print_bar(final=True)
-                self._bar_done = True
+            self._finish_bar()
 
     # -- internals
-    def _show_phase(self, text: str) -> None:
-        if not self._bar_done and self._steps >= self.total:  # the last step came with this phase
+    def _finish_bar(self) -> None:
+        """The bar's final state, once, on a line of its own: what follows are phase lines."""
+        if not self._bar_done:
             self._print_bar(final=True)
             self._bar_done = True
+
+    def _show_phase(self, text: str) -> None:
+        if self._steps >= self.total:  # the last step came with (or before) this phase
+            self._finish_bar()
         if self._bar_done:
             self._write(f"  {text}  ({self.clock() - self._start:.1f}s)\n")
         else:
@@ -145,8 +147,10 @@ class JournalProgress:
 
     def _print_bar(self, final: bool = False) -> None:
         elapsed = self.clock() - self._start
-        eta = estimate_eta(self._records, self.every, self.total) if not final else 0.0
-        eta_text = "" if self._steps == 0 or final else (", ETA    …" if eta is None else f", ETA {eta:5.1f}s")
+        eta_text = ""
+        if self._steps and not final:
+            eta = estimate_eta(self._records, self.every, self.total)
+            eta_text = ", ETA    …" if eta is None else f", ETA {eta:5.1f}s"
         width = 24
         filled = int(width * min(self._steps, self.total) / self.total)
         eps = "…" if self._eps is None else f"{self._eps:.3f}"
@@ -172,7 +176,6 @@ class JournalProgress:
                 if self._bar_done:
                     continue
                 if self._steps >= self.total:  # the last step: the bar's final line, then the phases
-                    self._print_bar(final=True)
-                    self._bar_done = True
+                    self._finish_bar()
                 elif self._printed_at is None or self.clock() - self._printed_at >= period - 0.05:
                     self._print_bar()
