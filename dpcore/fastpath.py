@@ -79,7 +79,9 @@ class CheckedBookKeeping:
 
     def _verify(self, xb: torch.Tensor, yb: torch.Tensor, out: Sums, reference: Callable) -> int:
         """Compute the batch both ways; keep book-keeping only if the clipped sums agree (to 1e-5
-        of the sum's scale). The reference sum is the one added, either way."""
+        of the sum's scale). The sum added is the path that will be used from here on: book-keeping's
+        if they agree, else the reference. (So a run restored from a checkpoint, which verifies
+        again on its first batch, adds bit for bit what the uninterrupted run added there.)"""
         fast: Sums = {}
         fast_bad = self.clipper.clipped_sum(xb, yb, self.clip_norm, fast)
         ref, bad = clipped_sum(reference(xb, yb), self.clip_norm)
@@ -98,13 +100,13 @@ class CheckedBookKeeping:
                 for k, r64 in ref64.items():
                     own = float((ref[k].double() - r64).abs().max())
                     agree = agree and float((fast[k].double() - r64).abs().max()) <= 2.0 * own + slack
-        for k, v in ref.items():
-            out[k].add_(v)
+        for k, v in (fast if agree else ref).items():
+            out[k].add_(v.to(out[k].dtype))
         if agree:
             self.verified = True
         else:
             self._leave("its clipped sum differs from the per-example (vmap) reference on this model")
-        return bad
+        return fast_bad if agree else bad
 
     def _agree(self, fast: Sums, fast_bad: int, ref: Sums, bad: int) -> bool:
         scale = max(float(v.abs().max()) for v in ref.values()) if ref else 0.0

@@ -30,7 +30,7 @@ from .grad_sample import LossFn, PerSampleGradients
 from .ledger import PrivacyLedger
 from .lot import ClippedLot
 from .methods import AscentArg, check_method_options, make_method
-from .randomness import Randomness
+from .randomness import Randomness, SecureRandomness
 from .release import ReduceFn, draw_noise, release
 from .validation import (
     check_clip_norm,
@@ -222,6 +222,33 @@ class DPOptimizer:
         self.steps_taken += 1
         self._nonfinite_total += self.lot.nonfinite
         self.lot.reset()
+
+    def released_update(self) -> list[torch.Tensor]:
+        """The update of the last release, as the wrapped optimizer applied it (noised, reduced,
+        ÷ q·N): what the replay log keeps."""
+        return [p.grad for p in self.params.values()]
+
+    def replay(self, released: list[torch.Tensor], x: torch.Tensor | None = None) -> None:
+        """Apply again, after a restart, a release that the replay log kept
+        (:mod:`dpcore.ledger.replay`): the wrapped optimizer steps on exactly the released update,
+        and the streams the original step drew from advance as they did then (the augmentations
+        of ``x``, the lot's inputs; a seeded noise stream), so that the steps after it are the
+        ones the run would have taken. Nothing is released, noised or recorded: the ledger holds
+        that release already, once."""
+        if self.lot.open:
+            raise RuntimeError("replay is for a restored optimizer, between lots")
+        if self.augment is not None and x is not None:
+            for start in range(0, x.shape[0], self.physical_batch_size):
+                self.lot.augmented(x[start : start + self.physical_batch_size])
+        if self.add_noise and not isinstance(self.randomness, SecureRandomness):  # secure noise has no stream state
+            like = [self.lot.sums[n] for n in self.params]
+            draw_noise(self.randomness, like, self.noise_multiplier * self.clip_norm, self.noise == "laplace")
+        for p, g in zip(self.params.values(), released, strict=True):
+            p.grad = g.to(device=p.device, dtype=p.dtype).view_as(p)
+        self.optimizer.step()
+        if self.method.needs_previous_release or self.lot.diag is not None:
+            self._prev_private = {n: p.grad.detach().clone() for n, p in self.params.items()}
+        self.steps_taken += 1
 
     def _abort_lot(self) -> None:
         self.lot.restore()

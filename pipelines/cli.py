@@ -157,8 +157,10 @@ def _ledger(argv: list[str]) -> int:
         f"({tags.get('dp.accountant', '?')}; {tags.get('dp.level', '?')}-level, {tags.get('dp.sampling', '?')} sampling)"
     )
     committed = sum(r["status"] == "committed" for r in rows)
-    print(f"{len(rows)} releases: {committed} committed, {len(rows) - committed} rolled back (counted)")
-    head = f"{'#':>5} {'step':>6} {'kind':<17} {'q':>8} {'σ':>8} {'C':>6} {'status':<11} {'ε':>8}"
+    replayed = sum(bool(r.get("replayed")) for r in rows)
+    again = f" ({replayed} replayed after a restart, released once)" if replayed else ""
+    print(f"{len(rows)} releases: {committed} committed{again}, {len(rows) - committed} rolled back (counted)")
+    head = f"{'#':>5} {'step':>6} {'kind':<17} {'q':>8} {'σ':>8} {'C':>6} {'status':<20} {'ε':>8}"
     print(head)
     print("-" * len(head))
     show = rows if a.all or len(rows) <= 20 else rows[:10] + [None] + rows[-10:]
@@ -169,7 +171,7 @@ def _ledger(argv: list[str]) -> int:
         eps = "" if r["epsilon"] is None or math.isnan(r["epsilon"]) else f"{r['epsilon']:.4f}"
         print(
             f"{r['index']:>5} {r['step']:>6} {r['kind']:<17} {r['sample_rate']:>8.4f} {r['noise_multiplier']:>8.4f} "
-            f"{r['clip_norm']:>6.3g} {r['status']:<11} {eps:>8}"
+            f"{r['clip_norm']:>6.3g} {r['status'] + (' (replayed)' if r.get('replayed') else ''):<20} {eps:>8}"
         )
     return 0
 

@@ -2,7 +2,10 @@
 
 :func:`pipelines.train.run` takes ``faults=FaultInjection(at_step=k, rank=r)``: worker ``r``
 dies hard (``os._exit``, no cleanup, no report) once, right after step ``k`` and before that
-step's report. The marker file ``fault-injected`` in the run folder keeps the restarted group
+step's report. When rank 0 dies, the replay log first holds every release up to step ``k``,
+or all but the last ``unlogged`` of them (a crash between the ledger's record of a release and
+the log's: the window in which a release is paid for but cannot be replayed). The marker file
+``fault-injected`` in the run folder keeps the restarted group
 from dying again. It is carried to the workers beside the plan, not in it, so it is neither
 logged to MLflow nor kept for ``--resume``.
 """
@@ -22,6 +25,7 @@ import dpcore
 class FaultInjection:
     at_step: int
     rank: int = 1
+    unlogged: int = 0
 
     def check(self, cfg) -> None:
         """Refuse a hook that cannot fire, before anything starts."""
@@ -31,8 +35,10 @@ class FaultInjection:
             )
         if not (0 <= self.rank < cfg.num_workers):
             raise dpcore.DPConfigError(f"fault rank={self.rank} must be a worker rank in [0, {cfg.num_workers}).")
+        if self.unlogged and (self.rank != 0 or not cfg.replay_log):
+            raise dpcore.DPConfigError("unlogged releases need rank=0 and the replay log: rank 0 writes it.")
 
-    def maybe_fail(self, run_dir: str, rank: int, step: int, journal: str | None = None) -> None:
+    def maybe_fail(self, run_dir: str, rank: int, step: int, journal: str | None = None, replay_log=None) -> None:
         """Die after ``step`` if this is the chosen rank. With ``journal``, first wait (up to
         30 s) until rank 0 has recorded that step's release in it: "after step k" then means
         after its release is on record, whatever the machine's load. (Without the wait, the
@@ -48,8 +54,23 @@ class FaultInjection:
             deadline = time.monotonic() + 30.0
             while time.monotonic() < deadline and not _recorded(journal, step):
                 time.sleep(0.01)
+        if replay_log is not None:
+            replay_log.flush()
+            if self.unlogged:
+                _cut_records(replay_log, self.unlogged)
         marker.write_text(f"rank {rank} died after step {step}\n")
         os._exit(17)  # a hard crash: no cleanup, no report
+
+
+def _cut_records(replay_log, n: int) -> None:
+    """Cut the last ``n`` records off the replay log's current segment."""
+    from dpcore.ledger.replay import read_segment
+
+    seg = replay_log.current
+    info = read_segment(seg["path"], replay_log.run, seg["after_step"], replay_log.layout)
+    ends = (info.header_end,) + info.ends
+    with open(seg["path"], "r+b") as f:
+        f.truncate(ends[max(len(info.ends) - n, 0)])
 
 
 def _recorded(journal: str, step: int) -> bool:

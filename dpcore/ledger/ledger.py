@@ -1,7 +1,7 @@
 """The privacy ledger: an append-only record of every noisy release of a run.
 
 Each entry holds the step, the event kind, q, the noise multiplier σ, the clipping bound C,
-its status (``committed`` or ``rolled_back``), and the cumulative ε at the run's δ computed
+its status (``committed`` or ``rolled_back``), whether a restart replayed it, and the cumulative ε at the run's δ computed
 by the ledger's accountant. The ε a run reports is computed from the ledger alone.
 
 Cost of ε: an exact PLD evaluation takes 0.1–0.5 s, far too slow to run at every training
@@ -19,7 +19,10 @@ forget the releases made after it. A ledger with a ``journal`` therefore writes 
 logged. A ledger opened on an existing journal restores every release from it; the caller
 then marks the releases after the restored checkpoint with :meth:`mark_rolled_back`. They
 stay in the ledger and are counted in ε (their noise was released, even if the resulting
-parameters were discarded); the re-run steps are appended again as committed entries.
+parameters were discarded); the re-run steps are appended again as committed entries. With a
+replay log (:mod:`.replay`), the releases it kept are instead applied again to the restored
+state and marked with :meth:`mark_replayed`: they stay committed, are counted once, and no
+step is released twice; only the releases the log lacks are rolled back.
 :meth:`load_state_dict` refuses a state that would drop releases the ledger already holds.
 """
 
@@ -52,6 +55,7 @@ class LedgerEntry:
     noise_multiplier: float
     clip_norm: float
     status: str = COMMITTED
+    replayed: bool = False  # applied again from the replay log after a restart (released once)
     epsilon: float | None = None
     delta: float = 0.0
     accountant: str = "pld"
@@ -129,6 +133,8 @@ class PrivacyLedger:
                 self._counts[entry.event] += 1
             elif r["op"] == "rollback":
                 self._apply_rollback(r["after_step"])
+            elif r["op"] == "replayed":
+                self._apply_replayed(r["after_step"], r["upto_step"])
 
     # ----------------------------------------------------------------------------------
     @property
@@ -238,6 +244,22 @@ class PrivacyLedger:
         """
         n = self._apply_rollback(after_step)
         self._write({"op": "rollback", "after_step": int(after_step)})
+        return n
+
+    def mark_replayed(self, after_step: int, upto_step: int) -> int:
+        """Mark the committed entries of steps ``after_step < step ≤ upto_step`` as replayed: a
+        restart applied them again from the replay log. They stay committed and are counted once
+        (nothing is released again). Returns how many."""
+        n = self._apply_replayed(after_step, upto_step)
+        self._write({"op": "replayed", "after_step": int(after_step), "upto_step": int(upto_step)})
+        return n
+
+    def _apply_replayed(self, after_step: int, upto_step: int) -> int:
+        n = 0
+        for e in self._entries:
+            if e.status == COMMITTED and after_step < e.step <= upto_step:
+                e.replayed = True
+                n += 1
         return n
 
     def _apply_rollback(self, after_step: int) -> int:

@@ -15,6 +15,7 @@ COLUMNS = (
     "noise_multiplier",
     "clip_norm",
     "status",
+    "replayed",
     "epsilon",
     "delta",
     "accountant",
@@ -23,13 +24,14 @@ COLUMNS = (
 
 
 def runs(ledger) -> list[dict]:
-    """One row per run of consecutive releases that are identical (kind, q, σ, C, status),
+    """One row per run of consecutive releases that are identical (kind, q, σ, C, status,
+    replayed after a restart or not),
     like dp_accounting's self-composed events, with the run's count, first and last step, and
     the cumulative ε after its last release (one composition per row, not per release)."""
     rows: list[dict] = []
     counts: Counter[PrivacyEvent] = Counter()
     for e in ledger.entries:
-        key = (e.kind, e.sample_rate, e.noise_multiplier, e.clip_norm, e.status)
+        key = (e.kind, e.sample_rate, e.noise_multiplier, e.clip_norm, e.status, e.replayed)
         if rows and rows[-1]["_key"] == key:
             rows[-1]["count"] += 1
             rows[-1]["last_step"] = e.step
@@ -45,6 +47,7 @@ def runs(ledger) -> list[dict]:
                     "noise_multiplier": e.noise_multiplier,
                     "clip_norm": e.clip_norm,
                     "status": e.status,
+                    "replayed": e.replayed,
                 }
             )
         counts[e.event] += 1

@@ -226,6 +226,12 @@ class ScaleConfig(Section):
     )
     checkpoint_every: int = option(0, "steps between checkpoints and evaluations (0: about 10 per run)")
     max_failures: int = option(2, "worker-group restarts from the last checkpoint before the run fails")
+    replay_log: bool = option(
+        True,
+        "keep the released updates since the last checkpoint (rank 0, off the hot path) and replay them after a "
+        "crash, so that a restart or --resume spends no budget again (off: the releases since the checkpoint are "
+        "rolled back and stay counted)",
+    )
     ray_address: str | None = option(
         None,
         "Ray cluster to join ('auto', ray://...). Default: RAY_ADDRESS, else a local cluster started and stopped here",

@@ -81,6 +81,8 @@ def print_summary(out: dict) -> None:
         f"steps={out['steps']}/{out['planned_steps']}  q={out['sample_rate']:.4f}  σ={out['noise_multiplier']:.4f}  "
         f"randomness={out['randomness']}"
     )
+    if out.get("replayed"):
+        print(f"restarts replayed {out['replayed']} release(s) from the replay log; each was released and counted once")
     if out["rolled_back"]:
         print(f"restarts rolled back {out['rolled_back']} release(s); they stay in the ledger and are counted in ε")
     print(f"test accuracy: {out['test_accuracy']:.4f}   validation accuracy: {out['val_accuracy']:.4f}")

@@ -321,6 +321,7 @@ def _fit_and_log(plan: RunPlan, cfg: TrainConfig, client, run_id: str, t0: float
         "planned_steps": plan.steps,
         "releases": len(ledger),
         "rolled_back": sum(e.status != "committed" for e in ledger.entries),
+        "replayed": sum(e.replayed for e in ledger.entries),
         "test_accuracy": metrics.get("test_accuracy", float("nan")),
         "val_accuracy": metrics.get("val_accuracy", float("nan")),
         "epsilon": epsilon,

@@ -72,6 +72,7 @@ class JournalProgress:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._offset, self._phase_offset, self._steps, self._eps, self._rolled = 0, 0, 0, None, 0
+        self._replayed_just_now = False
         self._records: list[tuple[int, float]] = []
         self._phase, self._bar_done, self._printed_at = "starting", False, None
         with contextlib.suppress(OSError):  # a resumed run's file holds the earlier driver's phases
@@ -140,10 +141,18 @@ class JournalProgress:
                 return
             self._steps = rec["step"]
             self._records.append((rec["step"], rec["timestamp"]))
-        elif rec.get("op") == "rollback":
+        elif rec.get("op") == "replayed":  # a restart that replayed the logged releases
             self._rolled += 1
+            self._steps = rec["upto_step"]
+            self._records.clear()  # measure the step time again
+            self._replayed_just_now = True
+            return
+        elif rec.get("op") == "rollback":
+            if not self._replayed_just_now:  # the same restart as the replay before it
+                self._rolled += 1
             self._steps = rec["after_step"]
             self._records.clear()  # a restart: measure the step time again
+        self._replayed_just_now = False
 
     def _print_bar(self, final: bool = False) -> None:
         elapsed = self.clock() - self._start

@@ -62,18 +62,24 @@ def journal_is_locked(journal: str) -> bool:
 
 
 def open_ledger(
-    plan: RunPlan, checkpoint_meta: dict | None, checkpoint_ledger: dict | None, rank: int, world: int
-) -> tuple[dpcore.PrivacyLedger, int]:
-    """Open the run's ledger and decide how many more steps fit. Returns (ledger, allowance).
+    plan: RunPlan, checkpoint_meta: dict | None, checkpoint_ledger: dict | None, rank: int, world: int, layout: list
+) -> tuple[dpcore.PrivacyLedger, int, int, object]:
+    """Open the run's ledger, decide which releases since the checkpoint the replay log carries,
+    and how many more steps fit. Returns (ledger, allowance, upto, segment): the workers replay
+    the logged updates of the steps after the checkpoint up to ``upto`` (rank 0 reads them from
+    ``segment``), then train from ``upto + 1``.
 
     Rank 0 is the only budget authority: it locks and opens the journal that the driver
     created (every release so far), checks it against the checkpoint, marks the releases after
-    the checkpoint as rolled back, computes how many more releases fit the budget, and
-    broadcasts that number, so that every rank stops at the same step. Ranks ≥ 1 add no noise
-    and keep a budget-free ledger only for their optimizer's bookkeeping.
+    the checkpoint that the replay log holds as replayed (:mod:`.replay`) and the others as
+    rolled back, computes how many more releases fit the budget, and broadcasts both numbers,
+    so that every rank stops at the same step. Ranks ≥ 1 add no noise and keep a budget-free
+    ledger only for their optimizer's bookkeeping.
     """
+    from . import replay
+
     cfg = plan.config
-    allowance = None
+    allowance = upto = segment = None
     if rank == 0:
         journal = plan.journal
         if not os.path.isfile(journal):
@@ -108,14 +114,17 @@ def open_ledger(
             )
             ledger.prime_allowance(plan.step_event(), prior, plan.max_releases)
         after = checkpoint_meta["step"] if checkpoint_meta is not None else 0
-        if any(e.status == COMMITTED and e.step > after for e in ledger.entries):
-            ledger.mark_rolled_back(after)
+        segment, upto = replay.replayable(plan, ledger, after, layout)
+        if upto > after:
+            ledger.mark_replayed(after, upto)
+        if any(e.status == COMMITTED and e.step > upto for e in ledger.entries):
+            ledger.mark_rolled_back(upto)
         left = ledger.allowance(plan.step_event())
-        allowance = int(min(max(left, 0), plan.steps - after))
+        allowance = int(min(max(left, 0), plan.steps - upto))
     else:
         ledger = dpcore.PrivacyLedger(None, cfg["target_delta"], cfg["accountant"], epsilon_every=10**9)
     if world > 1:
-        box = [allowance]
+        box = [allowance, upto]
         dist.broadcast_object_list(box, src=0)
-        allowance = box[0]
-    return ledger, allowance
+        allowance, upto = box
+    return ledger, allowance, upto, segment

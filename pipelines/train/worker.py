@@ -8,9 +8,10 @@ Every worker (rank r of W):
    :class:`dpcore.DPOptimizer` that adds noise on rank 0 only, and an all-reduce SUM of the
    clipped (and, from rank 0, noised) sums;
 3. restores the latest checkpoint if there is one. The ledger is restored from its
-   journal (rank 0), which also holds the releases made after that checkpoint: they are marked
-   rolled back and stay counted. Rank 0 then broadcasts the ledger so that every rank takes
-   the same budget decisions;
+   journal (rank 0), which also holds the releases made after that checkpoint: those whose
+   updates the replay log kept are applied again (:mod:`.replay`), the others are marked
+   rolled back and stay counted. Rank 0 then broadcasts how many steps are left so that every
+   rank takes the same budget decisions;
 4. steps until the plan is done or the budget allows no further step, and every
    ``checkpoint_every`` steps reports metrics (rank 0: ε, validation and test accuracy and
    loss, throughput) together with a checkpoint: model, optimizer (with DP-SAT's previous
@@ -42,6 +43,7 @@ from .._trace import trace
 from ..config import TrainConfig, config_from_dict
 from ..data import MappedSplit, open_split
 from ..models import build_run_model, split_public_front
+from . import replay
 from .checkpoint import (
     AUDIT_FILE,
     find_checkpoint,
@@ -213,6 +215,7 @@ class Worker:
         if self.rank == 0:
             note_phase(plan, f"data loaded ({len(self.train)} training examples on rank 0); the first step")
         self.optimizer = make_optimizer(cfg, [p for p in self.model.parameters() if p.requires_grad])
+        self.replay_log = None  # rank 0's writer of the released updates, opened by restore()
         self.peak_anon = 0.0  # the largest anonymous resident set seen at a report (Linux keeps no peak of it)
 
     def _input_canaries(self):
@@ -236,11 +239,13 @@ class Worker:
         meta, shared, rank_state, ckpt_ledger = read_checkpoint(checkpoint, rank, self.world, self.device)
         if meta is not None:
             self.model.load_state_dict(shared["model"])
-        self.start_step = meta["step"] if meta is not None else 0
+        checkpoint_step = meta["step"] if meta is not None else 0
         self.reported_releases = meta["releases"] if meta is not None else -1
         trace("checkpoint looked up")
-        self.ledger, allowance = open_ledger(plan, meta, ckpt_ledger, rank, self.world)
-        self.last_step = self.start_step + allowance  # the plan, or fewer if rolled-back releases used up budget
+        layout = replay.layout_of(replay.trainable(self.trained))
+        self.ledger, allowance, upto, segment = open_ledger(plan, meta, ckpt_ledger, rank, self.world, layout)
+        self.start_step = upto  # the checkpoint, carried forward by the replay log's releases
+        self.last_step = upto + allowance  # the plan, or fewer if rolled-back releases used up budget
         trace("ledger opened")
         self.private = dpcore.build_private(
             self.trained,
@@ -278,12 +283,17 @@ class Worker:
                 self.ema.load_state_dict(shared["ema"])
             if self.private.optimizer.augment is not None and "augment" in rank_state:
                 self.private.optimizer.augment.load_state_dict(rank_state["augment"])
+        self.audit = self._gradient_canaries(checkpoint)
+        replay.apply(self, segment, checkpoint_step, upto)
+        trace("replayed")
+        self.replay_log = (
+            replay.writer(plan, self.private.optimizer.params, checkpoint_step, upto, segment) if rank == 0 else None
+        )
         if self.private.sampler.step != self.start_step or self.private.optimizer.steps_taken != self.start_step:
             raise RuntimeError(
                 f"inconsistent checkpoint: sampler at {self.private.sampler.step}, optimizer at "
                 f"{self.private.optimizer.steps_taken}, meta at {self.start_step}"
             )
-        self.audit = self._gradient_canaries(checkpoint)
         self.tracker = _Tracker(plan) if rank == 0 else None
         if self.tracker is not None:
             # The path clipping="auto" chose from the model and method, before any data was seen.
@@ -322,6 +332,8 @@ class Worker:
             draw = audit["root"].spawn("audit-sampling", step).uniform(len(audit["in"]))
             opt.add_coordinate_examples(audit["in"][draw < self.plan.sample_rate], audit["value"])
         opt.step()
+        if self.replay_log is not None:  # a flat copy here; written, checksummed and fsynced by its thread
+            self.replay_log.append(step + 1, opt.released_update())
         if audit is not None:  # white-box score: the released (noised) gradient along each canary
             released = torch.cat([p.grad.reshape(-1) for p in opt.params.values()])
             audit["scores"] += released[audit["coords"].to(released.device)].double().cpu()
@@ -331,7 +343,7 @@ class Worker:
     def maybe_fail(self, step: int) -> None:
         """The crash tests' hook (:class:`pipelines.faults.FaultInjection`): die once, hard."""
         if self.faults is not None:
-            self.faults.maybe_fail(self.plan.run_dir, self.rank, step, self.plan.journal)
+            self.faults.maybe_fail(self.plan.run_dir, self.rank, step, self.plan.journal, self.replay_log)
 
     def report(self, step: int, rate: float) -> bool:
         """Metrics and a checkpoint; True if the run was pruned."""
@@ -355,6 +367,8 @@ class Worker:
             self.audit,
             self.pruner,
         )
+        if self.replay_log is not None:  # the checkpoint of `step` is complete: the log starts again after it
+            self.replay_log.rotate(step)
         return pruned
 
     def finish(self, step: int) -> None:
@@ -370,6 +384,8 @@ class Worker:
             need = box[0]
         if need:
             self.report(step, float("nan"))
+        if self.replay_log is not None:  # the final checkpoint holds every release: nothing to replay
+            self.replay_log.close(remove=True)
 
 
 def _device(cfg: TrainConfig) -> torch.device:

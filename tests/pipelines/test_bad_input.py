@@ -163,7 +163,7 @@ def test_a_locked_journal_refuses_a_second_trainer(tmp_path):
         }
     )
     with pytest.raises(dpcore.DPConfigError, match="does not exist on this node"):
-        open_ledger(spec, None, None, rank=0, world=1)  # the driver creates it; never start a fresh one
+        open_ledger(spec, None, None, rank=0, world=1, layout=[])  # the driver creates it; never start a fresh one
     dpcore.PrivacyLedger(2.0, 1e-5, journal=journal)  # as the driver does
     holder = subprocess.Popen(
         [
@@ -179,12 +179,12 @@ def test_a_locked_journal_refuses_a_second_trainer(tmp_path):
         assert holder.stdout.readline().strip() == "held"
         assert journal_is_locked(journal)
         with pytest.raises(dpcore.DPConfigError, match="another process holds the ledger journal"):
-            open_ledger(spec, None, None, rank=0, world=1)
+            open_ledger(spec, None, None, rank=0, world=1, layout=[])
     finally:
         holder.kill()
         holder.wait()
     assert not journal_is_locked(journal)
-    ledger, allowance = open_ledger(spec, None, None, rank=0, world=1)
+    ledger, allowance, _, _ = open_ledger(spec, None, None, rank=0, world=1, layout=[])
     assert allowance == 10 and len(ledger) == 0
 
 
@@ -207,13 +207,13 @@ def test_a_worker_refuses_a_pca_projection_that_is_not_in_the_ledger(tmp_path):
     )
     dpcore.PrivacyLedger(2.0, 1e-5, journal=journal)
     with pytest.raises(dpcore.DPConfigError, match="holds no release for it"):
-        open_ledger(spec, None, None, rank=0, world=1)
+        open_ledger(spec, None, None, rank=0, world=1, layout=[])
     from pipelines.train.run_ledger import unlock_journal
 
     unlock_journal()
     ledger = dpcore.PrivacyLedger(2.0, 1e-5, journal=journal)
     ledger.append(dpcore.PrivacyEvent("gaussian", 8.0), step=0, clip_norm=1.0)  # as ensure_pca does
-    ledger2, allowance = open_ledger(spec, None, None, rank=0, world=1)
+    ledger2, allowance, _, _ = open_ledger(spec, None, None, rank=0, world=1, layout=[])
     assert allowance == 10 and len(ledger2) == 1
     unlock_journal()
 

@@ -105,6 +105,7 @@ def test_killed_worker_resumes_from_checkpoint_and_the_ledger_keeps_every_releas
         tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
         registered_model="none",
         diagnostics=True,  # also checked here: the non-private mode is tagged
+        replay_log=False,  # the releases since the checkpoint are rolled back (tests/pipelines/test_replay_after_crash.py: replayed)
         quiet=True,
     )
     out = run(cfg, faults=FaultInjection(at_step=5, rank=1))  # rank 1 dies hard after step 5; last checkpoint: step 3
@@ -162,6 +163,7 @@ def test_a_crash_after_the_last_step_finishes_from_the_checkpoint_at_the_budget(
         storage_path=str(tmp_path / "runs"),
         tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
         registered_model="none",
+        replay_log=False,  # with the replay log, the releases since the checkpoint would be replayed, not lost
         quiet=True,
     )
     out = run(cfg, faults=FaultInjection(at_step=steps, rank=1))

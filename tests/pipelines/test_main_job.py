@@ -163,11 +163,16 @@ def test_a_killed_driver_is_resumed_into_the_same_mlflow_run(tmp_path, ray_env):
     records = [json.loads(line) for line in journal.read_text().splitlines()]
     appends = [r for r in records if r["op"] == "append"]
     assert len(appends) > released_before  # it went on training
-    # It resumed from a checkpoint (a multiple of --checkpoint-every); the releases of the dead
-    # driver after that checkpoint are rolled back (and recorded as such), those before are kept.
+    # It restored a checkpoint (a multiple of --checkpoint-every) and replayed the releases of
+    # the dead driver that the replay log held (issue L); only those it did not hold (the ones in
+    # flight when the workers died) are rolled back, and recorded as such.
     resumed_from = appends[released_before]["step"] - 1
-    assert resumed_from % 5 == 0 and resumed_from >= 5
+    replayed = [r for r in records if r["op"] == "replayed"]
+    checkpoint = replayed[0]["after_step"] if replayed else resumed_from
+    assert checkpoint % 5 == 0 and checkpoint >= 5
+    assert resumed_from == (replayed[0]["upto_step"] if replayed else checkpoint)
     lost = [a for a in appends[:released_before] if a["step"] > resumed_from]
+    assert len(lost) <= 5  # at most the replay log's queue and the release in flight
     assert [r["op"] for r in records].count("rollback") == (1 if lost else 0)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -186,9 +191,11 @@ def test_a_killed_driver_is_resumed_into_the_same_mlflow_run(tmp_path, ray_env):
     committed = [int(r[step]) for r in rows if r[status] == "committed"]
     assert committed == list(range(1, len(committed) + 1))  # continuous, each step once
     assert len(rows) == len(appends)  # every release, including the rolled-back ones
-    by_index = {int(r[header.index("index")]): r[status] for r in rows}
+    by_index = {int(r[header.index("index")]): (r[status], r[header.index("replayed")]) for r in rows}
     for i, a in enumerate(appends[:released_before]):
-        assert by_index[i] == ("rolled_back" if a["step"] > resumed_from else "committed")
+        assert by_index[i] == (
+            ("rolled_back", "False") if a["step"] > resumed_from else ("committed", str(a["step"] > checkpoint))
+        )
     assert float(final.data.tags["dp.epsilon"]) <= 2.0
 
 

@@ -144,8 +144,9 @@ def test_laplace_form_runs_on_ray_and_is_ledgered_as_laplace(ray_cluster, tmp_pa
 def test_a_killed_worker_restarts_a_dpsat_ema_pca_augmented_run(ray_cluster, tmp_path):
     """Issue B's fault injection with issue C's state: DP-SAT's previous released gradient,
     the EMA, the augmentation streams and the DP-PCA projection all come back from the
-    checkpoint; the PCA release stays committed at step 0 while the steps after the checkpoint
-    are rolled back, and every release is in ε. The run also carries issue G's one-run audit
+    checkpoint; the PCA release stays committed at step 0, the steps after the checkpoint are
+    replayed from the replay log (issue L) or, for a release in flight when the group died,
+    rolled back, and every release is in ε, once. The run also carries issue G's one-run audit
     (600 white-box gradient canaries), whose scores come back from the checkpoint too."""
     out = run(
         _cfg(
@@ -169,8 +170,13 @@ def test_a_killed_worker_restarts_a_dpsat_ema_pca_augmented_run(ray_cluster, tmp
     entries = out["ledger"].entries
     assert (entries[0].step, entries[0].kind, entries[0].status) == (0, GAUSSIAN, "committed")
     rolled = [e.step for e in entries if e.status == "rolled_back"]
+    replayed = [e.step for e in entries if e.replayed]
     committed = [e.step for e in entries[1:] if e.status == "committed"]
-    assert rolled[:2] == [4, 5] and committed == list(range(1, len(committed) + 1)) and out["steps"] == len(committed)
+    # The checkpoint is at step 3; rank 1 died after step 5. Rank 0's log held 4 and 5, or 4 alone
+    # when the group was stopped before it wrote 5: those are replayed, the rest rolled back.
+    assert replayed == [4, 5][: len(replayed)] and rolled == [4, 5][len(replayed) :]
+    assert committed == list(range(1, len(committed) + 1)) and out["steps"] == len(committed)
+    assert out["replayed"] == len(replayed) and out["rolled_back"] == len(rolled)
     import dp_accounting
 
     acc = dp_accounting.pld.PLDAccountant()

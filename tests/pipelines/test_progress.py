@@ -92,3 +92,24 @@ def test_a_resumed_run_does_not_replay_the_earlier_drivers_phases(tmp_path):
     note_phase(plan, "new phase")
     p._poll()
     assert "new phase" in out.getvalue() and "old phase" not in out.getvalue()
+
+
+def test_each_restart_counts_once_whether_it_replayed_rolled_back_or_both(tmp_path):
+    plan = small_plan(run_dir=str(tmp_path), journal=str(tmp_path / "journal"), steps=20, checkpoint_every=5)
+    out = io.StringIO()
+    p = JournalProgress(plan, enabled=True, stream=out)
+    _journal(plan.journal, [(s, 10.0 + s) for s in range(1, 9)])
+    with open(plan.journal, "a", encoding="utf-8") as f:
+        for rec in (
+            {"op": "replayed", "after_step": 5, "upto_step": 7},  # restart 1: 6–7 replayed, 8 rolled back
+            {"op": "rollback", "after_step": 7},
+            {"op": "replayed", "after_step": 5, "upto_step": 9},  # restart 2: all replayed
+            {"op": "rollback", "after_step": 5},  # restart 3: without the log
+        ):
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            if rec["op"] == "replayed" and rec["upto_step"] == 9:
+                _journal(plan.journal, [(8, 30.0), (9, 31.0)])
+    p._poll()
+    p._print_bar()
+    assert "step 5/20" in out.getvalue().splitlines()[-1] and "restarts: 3" in out.getvalue().splitlines()[-1]
