@@ -13,7 +13,7 @@ DP-SAT step (:class:`dpcore.DPOptimizer`), a DP-FedAvg round
 3. **reduce**: ``reduce_fn`` sums the tensors across ranks in place (nothing in one process).
 4. **÷ size**: divide by the *expected* size (q·N for a lot, m for a round of clients), never by
    a realised count (invariant 3). The tensors passed in keep the noised, reduced sums; the
-   divided ones are returned.
+   divided ones are returned, always fresh tensors (the replay log keeps them as they are).
 5. **record**: the event is appended to the ledger (and to its fsynced journal) before the
    caller can use what was released.
 """
@@ -54,7 +54,7 @@ def release(
             s.add_(z)
     if reduce_fn is not None:
         reduce_fn(sums)
-    out = [s.div(expected_size) for s in sums] if expected_size != 1.0 else list(sums)
+    out = [s.div(expected_size) for s in sums]
     ledger.append(event, step=step, clip_norm=clip_norm)  # re-checks: the ledger never holds a release past the budget
     return out
 

@@ -61,7 +61,7 @@ def overhead(rounds: int, steps_per_round: int) -> None:
             (3, 32, 32),
             torch.randn((64, 3, 32, 32), generator=g),
             torch.randint(0, 10, (64,), generator=g),
-            None,
+            1000,  # an example: a run of 1,000 planned steps
         ),
     ]
     rows = [_measure(*case, rounds, steps_per_round) for case in cases]
@@ -108,6 +108,12 @@ def _measure(label, name, shape, x, y, planned, rounds: int, steps_per_round: in
         physical_batch_size=256,
         clipping="auto",
     )
+    if opt.lot.fast is not None and name == "resnet9":
+        # The first-batch check refuses book-keeping for ResNet-9 at this initialisation: the
+        # float32 network's own per-example gradients are up to 1% off for some examples, more
+        # than vmap's (issue I's note). The replay log's cost does not depend on the path, but the
+        # step time it is compared with does: time the path the platform uses when the check passes.
+        opt.lot.fast.verified = True
     folder = Path(tempfile.mkdtemp(prefix="replay-bench-", dir=os.environ.get("DP_STORAGE_PATH", ".")))
     writer = ReplayWriter(folder, "bench", layout_of(opt.params), 0)
     step_no = 0
@@ -135,7 +141,7 @@ def _measure(label, name, shape, x, y, planned, rounds: int, steps_per_round: in
     writer.close(remove=True)
     shutil.rmtree(folder, ignore_errors=True)
     params = sum(p.numel() for p in opt.params.values())
-    record = 4 * params + 17 + 32
+    record = 4 * params + 17 + 4  # header (tag, step, length), payload, CRC-32
     interval = math.ceil(planned / 10) if planned else None
     p, lg = statistics.median(plain), statistics.median(logged)
     return {

@@ -9,13 +9,24 @@ One segment file per checkpoint, ``segment-<checkpoint step>.bin``, holds the re
 steps after that checkpoint:
 
 * a header: ``MAGIC``, the JSON length (u32), the JSON (the run's identity, the checkpoint's
-  step, the parameters' names, shapes and dtype) and its SHA-256;
+  step, the parameters' names, shapes and dtype) and its CRC-32;
 * one record per release: ``b"R"``, the step (u64), the payload's length (u64), the payload
   (the released update: every parameter's gradient as the optimizer applied it, flattened and
-  concatenated, float32), and the SHA-256 of step and payload.
+  concatenated, float32), and the CRC-32 of step and payload (u32).
 
-:class:`ReplayWriter` writes records off the hot path: :meth:`ReplayWriter.append` takes one
-flat copy of the update and hands it to a thread that writes, checksums and fsyncs it.
+The checksum is there to find a record torn by a crash or corrupted on disk, not to resist an
+adversary: CRC-32 finds every burst error up to 32 bits and any other with probability
+1 − 2⁻³², at about 4× SHA-256's speed (4.7 ms against 20 ms for ResNet-9's 25 MiB, measured
+here). Privacy never rests on it: a record that is lost or refused only means that its
+release, which the ledger has counted, is rolled back instead of replayed.
+
+:class:`ReplayWriter` writes records off the hot path: :meth:`ReplayWriter.append` hands the
+released tensors (fresh ones at every release, never written again) to a thread that
+checksums and writes them; on a GPU, one asynchronous copy to pinned host memory. Each record
+is in the page cache when written, so a killed process (the usual crash: preemption, OOM, a
+kill) loses only the records still queued; the file is fsynced at most once a second, so a lost
+node loses at most about a second more. Either way those releases are rolled back and counted,
+never replayed from a partial record.
 :func:`read_segment` returns the intact prefix of a segment: a torn or corrupt record ends it,
 and the releases after it stay counted as spent. A segment of another run is refused. Nothing
 here releases anything: it only keeps what was released.
@@ -23,14 +34,15 @@ here releases anything: it only keeps what was released.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import os
 import queue
 import struct
 import threading
+import time
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +51,8 @@ import torch
 MAGIC = b"DPREPLAY1\n"
 _HEAD = struct.Struct("<I")
 _REC = struct.Struct("<cQQ")
-_DIGEST = 32
+_CRC = struct.Struct("<I")
+_DIGEST = _CRC.size
 
 
 def segment_path(folder: str | os.PathLike, after_step: int) -> Path:
@@ -79,7 +92,7 @@ class Segment:
 
 def _header_bytes(run: str, after_step: int, layout: list) -> bytes:
     meta = json.dumps({"run": run, "after_step": int(after_step), "layout": layout, "dtype": "float32"}).encode()
-    return MAGIC + _HEAD.pack(len(meta)) + meta + hashlib.sha256(meta).digest()
+    return MAGIC + _HEAD.pack(len(meta)) + meta + _CRC.pack(zlib.crc32(meta))
 
 
 def read_segment(path: str | os.PathLike, run: str, after_step: int, layout: list) -> Segment:
@@ -101,7 +114,7 @@ def read_segment(path: str | os.PathLike, run: str, after_step: int, layout: lis
             (n,) = _HEAD.unpack_from(m, len(MAGIC))
             start = len(MAGIC) + _HEAD.size
             meta_raw = m[start : start + n]
-            if hashlib.sha256(meta_raw).digest() != m[start + n : start + n + _DIGEST]:
+            if _CRC.pack(zlib.crc32(meta_raw)) != m[start + n : start + n + _DIGEST]:
                 raise ReplayLogRefused(f"the header of {path} is corrupt")
             meta = json.loads(meta_raw)
             if meta.get("run") != run:
@@ -123,9 +136,8 @@ def read_segment(path: str | os.PathLike, run: str, after_step: int, layout: lis
                 if tag != b"R" or length != expected or body + length + _DIGEST > size:
                     problem = f"a torn or corrupt record at byte {pos}"
                     break
-                h = hashlib.sha256(m[pos + 1 : pos + 9])
-                h.update(memoryview(m)[body : body + length])
-                if h.digest() != m[body + length : body + length + _DIGEST]:
+                crc = zlib.crc32(memoryview(m)[body : body + length], zlib.crc32(m[pos + 1 : pos + 9]))
+                if _CRC.pack(crc) != m[body + length : body + length + _DIGEST]:
                     problem = f"the record of step {step} fails its checksum"
                     break
                 if step != after_step + len(steps) + 1:
@@ -148,13 +160,16 @@ def _numel(shape) -> int:
 class ReplayWriter:
     """Rank 0's writer of the replay log (see the module docstring).
 
-    ``append(step, tensors)`` costs the hot path one flat copy of the update (on a GPU, an
-    asynchronous copy to pinned host memory); a background thread writes, checksums and fsyncs
-    it. ``rotate(step)`` (after a checkpoint of ``step`` is complete) starts the next segment and
-    deletes the older ones. If the disk fails, logging stops with one warning: training goes
+    ``append(step, tensors)`` costs the hot path nothing but a queue entry (on a GPU, an
+    asynchronous copy to pinned host memory): the tensors must be fresh ones that nothing writes
+    again, as a release's are. A background thread checksums and writes them (fsyncing at most
+    once a second). ``rotate(step)`` (after a checkpoint of ``step`` is complete) starts the next
+    segment and deletes the older ones. If the disk fails, logging stops with one warning: training goes
     on, and a crash after that costs what it cost before the replay log (the releases since the
     checkpoint stay counted as spent).
     """
+
+    SYNC_EVERY_S = 1.0  # fsync at most this often (and at every new segment, flush and close)
 
     def __init__(
         self, folder: str | os.PathLike, run: str, layout: list, after_step: int, keep_until: int | None = None
@@ -166,6 +181,7 @@ class ReplayWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=4)
         self._pinned: queue.SimpleQueue = queue.SimpleQueue()  # reused host buffers (GPU): pinning is slow
         self._file = None
+        self._synced = time.monotonic()
         self._open(after_step, keep_until)
         self._thread = threading.Thread(target=self._run, name="dp-replay-log", daemon=True)
         self._thread.start()
@@ -174,9 +190,11 @@ class ReplayWriter:
     def append(self, step: int, tensors: list[torch.Tensor]) -> None:
         if self.error is not None:
             return
-        flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+        parts = [t.detach() for t in tensors]
         ready = None
-        if flat.is_cuda:  # no host sync in the step: copy to pinned memory, the writer waits for it
+        if any(t.is_cuda for t in parts):
+            # no host sync in the step: copy to pinned memory, the writer waits for the copy
+            flat = torch.cat([t.reshape(-1).to(torch.float32) for t in parts])
             try:
                 host = self._pinned.get_nowait()
             except queue.Empty:
@@ -184,8 +202,8 @@ class ReplayWriter:
             host.copy_(flat, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-            flat = host
-        self._queue.put(("record", int(step), flat, ready))
+            parts = [host]
+        self._queue.put(("record", int(step), parts, ready))
 
     def rotate(self, after_step: int) -> None:
         """A checkpoint of ``after_step`` is complete: later records go to a new segment."""
@@ -194,6 +212,8 @@ class ReplayWriter:
     def flush(self) -> None:
         """Wait until every record handed over so far is on disk."""
         self._queue.join()
+        if self._file is not None and not self._file.closed:
+            os.fdatasync(self._file.fileno())
 
     def close(self, remove: bool = False) -> None:
         """Stop the writer; with ``remove``, delete the log (the final checkpoint holds everything)."""
@@ -242,17 +262,23 @@ class ReplayWriter:
                     continue
                 if ready is not None:
                     ready.synchronize()
-                payload = memoryview(flat.numpy()).cast("B")  # no copy: the flat tensor is this record's own
-                head = _REC.pack(b"R", step, payload.nbytes)
-                h = hashlib.sha256(head[1:9])
-                h.update(payload)
-                for part in (head, payload, h.digest()):
-                    self._file.write(part)
-                self._file.flush()
-                os.fdatasync(self._file.fileno())
-                self.bytes_written += len(head) + payload.nbytes + _DIGEST
+                views = [memoryview(t.contiguous().to(torch.float32).numpy()).cast("B") for t in flat]
+                nbytes = sum(v.nbytes for v in views)
+                head = _REC.pack(b"R", step, nbytes)
+                crc = zlib.crc32(head[1:9])
+                for v in views:
+                    crc = zlib.crc32(v, crc)
+                self._file.write(head)
+                for v in views:
+                    self._file.write(v)
+                self._file.write(_CRC.pack(crc))
+                self._file.flush()  # in the page cache: a killed process loses nothing from here
+                if time.monotonic() - self._synced >= self.SYNC_EVERY_S:  # a lost node: at most a second more
+                    os.fdatasync(self._file.fileno())
+                    self._synced = time.monotonic()
+                self.bytes_written += len(head) + nbytes + _DIGEST
                 if ready is not None:
-                    self._pinned.put(flat)  # written: the buffer can take another update
+                    self._pinned.put(flat[0])  # written: the buffer can take another update
             except BaseException as e:  # never stop training: a later crash just costs the unlogged releases
                 self.error = e
                 warnings.warn(
