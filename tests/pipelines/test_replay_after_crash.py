@@ -5,6 +5,7 @@ and resumed. It must end with parameters bit-identical to the same run uninterru
 ledger must be the uninterrupted run's plus only the releases the replay log never held."""
 
 import json
+import random
 import shutil
 import signal
 import subprocess
@@ -41,7 +42,7 @@ import json, sys
 from pipelines.config import TrainConfig
 from pipelines.faults import FaultInjection
 from pipelines.train import run
-run(TrainConfig(**json.loads(sys.argv[1])), faults=FaultInjection(at_step=25, rank=0, unlogged=1))
+run(TrainConfig(**json.loads(sys.argv[1])), faults=FaultInjection(at_step=int(sys.argv[2]), rank=0, unlogged=1))
 """
 
 
@@ -60,11 +61,14 @@ def test_a_worker_and_then_the_driver_killed_end_bit_identical_to_the_uninterrup
     )
     assert reference["rolled_back"] == reference["replayed"] == 0
 
-    # The run under test: rank 0 dies after step 25 with its last release paid for but not in
-    # the replay log (the checkpoint is at step 20); then its driver is killed mid-run.
+    # The run under test: rank 0 dies after a random step k, with its last release paid for but
+    # not in the replay log (k is 2 to 9 steps past a checkpoint); then its driver is killed
+    # mid-run, wherever the race puts it.
+    k = random.choice([s for s in range(12, 40) if s % 10 >= 2])
+    after_worker = k // 10 * 10
     settings = {**SETTINGS, "storage_path": str(tmp_path / "runs"), "tracking_uri": f"sqlite:///{tmp_path}/runs.db"}
     driver = subprocess.Popen(
-        [sys.executable, "-c", DRIVER, json.dumps(settings)],
+        [sys.executable, "-c", DRIVER, json.dumps(settings), str(k)],
         cwd=tmp_path,
         env=ray_env,
         stdout=subprocess.DEVNULL,
@@ -97,12 +101,12 @@ def test_a_worker_and_then_the_driver_killed_end_bit_identical_to_the_uninterrup
     logged = shutil.copytree(run_dir / "replay", tmp_path / "replay-at-the-kill")
     at_kill = _journal(journal)
 
-    # The worker's crash: the checkpoint of step 20, step 21–24 replayed, step 25 rolled back.
+    # The worker's crash: its checkpoint's step c, steps c+1 … k−1 replayed, step k rolled back.
     ops = [r for r in at_kill if r["op"] in ("replayed", "rollback")]
     assert ops[:2] == [
-        {"op": "replayed", "after_step": 20, "upto_step": 24},
-        {"op": "rollback", "after_step": 24},
-    ]
+        {"op": "replayed", "after_step": after_worker, "upto_step": k - 1},
+        {"op": "rollback", "after_step": k - 1},
+    ], f"worker killed after step {k}"
 
     client_db = f"sqlite:///{tmp_path}/runs.db"
     import mlflow
@@ -145,14 +149,15 @@ def test_a_worker_and_then_the_driver_killed_end_bit_identical_to_the_uninterrup
     held = read_segment(segment, Path(run_dir).name, after, layout_of(params)).steps
     killed_after = [r["step"] for r in at_kill if r["op"] == "append"][-1]
     never_logged = [s for s in range(after + 1, killed_after + 1) if s not in held]
-    assert [e.step for e in rolled] == [25] + never_logged
+    assert [e.step for e in rolled] == [k] + never_logged, f"worker killed after step {k}"
     assert len(never_logged) <= 5  # at most the writer's queue and the release in flight
     assert len(entries) == len(ref_entries) + len(rolled)
     assert sum(e.replayed for e in ledger.entries) > 0
     resumed = [r for r in records if r["op"] == "replayed"][-1]
     assert resumed["after_step"] == after and resumed["upto_step"] == after + len(held) > after
     print(
-        f"driver killed after step {killed_after}; checkpoint {after}; replayed {len(held)}, rolled back {never_logged}"
+        f"worker killed after step {k}; driver after step {killed_after}; checkpoint {after}; replayed {len(held)}; "
+        f"rolled back {[e.step for e in rolled]}"
     )
     # Every release counted once: ε is the reference's plus only the rolled-back releases.
     assert ledger.epsilon() >= reference["epsilon"]
