@@ -332,7 +332,7 @@ class Worker:
             draw = audit["root"].spawn("audit-sampling", step).uniform(len(audit["in"]))
             opt.add_coordinate_examples(audit["in"][draw < self.plan.sample_rate], audit["value"])
         opt.step()
-        if self.replay_log is not None:  # a flat copy here; written, checksummed and fsynced by its thread
+        if self.replay_log is not None:  # a queue entry here; checksummed and written by its own thread
             self.replay_log.append(step + 1, opt.released_update())
         if audit is not None:  # white-box score: the released (noised) gradient along each canary
             released = torch.cat([p.grad.reshape(-1) for p in opt.params.values()])
