@@ -79,6 +79,12 @@ class _Counter(logging.FileHandler):
         super().__init__(path)
         self.log = log
 
+    def setFormatter(self, fmt) -> None:  # noqa: N802 - logging's name
+        # ray.init sets its own format on every handler of the "ray" logger: keep the file's
+        # (with the logger's name), whenever Ray starts.
+        if self.formatter is None:
+            super().setFormatter(fmt)
+
     def emit(self, record: logging.LogRecord) -> None:
         if record.levelno == logging.WARNING:
             self.log.library_warnings += 1

@@ -16,6 +16,7 @@ import math
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -146,8 +147,10 @@ def prepare_features(cfg: TrainConfig, data_dir: Path, manifest: dict, model) ->
     )
 
 
-def plan_run(cfg: TrainConfig) -> RunPlan:
-    """Validate everything and plan the run. Raises DPConfigError before anything starts."""
+def plan_run(cfg: TrainConfig, on_checked: Callable[[], None] | None = None) -> RunPlan:
+    """Validate everything and plan the run. Raises DPConfigError before anything starts.
+    ``on_checked`` is called once the config, the data (every shard) and the model have passed
+    their checks, before σ is calibrated: the driver starts its local Ray cluster there."""
     cfg.validate()
     tracking_uri = tracking.resolve_tracking_uri(cfg.tracking_uri)
     tracking.check_tracking_uri(tracking_uri)
@@ -187,6 +190,8 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
             f"audit_canaries={cfg.audit_canaries} gradient canaries do not fit: each needs a parameter coordinate of its own "
             f"and model={cfg.model!r} has {n_params} trainable parameters. Use at most {n_params} canaries."
         )
+    if on_checked is not None:
+        on_checked()
     sigma, q, steps = dpcore.plan(dataset_size=n, prior_groups=prior, **cfg.plan_options())
     event_kind = dpcore.events.POISSON_LAPLACE if cfg.noise == "laplace" else dpcore.events.POISSON_GAUSSIAN
     # How many steps the budget allows at this σ (≥ the planned steps): computed once here, so

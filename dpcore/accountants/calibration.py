@@ -9,6 +9,7 @@ below are always those of the fine grid.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 
 from ..errors import DPConfigError
@@ -109,9 +110,10 @@ def _calibrate(eps, accountant: str, kind: str, target_epsilon: float, rel_tol: 
         e_lo = eps(lo)
     if e_lo <= target_epsilon:
         return lo
-    # Invariant: e_lo > target ≥ e_hi. Illinois regula falsi in log space.
+    # Invariant: e_lo > target ≥ e_hi. Illinois regula falsi in log space (an ε that an
+    # accountant rounds to 0, at a tiny target, counts as the smallest positive float).
     lt = math.log(target_epsilon)
-    f_lo, f_hi = math.log(e_lo) - lt, math.log(e_hi) - lt
+    f_lo, f_hi = _log(e_lo) - lt, _log(e_hi) - lt
     side = 0
     for _ in range(60):
         if e_hi >= (1.0 - rel_tol) * target_epsilon:
@@ -122,7 +124,7 @@ def _calibrate(eps, accountant: str, kind: str, target_epsilon: float, rel_tol: 
             x = 0.5 * (llo + lhi)
         mid = math.exp(x)
         e_mid = eps(mid)
-        f_mid = math.log(e_mid) - lt
+        f_mid = _log(e_mid) - lt
         if e_mid <= target_epsilon:
             hi, e_hi, f_hi = mid, e_mid, f_mid
             if side == 1:
@@ -134,6 +136,10 @@ def _calibrate(eps, accountant: str, kind: str, target_epsilon: float, rel_tol: 
                 f_hi /= 2.0
             side = -1
     return hi
+
+
+def _log(e: float) -> float:
+    return math.log(max(e, sys.float_info.min))
 
 
 def max_steps(

@@ -4,21 +4,32 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import sys
+import threading
 from pathlib import Path
 
 import dpcore
 
 
 @contextlib.contextmanager
-def ray_cluster(cfg):
+def ray_cluster(cfg, early: EarlyCluster | None = None):
     """Join ``ray_address`` (or RAY_ADDRESS, e.g. under ``ray job submit``) and stay connected, or
     else start a local cluster, on 127.0.0.1 with the dashboard on, and stop it afterwards.
     Yields how: "connected" (Ray was already initialised here), "joined" or "started".
-    ``cfg`` needs ``ray_address``, ``num_workers`` and ``use_gpu`` (a TrainConfig has them)."""
+    ``cfg`` needs ``ray_address``, ``num_workers`` and ``use_gpu`` (a TrainConfig has them).
+    With ``early`` (an :class:`EarlyCluster` that began), its cluster is the one started."""
     import logging
 
     import ray
 
+    if early is not None and early.began:
+        early.wait()
+        try:
+            yield "started"
+        finally:
+            early.stop()
+        return
     if ray.is_initialized():
         yield "connected"
         return
@@ -37,23 +48,114 @@ def ray_cluster(cfg):
         yield "joined"
         return
     else:
-        # A one-node cluster of our own is never drained by a cloud provider: Ray Train's
-        # preemption watcher (an extra actor process, started at every run) has nothing to watch.
-        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-        ray.init(
-            log_to_driver=False,
-            num_cpus=max(os.cpu_count() or 1, cfg.num_workers),
-            num_gpus=None if cfg.use_gpu else 0,
-            include_dashboard=True,
-            dashboard_host="127.0.0.1",
-            logging_level=logging.WARNING,
-            configure_logging=True,
-        )
-        keep_token_private()
+        _start_local(cfg)
     try:
         yield "started"
     finally:
         ray.shutdown()
+
+
+def _start_local(cfg, prestart: bool = True) -> None:
+    """``ray.init`` of a one-node cluster on 127.0.0.1, the dashboard on. ``prestart=False``: no
+    idle worker processes started ahead (Ray Train's actors, with their own runtime env, cannot
+    use them)."""
+    import logging
+
+    import ray
+
+    # A one-node cluster of our own is never drained by a cloud provider: Ray Train's
+    # preemption watcher (an extra actor process, started at every run) has nothing to watch.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    if not prestart:
+        os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+    ray.init(
+        log_to_driver=False,
+        num_cpus=max(os.cpu_count() or 1, cfg.num_workers),
+        num_gpus=None if cfg.use_gpu else 0,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        logging_level=logging.WARNING,
+        configure_logging=True,
+    )
+    keep_token_private()
+
+
+class EarlyCluster:
+    """The local cluster of a training run, started in a background thread while the driver
+    still plans (σ, the step bound, cached features, the MLflow run), then used by
+    :func:`ray_cluster`. It starts no worker, and nothing is spent before the plan is done.
+
+    Use as a context manager around the planning and the fit: on the way out (an error in the
+    plan included) the cluster is stopped. :meth:`begin` does nothing where the run would not
+    start a cluster (``ray_address``/RAY_ADDRESS given, Ray already initialised, in-process).
+
+    Ray's processes die with the *thread* that started them (``PR_SET_PDEATHSIG``), so the
+    thread stays alive, waiting, until :meth:`stop`. It also imports Ray Train's trainer once the
+    cluster is up, so that the fit does not wait for that import."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._release = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._stopped = False
+
+    @property
+    def began(self) -> bool:
+        return self._thread is not None
+
+    def begin(self, cfg) -> None:
+        import ray
+
+        if self.began or cfg.in_process or cfg.ray_address or os.environ.get("RAY_ADDRESS") or ray.is_initialized():
+            return
+        if threading.current_thread() is threading.main_thread():
+            # What ray.init installs when it runs on the main thread: SIGTERM ends the driver by
+            # SystemExit, so that the run's clean-up (MLflow status, the cluster) still runs.
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+        self._thread = threading.Thread(target=self._run, args=(cfg,), name="ray-cluster-start", daemon=True)
+        self._thread.start()
+
+    def _run(self, cfg) -> None:
+        import logging
+
+        # "SIGTERM handler is not set because current thread is not the main thread": set above.
+        logging.getLogger("ray._private.worker").addFilter(lambda r: "SIGTERM handler" not in r.getMessage())
+        try:
+            _start_local(cfg, prestart=False)
+        except BaseException as e:  # raised on the driver's thread by wait()
+            self._error = e
+        finally:
+            self._ready.set()
+        if self._error is None:
+            from . import lean  # noqa: F401 - Ray Train's trainer, imported while the driver plans
+        self._release.wait()
+
+    def wait(self) -> None:
+        """Block until the cluster is up; raise what ``ray.init`` raised."""
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+
+    def stop(self) -> None:
+        """Shut the cluster down (once the start has finished) and let the thread end."""
+        if not self.began or self._stopped:
+            return
+        self._stopped = True
+        self._ready.wait()
+        try:
+            import ray
+
+            if self._error is None:
+                ray.shutdown()
+        finally:
+            self._release.set()
+
+    def __enter__(self) -> EarlyCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def keep_token_private() -> None:

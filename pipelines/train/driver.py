@@ -30,14 +30,20 @@ from ..config import TrainConfig, config_from_dict
 from ..faults import FaultInjection
 from ..models import build_run_model
 from ..plan import RunPlan, plan_run
-from .cluster import ray_cluster
+from .cluster import EarlyCluster, ray_cluster
+from .metrics_relay import MetricsForwarder
 from .progress import JournalProgress
 from .resume import resume_plan
 
 
-def _fit(plan: RunPlan, cfg: TrainConfig, pruner=None, faults=None):
+def _fit(plan: RunPlan, cfg: TrainConfig, pruner=None, faults=None, own_cluster: bool = False):
+    """Ray Train's fit of the run; ``own_cluster``: on a cluster this run started (and stops),
+    without the services only a shared cluster needs (:mod:`.lean`)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+
+    if own_cluster and not cfg.in_process:
+        from .lean import LeanTorchTrainer as TorchTrainer
 
     from .entry import train_loop_per_worker
 
@@ -212,18 +218,25 @@ def run(
     it), ``extra_tags``, and a ``pruner``: rank 0 then calls ``pruner(validation_accuracy, step)``
     at every checkpoint and stops the run early when it returns True (``summary["pruned"]``).
     The sweep's pruner reports to its Optuna trial (:class:`tuning.pruning.TrialPruner`)."""
+    with EarlyCluster() as early:  # a local Ray cluster starts while the driver plans; stopped on any error
+        if resume is not None:
+            plan, cfg = resume_plan(resume, (cfg or TrainConfig()).tracking_uri, resume_changes or {})
+            early.begin(cfg)
+        else:
+            cfg = cfg or TrainConfig()
+            trace("run() start")
+            if faults is not None:
+                faults.check(cfg)
+            plan = plan_run(cfg, on_checked=lambda: early.begin(cfg))
+            trace("planned")
+        return _run_planned(plan, cfg, resume, parent_run_id, extra_tags, pruner, faults, early)
+
+
+def _run_planned(plan: RunPlan, cfg: TrainConfig, resume, parent_run_id, extra_tags, pruner, faults, early) -> dict:
+    """The MLflow run around the fit and the logging of a planned run."""
     import mlflow
     from mlflow import MlflowClient
 
-    if resume is not None:
-        plan, cfg = resume_plan(resume, (cfg or TrainConfig()).tracking_uri, resume_changes or {})
-    else:
-        cfg = cfg or TrainConfig()
-        trace("run() start")
-        if faults is not None:
-            faults.check(cfg)
-        plan = plan_run(cfg)
-        trace("planned")
     client = MlflowClient(plan.tracking_uri)
     mlflow.set_tracking_uri(plan.tracking_uri)
     tags = None if resume is not None else {**tracking.dp_tags(cfg, plan), **(extra_tags or {})}
@@ -251,20 +264,26 @@ def run(
         ensure_audit(plan, cfg)
         trace("mlflow run set up")
         with JournalProgress(plan, enabled=not cfg.quiet) as progress:
-            return _fit_and_log(plan, cfg, client, run_id, t0, progress, pruner, faults)
+            return _fit_and_log(plan, cfg, client, run_id, t0, progress, pruner, faults, early)
 
 
-def _fit_and_log(plan: RunPlan, cfg: TrainConfig, client, run_id: str, t0: float, progress, pruner, faults) -> dict:
+def _fit_and_log(
+    plan: RunPlan, cfg: TrainConfig, client, run_id: str, t0: float, progress, pruner, faults, early=None
+) -> dict:
     """Train on Ray, then compute ε from the ledger and log the ledger, plots and model; each
     phase is on the progress line (before the first step) or on a line of its own (after the last)."""
     workers = "training in this process" if cfg.in_process else f"starting {cfg.num_workers} Ray Train worker(s)"
     if not cfg.in_process:
         progress.phase("connecting to Ray" if cfg.ray_address or os.environ.get("RAY_ADDRESS") else "starting Ray")
-    with contextlib.nullcontext("in-process") if cfg.in_process else ray_cluster(cfg) as cluster:
+    with (
+        contextlib.nullcontext("in-process") if cfg.in_process else ray_cluster(cfg, early) as cluster,
+        MetricsForwarder(client, run_id, plan.run_dir) as metrics_to_mlflow,
+    ):
         trace("cluster ready")
         progress.phase(workers + (" (Ray is up)" if cluster == "started" else ""))
-        result = _fit(plan, cfg, pruner, faults)
+        result = _fit(plan, cfg, pruner, faults, own_cluster=cluster == "started")
         trace("fit returned")
+        metrics_to_mlflow.drain()  # rank 0's last metrics, before the plots read them
         progress.steps_done()
         progress.phase("Ray Train finished" + ("; stopping the local Ray cluster" if cluster == "started" else ""))
     if result.error is not None:

@@ -1,15 +1,14 @@
 """What a worker reports: every ``checkpoint_every`` steps, metrics (rank 0: ε, validation and
 test accuracy and loss, throughput) together with a checkpoint (every rank's part), through one
-``ray.train.report``; rank 0 also logs the metrics to the run's MLflow run as they happen."""
+``ray.train.report``; rank 0 also writes the metrics to the run's metrics file, which the
+driver forwards to MLflow (:mod:`.metrics_relay`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import tempfile
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -18,9 +17,6 @@ import torch.nn.functional as F
 from ..data import sha256_file
 from ..models import split_public_front
 from .checkpoint import AUDIT_FILE, EMA_MODEL_FILE, LEDGER_FILE, MODEL_FILE, STATE_FILE, persist_checkpoint
-
-if TYPE_CHECKING:
-    from ..plan import RunPlan
 
 
 def param_checksum(model: torch.nn.Module) -> str:
@@ -167,60 +163,3 @@ def report(
         dist.broadcast_object_list(box, src=0)
         pruned = box[0]
     return (len(private.ledger) if rank == 0 else -1), pruned
-
-
-class Tracker:
-    """Rank 0 logs each report's metrics to the run's MLflow run as they happen."""
-
-    def __init__(self, plan: RunPlan):
-        import threading
-
-        self.run_id = plan.run_id
-        self._client = None
-        self._pending_tags: dict[str, str] = {}
-        # Importing MLflow takes about a second: do it beside the first steps, not before them.
-        self._loading = threading.Thread(target=self._connect, args=(plan.tracking_uri,), daemon=True)
-        self._loading.start()
-
-    def _connect(self, uri: str) -> None:
-        try:
-            from mlflow import MlflowClient
-
-            self._client = MlflowClient(uri)
-        except BaseException as e:  # raised where the client is first used
-            self._client = e
-
-    @property
-    def client(self):
-        self._loading.join()
-        if isinstance(self._client, BaseException):
-            raise self._client
-        return self._client
-
-    def tag(self, key: str, value: str) -> None:
-        """Set a run tag with the next log (MLflow may still be loading)."""
-        self._pending_tags[key] = value
-
-    def log(self, metrics: dict, step: int) -> None:
-        from mlflow.entities import Metric, RunTag
-
-        client = self.client
-        ts = int(time.time() * 1000)
-        batch = [Metric(k, float(v), ts, step) for k, v in metrics.items() if k not in ("step", "final") and v == v]
-        tags = [RunTag(k, v) for k, v in self._pending_tags.items()]
-        client.log_batch(self.run_id, metrics=batch, tags=tags)
-        self._pending_tags.clear()
-
-    def log_history(self, records: list[dict]) -> None:
-        """One metric per key and step (``diag_<key>``), in batches of at most 1000."""
-        from mlflow.entities import Metric
-
-        ts = int(time.time() * 1000)
-        batch = [
-            Metric(f"diag_{k}", float(v), ts, int(r["step"]))
-            for r in records
-            for k, v in r.items()
-            if k != "step" and v == v
-        ]
-        for i in range(0, len(batch), 1000):
-            self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])

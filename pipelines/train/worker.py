@@ -49,9 +49,9 @@ from .checkpoint import (
     find_checkpoint,
     read_checkpoint,
 )
+from .metrics_relay import MetricsFile
 from .placement import memory_status, record_placement
 from .progress import note_phase
-from .report import Tracker as _Tracker
 from .report import report as _report
 from .run_ledger import open_ledger
 
@@ -294,7 +294,7 @@ class Worker:
                 f"inconsistent checkpoint: sampler at {self.private.sampler.step}, optimizer at "
                 f"{self.private.optimizer.steps_taken}, meta at {self.start_step}"
             )
-        self.tracker = _Tracker(plan) if rank == 0 else None
+        self.tracker = MetricsFile(plan.run_dir) if rank == 0 else None
         if self.tracker is not None:
             # The path clipping="auto" chose from the model and method, before any data was seen.
             # (Whether the first-batch check later fell back to vmap depends on the private data,

@@ -1,0 +1,123 @@
+"""Issue H, must-show 3 (start-up): what the driver does to reach the first step sooner, kept
+honest. Rank 0's metrics reach MLflow through the driver (no worker imports MLflow), and the
+local Ray cluster starts while the driver plans, but never before the data and model are
+checked, and it is stopped when the plan then fails."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import mlflow
+import pytest
+
+from pipelines.train.metrics_relay import FORWARDED_FILE, METRICS_FILE, MetricsFile, MetricsForwarder
+
+
+@pytest.fixture
+def mlflow_run(tmp_path):
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.create_experiment("relay")
+    return client, client.create_run(exp).info.run_id
+
+
+def _history(client, run_id, key):
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def test_rank_zeros_metrics_and_tags_reach_mlflow_through_the_driver(tmp_path, mlflow_run):
+    client, run_id = mlflow_run
+    out = MetricsFile(tmp_path)
+    out.tag("clipping.chosen", "bookkeeping")
+    out.log({"step": 5, "final": 0.0, "epsilon": 0.5, "val_accuracy": 0.8, "test_accuracy": float("nan")}, 5)
+    out.log({"step": 10, "final": 1.0, "epsilon": 0.9, "val_accuracy": 0.85}, 10)
+    forwarder = MetricsForwarder(client, run_id, tmp_path)
+    assert forwarder.forward() == 2
+    assert forwarder.forward() == 0  # nothing is logged twice
+    assert _history(client, run_id, "epsilon") == [(5, 0.5), (10, 0.9)]
+    assert _history(client, run_id, "val_accuracy") == [(5, 0.8), (10, 0.85)]
+    run = client.get_run(run_id)
+    assert "test_accuracy" not in run.data.metrics  # NaN: not logged, as before
+    assert "step" not in run.data.metrics and "final" not in run.data.metrics
+    assert run.data.tags["clipping.chosen"] == "bookkeeping"
+
+
+def test_a_line_still_being_written_waits_and_a_resumed_driver_goes_on_where_the_last_stopped(tmp_path, mlflow_run):
+    client, run_id = mlflow_run
+    MetricsFile(tmp_path).log({"epsilon": 0.1}, 1)
+    with open(tmp_path / METRICS_FILE, "a") as f:
+        f.write('{"step": 2, "metrics": {"epsilon": 0.2}')  # torn: no newline yet
+    assert MetricsForwarder(client, run_id, tmp_path).forward() == 1
+    assert (tmp_path / FORWARDED_FILE).is_file()
+    with open(tmp_path / METRICS_FILE, "a") as f:
+        f.write(', "tags": {}, "timestamp_ms": 1}\n')
+    # a new driver (a resumed run) forwards only what the last one did not
+    assert MetricsForwarder(client, run_id, tmp_path).forward() == 1
+    assert _history(client, run_id, "epsilon") == [(1, 0.1), (2, 0.2)]
+
+
+def test_more_metrics_than_one_mlflow_batch_takes_are_all_logged(tmp_path, mlflow_run):
+    client, run_id = mlflow_run
+    MetricsFile(tmp_path).log_history([{"step": s, "bias": s / 10, "cos": 1.0} for s in range(1, 701)])
+    with MetricsForwarder(client, run_id, tmp_path, period=0.05) as forwarder:
+        forwarder.drain()
+    assert len(_history(client, run_id, "diag_bias")) == 700 and len(_history(client, run_id, "diag_cos")) == 700
+
+
+def test_drain_raises_what_mlflow_raised(tmp_path):
+    class Down:
+        def log_batch(self, *a, **k):
+            raise ConnectionError("tracking server down")
+
+    MetricsFile(tmp_path).log({"epsilon": 0.1}, 1)
+    forwarder = MetricsForwarder(Down(), "run", tmp_path, period=0.01)
+    with forwarder, pytest.raises(ConnectionError, match="tracking server down"):
+        forwarder.drain()
+    assert not (tmp_path / FORWARDED_FILE).exists()  # still to forward: a resumed driver will
+
+
+def test_the_worker_module_does_not_import_mlflow():
+    code = "import sys, pipelines.train.worker, pipelines.train.entry; print('mlflow' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "False"
+
+
+@pytest.mark.slow
+def test_a_plan_that_fails_after_the_cluster_began_stops_it_and_says_why(tmp_path):
+    """The cluster begins once the config, data and model pass their checks; σ calibration
+    then fails (DP-PCA's release alone spends more than the target). The error is the plan's,
+    raised before any worker or budget, and the early cluster is shut down with nothing left
+    running."""
+    code = textwrap.dedent(
+        f"""
+        import json, os, ray, dpcore
+        from pipelines.config import TrainConfig
+        from pipelines.train import run
+        from pipelines.train import cluster
+        began = []
+        real = cluster.EarlyCluster.begin
+        def begin(self, cfg):
+            real(self, cfg)
+            began.append(self.began)
+        cluster.EarlyCluster.begin = begin
+        cfg = TrainConfig(pca_components=4, pca_noise_multiplier=0.3, epochs=1, num_workers=1, quiet=True,
+                          storage_path={str(tmp_path / "runs")!r}, tracking_uri="sqlite:///{tmp_path}/mlflow.db")
+        try:
+            run(cfg)
+        except dpcore.DPConfigError as e:
+            error = str(e)
+        children = [p for p in os.listdir("/proc") if p.isdigit() and
+                    open(f"/proc/{{p}}/stat").read().rsplit(")", 1)[1].split()[1] == str(os.getpid())]
+        print(json.dumps({{"began": began, "error": error, "initialized": ray.is_initialized(), "children": children}}))
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["began"] == [True]  # the cluster had begun when the plan failed
+    assert "(DP-PCA) alone spend" in out["error"], out["error"]
+    assert not out["initialized"] and out["children"] == []
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("ledger.journal.jsonl"))
