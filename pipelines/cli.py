@@ -176,25 +176,26 @@ def _ledger(argv: list[str]) -> int:
     return 0
 
 
+# command: (module, its entry point, whether it takes ``prog``); imported only when the command runs
+_LAZY_COMMANDS = {
+    "train": ("pipelines.train", "main", True),
+    "sweep": ("tuning.cli", "main", True),
+    "audit": ("pipelines.audit.cli", "main", True),
+    "federated": ("pipelines.federated.cli", "main", True),
+    "stack": ("pipelines.ops.stack", "main", False),
+    "status": ("pipelines.ops.jobs", "main_status", True),
+    "logs": ("pipelines.ops.jobs", "main_logs", True),
+    "stop": ("pipelines.ops.jobs", "main_stop", True),
+    "ui": ("pipelines.ops.ui", "main", True),
+    "clean": ("pipelines.ops.clean", "main", True),
+    "bench": ("pipelines.ops.bench_cli", "main", False),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     trace("cli main")
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {
-        "train": None,
-        "sweep": None,
-        "federated": None,
-        "audit": None,
-        "ingest": _ingest,
-        "ledger": _ledger,
-        "ui": None,
-        "bench": None,
-        "stack": None,
-        "submit": None,
-        "status": None,
-        "logs": None,
-        "stop": None,
-        "clean": None,
-    }
+    commands = {"ingest": _ingest, "ledger": _ledger, "submit": None, **dict.fromkeys(_LAZY_COMMANDS)}
     if argv and argv[0] == "--version":
         from importlib.metadata import version
 
@@ -207,48 +208,18 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     cmd, rest = argv[0], argv[1:]
-    if cmd == "train":
-        from .train import main as train_main
-
-        return train_main(rest, prog=f"{PROG} train")
-    if cmd == "sweep":
-        from tuning.cli import main as sweep_main
-
-        return sweep_main(rest, prog=f"{PROG} sweep")
-    if cmd == "audit":
-        from .audit.cli import main as audit_main
-
-        return audit_main(rest, prog=f"{PROG} audit")
-    if cmd == "federated":
-        from .federated.cli import main as federated_main
-
-        return federated_main(rest, prog=f"{PROG} federated")
-    if cmd == "stack":
-        from .ops.stack import main as stack_main
-
-        return stack_main(rest)
     if cmd == "submit":  # the CLI composes pipelines and tuning: a sweep's config is checked by tuning
         from tuning.cli import check_args
 
         from .ops import jobs
 
         return jobs.main_submit(rest, prog=f"{PROG} submit", sweep_checker=check_args)
-    if cmd in ("status", "logs", "stop"):
-        from .ops import jobs
+    if cmd in _LAZY_COMMANDS:  # imported only when run: `dp-platform --help` stays fast
+        import importlib
 
-        return getattr(jobs, f"main_{cmd}")(rest, prog=f"{PROG} {cmd}")
-    if cmd == "ui":
-        from .ops.ui import main as ui_main
-
-        return ui_main(rest, prog=f"{PROG} ui")
-    if cmd == "clean":
-        from .ops.clean import main as clean_main
-
-        return clean_main(rest, prog=f"{PROG} clean")
-    if cmd == "bench":
-        from .ops.bench_cli import main as bench_main
-
-        return bench_main(rest)
+        module, function, takes_prog = _LAZY_COMMANDS[cmd]
+        main_of = getattr(importlib.import_module(module), function)
+        return main_of(rest, prog=f"{PROG} {cmd}") if takes_prog else main_of(rest)
     return commands[cmd](rest)
 
 

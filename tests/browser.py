@@ -63,9 +63,17 @@ def page_text(d) -> str:
 
 def wait_for_text(d, *needles: str, timeout: float = 90) -> str:
     """The page's text once every needle is in it (the UI renders after its API calls)."""
+    from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    WebDriverWait(d, timeout).until(lambda _: all(n in page_text(d) for n in needles))
+    try:
+        WebDriverWait(d, timeout).until(lambda _: all(n in page_text(d) for n in needles))
+    except TimeoutException as e:  # say what the page showed instead (and keep a picture of it)
+        shot = screenshot(d, "timeout.png")
+        missing = [n for n in needles if n not in page_text(d)]
+        raise AssertionError(
+            f"after {timeout} s, {missing} not on {d.current_url} ({shot}); it shows:\n{page_text(d)[-3000:]}"
+        ) from e
     return page_text(d)
 
 
