@@ -4,7 +4,6 @@ round once (:mod:`dpcore.federated`), evaluate, track (see the package's docstri
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from pathlib import Path
@@ -131,7 +130,9 @@ def run_federated(cfg: FederatedConfig | None = None, faults: ActorFault | None 
         say = _phases(cfg, t0)
         try:
             if cfg.executor == "ray":
-                say("connecting to Ray" if cfg.ray_address or os.environ.get("RAY_ADDRESS") else "starting Ray")
+                from ..train.cluster import cluster_address
+
+                say("connecting to Ray" if cluster_address(cfg) else "starting Ray")
             with _cluster(cfg) as cluster:
                 fault = (faults.at_round, faults.actor) if faults is not None else None
                 if cfg.executor == "ray":

@@ -33,7 +33,7 @@ def ray_cluster(cfg, early: EarlyCluster | None = None):
     if ray.is_initialized():
         yield "connected"
         return
-    address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    address = cluster_address(cfg)
     if address and address.startswith(("http://", "https://")):
         raise dpcore.DPConfigError(
             f"RAY_ADDRESS={address} is a Ray Jobs API address, which a driver cannot join. Submit the run there "
@@ -53,6 +53,11 @@ def ray_cluster(cfg, early: EarlyCluster | None = None):
         yield "started"
     finally:
         ray.shutdown()
+
+
+def cluster_address(cfg) -> str | None:
+    """The cluster a run joins: ``ray_address``, else RAY_ADDRESS (None: it starts its own)."""
+    return cfg.ray_address or os.environ.get("RAY_ADDRESS")
 
 
 def _start_local(cfg, prestart: bool = True) -> None:
@@ -107,7 +112,7 @@ class EarlyCluster:
     def begin(self, cfg) -> None:
         import ray
 
-        if self.began or cfg.in_process or cfg.ray_address or os.environ.get("RAY_ADDRESS") or ray.is_initialized():
+        if self.began or cfg.in_process or cluster_address(cfg) or ray.is_initialized():
             return
         if threading.current_thread() is threading.main_thread():
             # What ray.init installs when it runs on the main thread: SIGTERM ends the driver by

@@ -30,7 +30,7 @@ from ..config import TrainConfig, config_from_dict
 from ..faults import FaultInjection
 from ..models import build_run_model
 from ..plan import RunPlan, plan_run
-from .cluster import EarlyCluster, ray_cluster
+from .cluster import EarlyCluster, cluster_address, ray_cluster
 from .metrics_relay import MetricsForwarder
 from .progress import JournalProgress
 from .resume import resume_plan
@@ -42,7 +42,7 @@ def _fit(plan: RunPlan, cfg: TrainConfig, pruner=None, faults=None, own_cluster:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    if own_cluster and not cfg.in_process:
+    if own_cluster:  # never in-process: that runs without a cluster
         from .lean import LeanTorchTrainer as TorchTrainer
 
     from .entry import train_loop_per_worker
@@ -274,7 +274,7 @@ def _fit_and_log(
     phase is on the progress line (before the first step) or on a line of its own (after the last)."""
     workers = "training in this process" if cfg.in_process else f"starting {cfg.num_workers} Ray Train worker(s)"
     if not cfg.in_process:
-        progress.phase("connecting to Ray" if cfg.ray_address or os.environ.get("RAY_ADDRESS") else "starting Ray")
+        progress.phase("connecting to Ray" if cluster_address(cfg) else "starting Ray")
     with (
         contextlib.nullcontext("in-process") if cfg.in_process else ray_cluster(cfg, early) as cluster,
         MetricsForwarder(client, run_id, plan.run_dir) as metrics_to_mlflow,

@@ -42,9 +42,6 @@ if FixedScalingPolicy is not None and hasattr(TorchTrainer, "_create_default_cal
         def _maybe_send_resource_request(self) -> None:
             pass
 
-        def _cancel_resource_request(self) -> None:
-            pass
-
     class LeanTorchTrainer(TorchTrainer):
         """``TorchTrainer`` without the placement-group cleaner, the autoscaling coordinator
         and (when no Ray Datasets are given) the dataset manager. Only for a cluster the run
