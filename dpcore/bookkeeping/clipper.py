@@ -151,9 +151,23 @@ class BookKeepingClipper:
     def clipped_sum(self, x: torch.Tensor, y: torch.Tensor, clip_norm: float, out: dict[str, torch.Tensor]) -> int:
         """Add Σ_i clip(g_i) into ``out`` (a dict of parameter name → tensor). Returns the
         number of examples skipped for a non-finite gradient."""
-        batch = x.shape[0]
-        if batch == 0:
+        if x.shape[0] == 0:
             return 0
+        sq, parts = self.measure(x, y, clip_norm)
+        factors, finite = clip_factors(sq.sqrt(), clip_norm)
+        contributions = self.contributions(parts, factors, finite)
+        for key, value in contributions:  # all computed first: nothing is added if anything above fails
+            if key in out:
+                out[key].add_(value.to(out[key].dtype))
+            else:
+                out[key] = value
+        return int((~finite).sum())
+
+    def measure(self, x: torch.Tensor, y: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, list]:
+        """(each example's squared gradient norm, float64 [B]; each layer's part). The parts give
+        Σ_i f_i·grad_i for any factors through :meth:`contributions`. ``clip_norm`` sets the
+        precision the norms need (see :func:`dpcore.bookkeeping.base.row_sq_norms`)."""
+        batch = x.shape[0]
         with torch.enable_grad():
             logits, rec = self._capture(x)
             try:
@@ -172,7 +186,11 @@ class BookKeepingClipper:
         for (name, m, form), g in zip(self.layers, grads):
             a, z = rec[name]
             parts.append((name, form.per_example(m, a, g if g is not None else torch.zeros_like(z), sq, ctx)))
-        factors, finite = clip_factors(sq.sqrt(), clip_norm)
+        return sq, parts
+
+    def contributions(self, parts: list, factors: torch.Tensor, finite: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """(parameter name, Σ_i f_i·grad_i) for every trainable parameter; the rows where
+        ``finite`` is false contribute exactly zero."""
         n_bad = int((~finite).sum())
         # A factor below the dtype's smallest normal number loses precision when cast (a gradient
         # of norm ≳1e32·C in float32): then this batch is summed in float64, as the reference does.
@@ -185,17 +203,11 @@ class BookKeepingClipper:
                 return t
             return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype))
 
-        contributions = [
+        return [
             (f"{name}.{pname}" if name else pname, value)
             for name, part in parts
             for pname, value in part.contributions(factors, wide, drop_bad)
         ]
-        for key, value in contributions:  # all computed first: nothing is added if anything above fails
-            if key in out:
-                out[key].add_(value.to(out[key].dtype))
-            else:
-                out[key] = value
-        return n_bad
 
     def _per_example_losses(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """loss_fn(logits[i:i+1], y[i:i+1]) for every i. For plain cross-entropy that is
