@@ -42,8 +42,9 @@ def choose_clipping(
     if clipping not in CLIPPING_MODES:
         raise DPConfigError(f"clipping={clipping!r} is unknown; use one of {', '.join(CLIPPING_MODES)}.")
     if clipping == "bookkeeping" and not bookkeeping.supports(model):
+        layers = ", ".join(t.__name__ for t in bookkeeping.LAYERS)
         raise DPConfigError(
-            "clipping='bookkeeping' handles Linear, Conv2d, WSConv2d and GroupNorm parameters only; these are not: "
+            f"clipping='bookkeeping' handles the parameters of {layers} layers only; these are not: "
             f"{bookkeeping.unsupported_parameters(model)[:5]}. Use clipping='vmap'."
         )
     return clipping

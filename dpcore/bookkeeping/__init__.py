@@ -13,16 +13,17 @@ of the *activations only* (Bu et al. 2023, "book-keeping"):
   safety margin, the same skip-and-count of non-finite rows);
 * each form's part then gives Σ_i f_i·grad_i for its parameters.
 
-The forms, one file each: ``linear.py`` (``nn.Linear``), ``conv.py`` (``nn.Conv2d``),
-``wsconv.py`` (:class:`dpcore.layers.WSConv2d`), ``groupnorm.py`` and ``layernorm.py``. A new
+The forms, one file each: ``linear.py`` (``nn.Linear``, on vectors or sequences), ``conv.py``
+(``nn.Conv2d``), ``wsconv.py`` (:class:`dpcore.layers.WSConv2d`), ``groupnorm.py``,
+``layernorm.py`` and ``embedding.py`` (``nn.Embedding``). A new
 layer type is one file with a :class:`LayerForm` subclass, one :func:`register_layer` line
 below, and one test against vmap (``tests/dpcore/test_bookkeeping_clipping.py``).
 
-Models with any trainable parameter outside a registered layer (embeddings, grouped
-convolutions, ...), layers used more than once per forward, or a loss that does not vmap, are
-not handled here: :func:`supports` says so and the caller uses the reference path. Because
-the forms assume that examples are independent, :mod:`dpcore.fastpath` checks the clipped sum
-against vmap on a real batch before it is used.
+Models with any trainable parameter outside a registered layer (raw ``nn.Parameter`` attention
+projections, grouped convolutions, ...), layers used more than once per forward, or a loss that
+does not vmap, are not handled here: :func:`supports` says so and the caller uses the reference
+path. Because the forms assume that examples are independent, :mod:`dpcore.fastpath` checks
+them against vmap, in float64, on a real batch before they are used.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ..layers import WSConv2d
 from .base import Context, LayerForm, Part, Unsupported
 from .clipper import BookKeepingClipper, supports, unsupported_parameters
 from .conv import ConvForm
+from .embedding import EmbeddingForm
 from .groupnorm import GroupNormForm
 from .layernorm import LayerNormForm
 from .linear import LinearForm
@@ -44,6 +46,7 @@ register_layer(nn.Conv2d, ConvForm())
 register_layer(WSConv2d, WSConvForm())
 register_layer(nn.GroupNorm, GroupNormForm())
 register_layer(nn.LayerNorm, LayerNormForm())
+register_layer(nn.Embedding, EmbeddingForm())
 
 __all__ = [
     "LAYERS",

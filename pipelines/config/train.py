@@ -221,8 +221,8 @@ class ScaleConfig(Section):
     clipping: str = option(
         "auto",
         "per-example clipping: auto (bookkeeping where the model and method allow it, else vmap), vmap (any model), or "
-        "bookkeeping (Linear/Conv2d/WSConv2d/GroupNorm models; faster; its formulas verified against vmap in float64 on the first batch, "
-        "else vmap)",
+        "bookkeeping (Linear/Conv2d/WSConv2d/GroupNorm/LayerNorm/Embedding models; faster; its formulas verified against "
+        "vmap in float64 on the first batch, else vmap)",
     )
     checkpoint_every: int = option(0, "steps between checkpoints and evaluations (0: about 10 per run)")
     max_failures: int = option(2, "worker-group restarts from the last checkpoint before the run fails")

@@ -13,7 +13,7 @@ it is installed.
 Modes:
 * ``non-private``: forward, backward, SGD step;
 * ``ours``: dpcore's DPOptimizer with ``clipping="auto"``: book-keeping where the model is
-  made of Linear/Conv2d/WSConv2d/GroupNorm layers (verified against vmap on the first step),
+  made of Linear/Conv2d/WSConv2d/GroupNorm/LayerNorm/Embedding layers (verified against vmap on the first step),
   else vmap; secure noise; no budget check overhead beyond the ledger's cached allowance;
 * ``ours-vmap``: the same with the reference vmap per-example path;
 * ``opacus-hooks``, ``opacus-ew``, ``opacus-ghost``: Opacus 1.6 with that ``grad_sample_mode``.

@@ -1,0 +1,65 @@
+"""``nn.Embedding`` (a text model's token table).
+
+Example i's gradient is W_i = Σ_t e_{x_t} g_tᵀ: its output gradients g_t added into the rows of
+its tokens x_t. Only the rows of the tokens it holds are non-zero, so the form keeps, for each
+(example, distinct token) pair, the sum S of that token's output gradients in the example
+(float64). ‖W_i‖² is the sum of ‖S‖² over the example's pairs: exact, and O(B·T·D) whatever
+the vocabulary. The clipped sum adds f_i·S into each pair's row, in float64, so each example's
+share is the very vector whose norm was measured. Positions holding ``padding_idx`` get no
+gradient, as in ``nn.Embedding``.
+
+Refused: ``max_norm`` (the forward renormalises rows of the table in place), ``sparse=True``,
+and ``scale_grad_by_freq`` (it scales each token's gradient by its count in the whole batch,
+which couples the examples).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .base import Context, LayerForm, Part, Unsupported, dtypes
+
+
+@dataclass
+class EmbeddingPart(Part):
+    m: nn.Embedding
+    example: torch.Tensor  # [P] the example of each (example, token) pair
+    token: torch.Tensor  # [P] its token
+    S: torch.Tensor  # [P, D] float64: that token's output gradients summed over the example's positions
+
+    def contributions(self, factors, wide, drop_bad):
+        pdtype, _ = dtypes(self.m, wide)
+        # An example with a non-finite gradient has factor 0; its non-finite rows must add
+        # exactly zero (never 0·NaN). Its finite rows add 0·S = 0.
+        S = torch.where(torch.isfinite(self.S), self.S, torch.zeros((), dtype=self.S.dtype))
+        rows = S * factors.to(torch.float64)[self.example].unsqueeze(1)
+        w = torch.zeros(self.m.weight.shape, dtype=torch.float64, device=S.device).index_add_(0, self.token, rows)
+        return [("weight", w.to(pdtype))]
+
+
+class EmbeddingForm(LayerForm):
+    def problems(self, m: nn.Embedding) -> list[str]:
+        why = [
+            (m.max_norm is not None, "max_norm renormalises the table in place during the forward"),
+            (m.sparse, "sparse gradients"),
+            (m.scale_grad_by_freq, "scale_grad_by_freq couples the examples of a batch"),
+        ]
+        return [f"weight ({reason})" for bad, reason in why if bad]
+
+    def per_example(self, m: nn.Embedding, a, g, sq, ctx: Context):
+        if a.is_floating_point() or a.dim() < 1:
+            raise Unsupported("an Embedding was called without a batch of token ids")
+        batch, dim = a.shape[0], m.embedding_dim
+        tokens = a.reshape(batch, -1)
+        grads = g.reshape(batch, -1, dim).double()
+        keep = tokens != m.padding_idx if m.padding_idx is not None else torch.ones_like(tokens, dtype=torch.bool)
+        example = torch.arange(batch, device=a.device).unsqueeze(1).expand_as(tokens)
+        key = example[keep] * m.num_embeddings + tokens[keep]
+        pairs, which = torch.unique(key, return_inverse=True)
+        S = torch.zeros(pairs.shape[0], dim, dtype=torch.float64, device=a.device).index_add_(0, which, grads[keep])
+        pair_example = pairs // m.num_embeddings
+        sq.index_add_(0, pair_example, S.square().sum(1))
+        return EmbeddingPart(m, pair_example, pairs % m.num_embeddings, S)
