@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .accountants import calibration, epsilon
+from .accountants import analytic, calibration, epsilon
 from .errors import DPConfigError
-from .events import POISSON_GAUSSIAN, POISSON_LAPLACE, PrivacyEvent
+from .events import POISSON_GAUSSIAN, POISSON_LAPLACE, PrivacyEvent, positive_groups
 from .grad_sample import LossFn
 from .ledger import PrivacyLedger
 from .methods import check_method_options
@@ -83,11 +83,19 @@ def plan(
     check_method_options(noise=noise, clip_norm_type="l1" if noise == "laplace" else "l2", accountant=accountant)
     kind = POISSON_LAPLACE if noise == "laplace" else POISSON_GAUSSIAN
     prior = list(prior_groups)
-    if prior and epsilon(prior, target_delta, accountant) >= target_epsilon:
-        raise DPConfigError(
-            f"the run's other releases (DP-PCA) alone spend ε={epsilon(prior, target_delta, accountant):.4g} "
-            f"≥ target_epsilon={target_epsilon}: nothing is left for training. Raise pca_noise_multiplier or target_epsilon."
-        )
+    if prior:
+        # Unsampled Gaussian releases have an exact ε in closed form, a lower bound on any
+        # accountant's: it refuses a prior that spends the budget without the accountant's
+        # search, which takes minutes at a small σ.
+        mu = analytic.gaussian_mu(positive_groups(prior))
+        spent = analytic.gaussian_epsilon(mu, target_delta) if mu is not None else None
+        if spent is None or spent < target_epsilon:
+            spent = epsilon(prior, target_delta, accountant)
+        if spent >= target_epsilon:
+            raise DPConfigError(
+                f"the run's other releases (DP-PCA) alone spend ε={spent:.4g} ≥ target_epsilon={target_epsilon}: "
+                "nothing is left for training. Raise pca_noise_multiplier or target_epsilon."
+            )
     if noise_multiplier is None:
         sigma = calibration.calibrate_noise_multiplier(
             target_epsilon, target_delta, q, steps, accountant, prior_groups=prior, kind=kind
