@@ -1,0 +1,1 @@
+"""Text: pretrained Hugging Face encoders for DP fine-tuning (:mod:`.hf`)."""

@@ -1,0 +1,159 @@
+"""Pretrained Hugging Face encoders as sequence classifiers for DP fine-tuning (full or LoRA).
+
+``load_classifier("hf:<local folder or hub name>", num_labels, ...)`` gives an
+:class:`HFClassifier`, a module that maps a batch of token ids [B, T] (padded with the
+tokenizer's pad id) to logits [B, num_labels], and the tokenizer. Three choices make it fit
+per-example clipping:
+
+* **Every input has the batch on dim 0.** The attention mask is built from the padding as an
+  additive [B, 1, 1, T] mask, and BERT-family models get explicit position ids [B, T]. (Their
+  default is one [1, T] row broadcast over the batch: the position table's output would then
+  carry the whole batch's gradient, and book-keeping could not tell the examples apart.) The
+  mask also keeps the forward free of data-dependent branches, so the vmap reference runs.
+* **No dropout.** A dropout mask is random per call: the batched pass and the per-example
+  reference would see different masks, and the first-batch check of book-keeping would
+  (rightly) refuse it. It is common in DP fine-tuning to train without it.
+* **float32 parameters**, whatever the checkpoint's dtype (per-example clipping needs them;
+  bf16 autocast of the forward is a separate matter).
+
+With ``lora_rank > 0``, peft's LoRA adapters are added to ``lora_targets`` (module names, e.g.
+``query``, ``value``) and only they and the classification head are trainable; every other
+weight is frozen, so only they get per-example gradients. Book-keeping handles the model's
+trainable layers (Linear over sequences, Embedding, LayerNorm; a LoRA adapter is two Linear
+layers) and is checked against vmap on the first batch like any model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dpcore import DPConfigError
+
+PREFIX = "hf:"
+# Model types whose default position ids are 0..T-1 (so passing them explicitly changes nothing).
+ZERO_BASED_POSITIONS = ("bert", "electra", "albert")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "vocab.json")
+NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "classifier_dropout": 0.0}
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    rank: int = 0  # 0: full fine-tuning
+    alpha: float | None = None  # default: 2 × rank
+    targets: tuple[str, ...] = ("query", "value")
+
+
+class HFClassifier(nn.Module):
+    """A Hugging Face sequence classifier on token ids [B, T]; returns logits [B, num_labels]."""
+
+    def __init__(self, model: nn.Module, pad_token_id: int, model_type: str, source: str):
+        super().__init__()
+        self.model = model
+        self.pad_token_id = int(pad_token_id)
+        self.positions = model_type in ZERO_BASED_POSITIONS
+        self.token_types = bool(getattr(model.config, "type_vocab_size", 0))
+        self.source = source
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        batch, length = ids.shape
+        dtype = next(p for p in self.model.parameters()).dtype
+        padding = ids == self.pad_token_id
+        mask = torch.zeros(ids.shape, dtype=dtype, device=ids.device).masked_fill(padding, torch.finfo(dtype).min)
+        extra = {}
+        if self.positions:
+            extra["position_ids"] = torch.arange(length, device=ids.device).expand(batch, length)
+        if self.token_types:
+            extra["token_type_ids"] = torch.zeros_like(ids)
+        return self.model(input_ids=ids, attention_mask=mask[:, None, None, :], **extra).logits
+
+
+def is_hf(name: str) -> bool:
+    return isinstance(name, str) and name.startswith(PREFIX)
+
+
+def check_folder(path: Path) -> None:
+    """A local model folder must hold a config, weights and a tokenizer: say which are missing."""
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not any((path / f).is_file() for f in WEIGHT_FILES):
+        missing.append(f"weights ({' or '.join(WEIGHT_FILES[::2])})")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        missing.append(f"a tokenizer ({' or '.join(TOKENIZER_FILES)})")
+    if missing:
+        raise DPConfigError(
+            f"model folder {path} has no {', no '.join(missing)}. Point hf: to a folder saved with "
+            "save_pretrained() for both the model and its tokenizer."
+        )
+
+
+def _where(name: str) -> str:
+    """The local folder for ``hf:<name>``, or the hub name itself."""
+    ref = name[len(PREFIX) :]
+    if not ref:
+        raise DPConfigError("model='hf:' needs a local folder or a Hugging Face Hub name after 'hf:'.")
+    path = Path(os.path.expanduser(ref))
+    if path.exists():
+        if not path.is_dir():
+            raise DPConfigError(f"model={name!r}: {path} is a file; give the folder that holds the model.")
+        check_folder(path)
+        return str(path)
+    if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
+        raise DPConfigError(f"model={name!r}: the folder {path} does not exist.")
+    return ref  # a hub name (needs a network)
+
+
+def load_classifier(name: str, num_labels: int, lora: LoraOptions = LoraOptions()) -> tuple[HFClassifier, object]:
+    """(the classifier, its tokenizer) for ``hf:<folder or hub name>``; see the module doc."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    where = _where(name)
+    try:
+        config = AutoConfig.from_pretrained(where, num_labels=num_labels)
+        for key, value in NO_DROPOUT.items():
+            if hasattr(config, key):
+                setattr(config, key, value)
+        model = AutoModelForSequenceClassification.from_pretrained(where, config=config, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(where)
+    except OSError as e:  # not on the hub, no network, or a broken folder
+        raise DPConfigError(f"model={name!r} could not be loaded: {str(e).splitlines()[0]}") from None
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    if tokenizer.pad_token_id is None:
+        raise DPConfigError(f"model={name!r}: its tokenizer has no padding token; batches of texts need one.")
+    if lora.rank:
+        model = add_lora(model, lora, name)
+    return HFClassifier(model, tokenizer.pad_token_id, config.model_type, name), tokenizer
+
+
+def add_lora(model: nn.Module, lora: LoraOptions, name: str) -> nn.Module:
+    """peft's LoRA adapters on ``lora.targets``; the base model frozen, the head trainable."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+    unknown = [t for t in lora.targets if t not in linear]
+    if unknown:
+        raise DPConfigError(
+            f"lora target modules {unknown} match no Linear layer of {name}; its Linear layers are named: "
+            f"{', '.join(linear)}."
+        )
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha if lora.alpha is not None else 2 * lora.rank,
+        target_modules=list(lora.targets),
+        lora_dropout=0.0,
+        task_type=TaskType.SEQ_CLS,
+    )
+    return get_peft_model(model, config)

