@@ -9,11 +9,15 @@ IDX_DATASETS = {
     "fashion-mnist": ("FashionMNIST", "/usr/share/datasets/fashion-mnist", "dataset-fashion-mnist"),
     "mnist": ("MNIST", "/usr/share/datasets/mnist", None),
 }
-DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder", "generated")
-NEEDS_DATA_DIR = ("cifar10", "cifar100", "imagefolder")  # mnist and fashion-mnist have a standard path
+TEXT_DATASETS = ("spamassassin", "text")  # tokenized at ingest by the model's (hf:) tokenizer
+DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder", "generated", *TEXT_DATASETS)
+NEEDS_DATA_DIR = ("cifar10", "cifar100", "imagefolder", *TEXT_DATASETS)  # mnist and fashion-mnist have a standard path
 USES_DATA_DIR = NEEDS_DATA_DIR + tuple(IDX_DATASETS)
 
-MODELS = ("mlp", "small_cnn", "cnn", "resnet9", "wrn16_4", "scatter_linear", "scatter_cnn", "tv:<torchvision name>")
+MODELS = (
+    "mlp", "small_cnn", "cnn", "resnet9", "wrn16_4", "scatter_linear", "scatter_cnn", "tv:<torchvision name>",
+    "hf:<folder or hub name>",
+)  # fmt: skip
 
 CLIENT_SPLITS = ("noniid", "iid")  # how DP-FedAvg divides the training data among the clients
 

@@ -363,6 +363,10 @@ def build_run_model(cfg, input_shape: tuple[int, ...], num_classes: int, pca_com
     """The model of a run: with DP-PCA (``cfg.pca_components``), a frozen projection onto the
     private principal directions first (``pca_components`` [k, d]; zeros as a placeholder of the
     right shape when it is not known yet), then ``cfg.model`` on k-vectors."""
+    if cfg.model.startswith("hf:"):
+        from .text.hf import load_classifier
+
+        return load_classifier(cfg.model, num_classes, cfg.lora())[0]
     options = {k: getattr(cfg, k, None) for k in ("activation", "groupnorm", "weight_standardization")}
     options = {k: v for k, v in options.items() if v is not None}
     if not getattr(cfg, "pca_components", 0):

@@ -23,6 +23,7 @@ from pathlib import Path
 import dpcore
 
 from . import tracking
+from .catalog import TEXT_DATASETS
 from .config import TrainConfig
 from .data.shards import FORMAT_VERSION
 from .models import build_run_model
@@ -98,9 +99,16 @@ def _source_fingerprint(cfg: TrainConfig) -> dict:
     files: list[Path] = []
     if cfg.dataset in IDX_DATASETS and not cfg.download:
         files = [p for pair in find_idx_files(cfg.dataset, cfg.data_dir).values() for p in pair]
-    elif cfg.data_dir and cfg.dataset in ("imagefolder", "cifar10", "cifar100"):  # trees a user may edit
+    elif cfg.data_dir and cfg.dataset in (
+        "imagefolder",
+        "cifar10",
+        "cifar100",
+        *TEXT_DATASETS,
+    ):  # trees a user may edit
         root = Path(cfg.data_dir).expanduser()
-        files = [f for f in root.rglob("*") if f.is_file()] if root.is_dir() else []
+        files = [f for f in root.rglob("*") if f.is_file()] if root.is_dir() else [root] if root.is_file() else []
+    if cfg.dataset in TEXT_DATASETS:  # the tokenizer and the length are part of what is stored
+        fingerprint.update(model=cfg.model, max_length=cfg.max_length)
     fingerprint["files"] = sorted((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     return fingerprint
 

@@ -330,6 +330,15 @@ def log_model(
     return version
 
 
+def model_label(model: str) -> str:
+    """``model`` as a registry name may hold it: no '/' or ':' (``hf:/models/all-MiniLM-L6-v2`` →
+    ``hf_all-MiniLM-L6-v2``, ``tv:resnet18`` → ``tv_resnet18``)."""
+    kind, _, ref = model.partition(":")
+    if not ref:
+        return model
+    return f"{kind}_{Path(ref.rstrip('/')).name or ref}".replace("/", "_").replace(":", "_")
+
+
 def skips_registry(cfg) -> bool:
     """True when a run's model is logged without registering it (``registered_model: none``)."""
     return (cfg.registered_model or "").lower() == "none"
@@ -341,7 +350,7 @@ def log_run_model(run_id: str, model, example, epsilon: float, cfg, prefix: str 
     registered version, or None."""
     if not cfg.log_model:
         return None
-    name = cfg.registered_model or f"{prefix}-{cfg.dataset}-{cfg.model.replace(':', '_')}"
+    name = cfg.registered_model or f"{prefix}-{cfg.dataset}-{model_label(cfg.model)}"
     registered = None if skips_registry(cfg) else name
     return log_model(run_id, model, example, registered, epsilon, cfg.target_delta, cfg.accountant)
 

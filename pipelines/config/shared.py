@@ -33,10 +33,14 @@ class DatasetOptions(Section):
     val_fraction: float = option(0.1, "fraction of the training data held out for validation (never trained on)")
     test_fraction: float = option(0.2, "fraction held out for testing, for datasets without their own test set")
     split_seed: int = option(0, "seed of the (public, data-independent) split permutation")
+    max_length: int = option(
+        128, "text datasets: tokens per text (longer texts are truncated, and how many were is logged)"
+    )
 
     def check(self) -> None:
         check_dataset(self)
         dpcore.validation.check_positive_int(self.generated_size, "generated_size")
+        dpcore.validation.check_positive_int(self.max_length, "max_length")
         check_count(self, "split_seed")
 
 
@@ -71,7 +75,7 @@ def check_dataset(cfg) -> None:
 
 def check_model(cfg) -> None:
     """``cfg.model`` (and its activation, where the config has one) names a model that exists."""
-    if not (cfg.model in MODELS[:-1] or (cfg.model.startswith("tv:") and len(cfg.model) > 3)):
+    if not (cfg.model in MODELS[:-2] or (cfg.model.startswith(("tv:", "hf:")) and len(cfg.model) > 3)):
         raise dpcore.DPConfigError(f"model={cfg.model!r} is unknown; available: {', '.join(MODELS)}.")
     if getattr(cfg, "activation", None) is not None:
         from ..models import check_activation

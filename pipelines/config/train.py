@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import dpcore
 
-from ..catalog import MODELS
+from ..catalog import MODELS, TEXT_DATASETS
 from .options import Composed, Section, check_choice, check_count, check_positive_number, check_seed, option
 from .shared import AuditOptions, DatasetOptions, TrackingOptions, check_model
 
@@ -57,9 +57,30 @@ class ModelConfig(Section):
     lr: float = option(0.02, "learning rate")
     momentum: float = option(0.9, "momentum (sgd only)")
     init_seed: int = option(0, "seed of the model's initial weights (public, identical on every worker)")
+    lora_rank: int = option(0, "hf: models: LoRA rank r (0: full fine-tuning); only the adapters and the head train")
+    lora_alpha: float | None = option(None, "hf: models: LoRA scaling alpha (default 2r)")
+    lora_targets: str = option(
+        "query,value", "hf: models: comma-separated names of the Linear layers that get LoRA adapters"
+    )
 
     def check(self) -> None:
         check_model(self)
+        check_count(self, "lora_rank")
+        if (self.lora_rank or self.lora_alpha is not None) and not self.model.startswith("hf:"):
+            raise dpcore.DPConfigError(f"LoRA options apply to hf: models, not model={self.model!r}.")
+        if self.lora_alpha is not None:
+            check_positive_number(self, "lora_alpha")
+        if self.lora_rank and not [t for t in self.lora_targets.split(",") if t.strip()]:
+            raise dpcore.DPConfigError(
+                "lora_targets is empty: name the Linear layers that get adapters (e.g. query,value)."
+            )
+
+    def lora(self):
+        """The LoRA options of an hf: model (rank 0: full fine-tuning)."""
+        from ..text.hf import LoraOptions
+
+        targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+        return LoraOptions(self.lora_rank, self.lora_alpha, targets)
         check_choice(self, "optimizer", OPTIMIZERS)
         check_positive_number(self, "lr")
         if not (0 <= self.momentum < 1):
@@ -292,6 +313,14 @@ class TrainConfig(
         self.check_sections()
         # the method objects decide what combines (one place)
         dpcore.check_method_options(**self.method_options(), clipping=self.clipping, accountant=self.accountant)
+        text_data, text_model = self.dataset in TEXT_DATASETS, self.model.startswith("hf:")
+        if text_data != text_model:
+            raise dpcore.DPConfigError(
+                f"dataset={self.dataset!r} and model={self.model!r} do not go together: text datasets "
+                f"({', '.join(TEXT_DATASETS)}) need an hf: model, and hf: models need a text dataset."
+            )
+        if text_model and self.augmentation_multiplicity != 1:
+            raise dpcore.DPConfigError("augmentation_multiplicity applies to images; a text run takes 1.")
         if self.pca_components and self.model != "mlp":
             raise dpcore.DPConfigError(
                 f"pca_components={self.pca_components} projects the inputs to vectors, which only model='mlp' "

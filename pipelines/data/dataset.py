@@ -33,6 +33,7 @@ class Normalization:
     scale: float = 1.0
     mean: tuple[float, ...] = (0.0,)
     std: tuple[float, ...] = (1.0,)
+    tokens: bool = False  # token ids (text): passed on as int64, not scaled
 
     def coefficients(self, channels: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(a, b), each of ``channels`` values (1 if the constants are shared), with
@@ -46,20 +47,24 @@ class Normalization:
         return (self.scale / std).float().to(device), (-mean / std).float().to(device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The model input for stored values ``x`` [B, C, ...] (any device; a new float32 tensor)."""
+        """The model input for stored values ``x`` [B, C, ...] (any device; a new float32 tensor;
+        token ids as int64)."""
+        if self.tokens:
+            return x.to(torch.long)
         c = x.shape[1] if len(self.mean) > 1 else 1
         a, b = self.coefficients(c, x.device)
         view = (1, c) + (1,) * (x.ndim - 2)
         return torch.addcmul(b.view(view), x.to(torch.float32), a.view(view))
 
     def to_dict(self) -> dict:
-        return {"scale": self.scale, "mean": list(self.mean), "std": list(self.std)}
+        return {"scale": self.scale, "mean": list(self.mean), "std": list(self.std), "tokens": self.tokens}
 
     @classmethod
     def from_dict(cls, d: dict | None) -> Normalization:
         if not d:
             return cls()
-        return cls(float(d["scale"]), tuple(float(v) for v in d["mean"]), tuple(float(v) for v in d["std"]))
+        mean, std = tuple(float(v) for v in d["mean"]), tuple(float(v) for v in d["std"])
+        return cls(float(d["scale"]), mean, std, bool(d.get("tokens", False)))
 
 
 @dataclass(frozen=True)

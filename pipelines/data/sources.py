@@ -35,7 +35,7 @@ import torch
 
 from dpcore import DPConfigError
 
-from ..catalog import DATASETS
+from ..catalog import DATASETS, TEXT_DATASETS
 from .dataset import (
     Dataset,
     Normalization,
@@ -243,15 +243,19 @@ def load_dataset(name: str, **kwargs) -> Dataset:
         return load_torchvision(name, **kwargs)
     if name == "imagefolder":
         return load_imagefolder(**kwargs)
+    if name in TEXT_DATASETS:
+        from ..text.sources import load_text_dataset
+
+        return load_text_dataset(name, **kwargs)
     raise DPConfigError(f"dataset={name!r} is unknown; available: {', '.join(DATASETS)}.")
 
 
 SOURCE_OPTIONS = (
-    "data_dir", "download", "image_size", "generated_size", "val_fraction", "test_fraction", "split_seed",
+    "data_dir", "download", "image_size", "generated_size", "val_fraction", "test_fraction", "split_seed", "max_length",
 )  # fmt: skip
 
 
 def load_configured(cfg) -> Dataset:
     """:func:`load_dataset` for a run's config (any object with ``dataset`` and the
     :data:`SOURCE_OPTIONS` as attributes: a training or a federated config)."""
-    return load_dataset(cfg.dataset, **{k: getattr(cfg, k) for k in SOURCE_OPTIONS})
+    return load_dataset(cfg.dataset, model=getattr(cfg, "model", ""), **{k: getattr(cfg, k) for k in SOURCE_OPTIONS})

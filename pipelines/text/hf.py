@@ -114,28 +114,65 @@ def _where(name: str) -> str:
     return ref  # a hub name (needs a network)
 
 
+def load_tokenizer(name: str):
+    """The tokenizer of ``hf:<folder or hub name>`` (public and fixed: tokenizing costs no privacy)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(_where(name))
+    except OSError as e:
+        raise DPConfigError(f"the tokenizer of model={name!r} could not be loaded: {str(e).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None:
+        raise DPConfigError(f"model={name!r}: its tokenizer has no padding token; batches of texts need one.")
+    return tokenizer
+
+
 def load_classifier(name: str, num_labels: int, lora: LoraOptions = LoraOptions()) -> tuple[HFClassifier, object]:
     """(the classifier, its tokenizer) for ``hf:<folder or hub name>``; see the module doc."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     where = _where(name)
     try:
+        quiet = _Quiet()  # the head is new by design: transformers' load report and progress bar say so at length
         config = AutoConfig.from_pretrained(where, num_labels=num_labels)
         for key, value in NO_DROPOUT.items():
             if hasattr(config, key):
                 setattr(config, key, value)
-        model = AutoModelForSequenceClassification.from_pretrained(where, config=config, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(where)
+        with quiet:
+            model = AutoModelForSequenceClassification.from_pretrained(where, config=config, dtype=torch.float32)
     except OSError as e:  # not on the hub, no network, or a broken folder
         raise DPConfigError(f"model={name!r} could not be loaded: {str(e).splitlines()[0]}") from None
+    tokenizer = load_tokenizer(name)
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
-    if tokenizer.pad_token_id is None:
-        raise DPConfigError(f"model={name!r}: its tokenizer has no padding token; batches of texts need one.")
     if lora.rank:
-        model = add_lora(model, lora, name)
+        with _Quiet():
+            model = add_lora(model, lora, name)
     return HFClassifier(model, tokenizer.pad_token_id, config.model_type, name), tokenizer
+
+
+class _Quiet:
+    """transformers' logging at errors only, and no progress bar, inside the block."""
+
+    def __enter__(self):
+        import warnings
+
+        from transformers.utils import logging as hf_logging
+
+        self.hf, self.level = hf_logging, hf_logging.get_verbosity()
+        self.bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        self.warnings = warnings.catch_warnings()
+        self.warnings.__enter__()
+        warnings.simplefilter("ignore", FutureWarning)
+
+    def __exit__(self, *exc):
+        self.warnings.__exit__(*exc)
+        self.hf.set_verbosity(self.level)
+        if self.bar:
+            self.hf.enable_progress_bar()
 
 
 def add_lora(model: nn.Module, lora: LoraOptions, name: str) -> nn.Module:

