@@ -57,7 +57,8 @@ class Normalization:
         return torch.addcmul(b.view(view), x.to(torch.float32), a.view(view))
 
     def to_dict(self) -> dict:
-        return {"scale": self.scale, "mean": list(self.mean), "std": list(self.std), "tokens": self.tokens}
+        d = {"scale": self.scale, "mean": list(self.mean), "std": list(self.std)}
+        return {**d, "tokens": True} if self.tokens else d  # image manifests keep their keys
 
     @classmethod
     def from_dict(cls, d: dict | None) -> Normalization:

@@ -149,6 +149,7 @@ def load_classifier(name: str, num_labels: int, lora: LoraOptions = LoraOptions(
     if lora.rank:
         with _Quiet():
             model = add_lora(model, lora, name)
+    model.train()  # from_pretrained leaves it in eval mode; a new torch module is in train mode (dropout is off)
     return HFClassifier(model, tokenizer.pad_token_id, config.model_type, name), tokenizer
 
 
