@@ -10,6 +10,7 @@ IDX_DATASETS = {
     "mnist": ("MNIST", "/usr/share/datasets/mnist", None),
 }
 TEXT_DATASETS = ("spamassassin", "text")  # tokenized at ingest by the model's (hf:) tokenizer
+EMAIL_VIEWS = ("message", "subject-body")  # what of an e-mail is tokenized
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder", "generated", *TEXT_DATASETS)
 NEEDS_DATA_DIR = ("cifar10", "cifar100", "imagefolder", *TEXT_DATASETS)  # mnist and fashion-mnist have a standard path
 USES_DATA_DIR = NEEDS_DATA_DIR + tuple(IDX_DATASETS)

