@@ -27,6 +27,7 @@ from .grad_sample import LossFn
 from .ledger import PrivacyLedger
 from .methods import check_method_options
 from .optimizer import DPOptimizer, ReduceFn
+from .precision import check_autocast
 from .randomness import Randomness, make_randomness
 from .sampling import PoissonSampler, shard_indices
 from .validation import (
@@ -156,7 +157,8 @@ def make_private(
 
     ``method_options`` are :class:`DPOptimizer`'s method arguments (``method``, ``ascent``,
     ``bam_variant``, ``noise``, ``clip_norm_type``, ``augment``, ``augmentation_multiplicity``,
-    ``diagnostics``); they are checked before σ is calibrated. ``prior_groups`` are releases
+    ``diagnostics``) and ``autocast`` ("bf16": the forward in bfloat16, clipping and noise in
+    float32); they are checked before σ is calibrated. ``prior_groups`` are releases
     of the run made outside the training steps (a DP-PCA projection): σ is calibrated with them
     composed in, and the caller appends them to ``private.ledger`` (``dp_pca(ledger=...)``).
 
@@ -178,8 +180,9 @@ def make_private(
             "without it each rank would step on its own shard and ranks ≥ 1 would step without noise."
         )
     check_positive_int(physical_batch_size, "physical_batch_size")
+    check_autocast(method_options.get("autocast", "none"))
     check_method_options(
-        **{k: v for k, v in method_options.items() if k not in ("augment", "diagnostics")},
+        **{k: v for k, v in method_options.items() if k not in ("augment", "diagnostics", "autocast")},
         clipping=clipping,
         accountant=accountant,
     )

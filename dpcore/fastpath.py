@@ -77,13 +77,14 @@ class CheckedBookKeeping:
     with each other instead would measure the two paths' rounding: on an ill-conditioned float32
     network the per-example and the batched backward part by far more than the formulas do.)
     A model that cannot be copied or run in float64 is compared in float32 on the whole batch,
-    to 1e-5 of the sum's scale. The float32 kernels are tested on their own
+    to 1e-5 of the sum's scale. (With a bf16 forward, the float64 check is the same: autocast
+    leaves float64 alone.) The float32 kernels are tested on their own
     (``tests/dpcore/test_native_kernel.py``, ``tests/dpcore/test_bookkeeping_clipping.py``).
     """
 
-    def __init__(self, model: nn.Module, loss_fn, clip_norm: float, multiplicity: int = 1):
+    def __init__(self, model: nn.Module, loss_fn, clip_norm: float, multiplicity: int = 1, autocast: str = "none"):
         self.model, self.loss_fn, self.clip_norm, self.multiplicity = model, loss_fn, clip_norm, multiplicity
-        self.clipper = bookkeeping.BookKeepingClipper(model, loss_fn)
+        self.clipper = bookkeeping.BookKeepingClipper(model, loss_fn, autocast=autocast)
         self.verified = False
         self.active = True
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, jvp, vmap
 
+from .precision import check_autocast, forward_autocast
 from .validation import validate_model
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -61,10 +62,14 @@ class PerSampleGradients:
 
     With ``multiplicity=K > 1``, inputs are ``[B, K, ...]`` (K augmentations of each example)
     and example i's gradient is the mean over its K copies.
+
+    With ``autocast="bf16"`` the forward runs under bf16 autocast (:mod:`dpcore.precision`);
+    the gradients are still in the parameters' dtype.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, multiplicity: int = 1):
+    def __init__(self, model: nn.Module, loss_fn: LossFn, multiplicity: int = 1, autocast: str = "none"):
         validate_model(model)
+        self.autocast = check_autocast(autocast)
         self.model = model
         self.loss_fn = loss_fn
         self.multiplicity = int(multiplicity)
@@ -115,11 +120,13 @@ class PerSampleGradients:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, params: Grads | None = None) -> Grads:
         """Per-example gradients at the model's current parameters (or at ``params``)."""
-        return self._per_sample(self.params() if params is None else params, self.constants(), x, y)
+        with forward_autocast(self.autocast, x):
+            return self._per_sample(self.params() if params is None else params, self.constants(), x, y)
 
     def at(self, params_per_sample: Grads, x: torch.Tensor, y: torch.Tensor) -> Grads:
         """Per-example gradients, example i evaluated at ``params_per_sample[·][i]``."""
-        return self._per_sample_at(params_per_sample, self.constants(), x, y)
+        with forward_autocast(self.autocast, x):
+            return self._per_sample_at(params_per_sample, self.constants(), x, y)
 
     def bam(self, x: torch.Tensor, y: torch.Tensor, lam: float, variant: str = "sam") -> tuple[Grads, Grads]:
         """BAM's per-example gradients and the plain per-example gradients at θ they started from.
@@ -128,4 +135,5 @@ class PerSampleGradients:
         An example whose gradient is zero (norm ≤ 1e-30) or not finite takes no ascent step.
         """
         lam_t = torch.tensor(float(lam), dtype=torch.float64)
-        return self._bam[variant](self.params(), self.constants(), x, y, lam_t)
+        with forward_autocast(self.autocast, x):
+            return self._bam[variant](self.params(), self.constants(), x, y, lam_t)

@@ -67,6 +67,8 @@ class DPOptimizer:
             gradient is the mean over its K copies, clipped afterwards.
         diagnostics: NON-PRIVATE research mode (:mod:`dpcore.diagnostics`): per-step statistics
             in :attr:`diagnostics_history`; forces the vmap path and costs an extra all-reduce.
+        autocast: ``"none"`` or ``"bf16"``: the model's forward under bf16 autocast; clipping,
+            sums and noise stay in float32 (:mod:`dpcore.precision`).
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class DPOptimizer:
         augment: AugmentFn | None = None,
         augmentation_multiplicity: int = 1,
         diagnostics: bool = False,
+        autocast: str = "none",
     ):
         opts = {
             "noise": noise,
@@ -122,7 +125,7 @@ class DPOptimizer:
         self.dataset_size = check_dataset_size(dataset_size)
         self.expected_lot_size = self.sample_rate * self.dataset_size
         self.add_noise, self.reduce_fn = add_noise, reduce_fn
-        grad_sampler = PerSampleGradients(model, loss_fn, multiplicity=augmentation_multiplicity)
+        grad_sampler = PerSampleGradients(model, loss_fn, multiplicity=augmentation_multiplicity, autocast=autocast)
         mode = choose_clipping(clipping, model, method, augmentation_multiplicity, clip_norm_type, bool(diagnostics))
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -141,7 +144,9 @@ class DPOptimizer:
             method=self.method,
             grad_sampler=grad_sampler,
             physical_batch_size=check_positive_int(physical_batch_size, "physical_batch_size"),
-            fast=CheckedBookKeeping(model, loss_fn, self.clip_norm) if mode == "bookkeeping" else None,
+            fast=CheckedBookKeeping(model, loss_fn, self.clip_norm, autocast=autocast)
+            if mode == "bookkeeping"
+            else None,
             diag=LotDiagnostics(self.params, self.clip_norm, self.norm_ord) if diagnostics else None,
             augment=augment,
             multiplicity=augmentation_multiplicity,

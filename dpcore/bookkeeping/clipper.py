@@ -9,6 +9,7 @@ from torch import nn
 
 from ..clipping import clip_factors
 from ..grad_sample import LossFn
+from ..precision import check_autocast, forward_autocast, widen
 from .base import Context, Unsupported
 from .registry import form_for
 
@@ -89,13 +90,17 @@ class BookKeepingClipper:
 
     Call :meth:`clipped_sum` (same contract as :func:`dpcore.clipping.clipped_sum` applied to
     per-example gradients of ``loss_fn(model(x_i), y_i)``). Raises ``ValueError`` at
-    construction if :func:`supports` is false.
+    construction if :func:`supports` is false. With ``autocast="bf16"`` the forward (and so the
+    activations' backward) runs under bf16 autocast; each layer's recorded input and output
+    gradient are widened to its parameters' dtype before the formulas, which run outside
+    autocast (:mod:`dpcore.precision`).
     """
 
     # Materialise per-example weight gradients (B × out × in floats) up to this many elements.
     MAX_PER_EXAMPLE_ELEMENTS = 64 * 2**20
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn):
+    def __init__(self, model: nn.Module, loss_fn: LossFn, autocast: str = "none"):
+        self.autocast = check_autocast(autocast)
         bad = unsupported_parameters(model)
         if bad:
             raise ValueError(f"the book-keeping path cannot handle these parameters: {bad[:5]}")
@@ -169,11 +174,12 @@ class BookKeepingClipper:
         precision the norms need (see :func:`dpcore.bookkeeping.base.row_sq_norms`)."""
         batch = x.shape[0]
         with torch.enable_grad():
-            logits, rec = self._capture(x)
-            try:
-                losses = self._per_example_losses(logits, y)
-            except Exception as e:
-                raise Unsupported(f"the loss does not vmap over examples: {type(e).__name__}: {e}") from None
+            with forward_autocast(self.autocast, x):
+                logits, rec = self._capture(x)
+                try:
+                    losses = self._per_example_losses(logits, y)
+                except Exception as e:
+                    raise Unsupported(f"the loss does not vmap over examples: {type(e).__name__}: {e}") from None
             if losses.shape != (batch,):
                 raise Unsupported(f"the loss gives shape {tuple(losses.shape)} per batch, not one value per example")
             outputs = [rec[name][1] for name, _, _ in self.layers]
@@ -185,7 +191,9 @@ class BookKeepingClipper:
         parts = []
         for (name, m, form), g in zip(self.layers, grads):
             a, z = rec[name]
-            parts.append((name, form.per_example(m, a, g if g is not None else torch.zeros_like(z), sq, ctx)))
+            pdtype = next(p for p in m.parameters(recurse=False)).dtype
+            g = widen(g if g is not None else torch.zeros_like(z), pdtype)
+            parts.append((name, form.per_example(m, widen(a, pdtype), g, sq, ctx)))
         return sq, parts
 
     def contributions(self, parts: list, factors: torch.Tensor, finite: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

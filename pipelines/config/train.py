@@ -245,6 +245,11 @@ class ScaleConfig(Section):
         "bookkeeping (Linear/Conv2d/WSConv2d/GroupNorm/LayerNorm/Embedding models; faster; its formulas verified against "
         "vmap in float64 on the first batch, else vmap)",
     )
+    autocast: str = option(
+        "none",
+        "bf16: the model's forward (and so its backward) in bfloat16 under torch.autocast, on CPU or CUDA; per-example "
+        "clipping, the sums, the noise and evaluation stay in float32 (none: float32 throughout)",
+    )
     checkpoint_every: int = option(0, "steps between checkpoints and evaluations (0: about 10 per run)")
     max_failures: int = option(2, "worker-group restarts from the last checkpoint before the run fails")
     replay_log: bool = option(
@@ -266,6 +271,7 @@ class ScaleConfig(Section):
     def check(self) -> None:
         err = dpcore.DPConfigError
         check_choice(self, "clipping", dpcore.optimizer.CLIPPING_MODES)
+        check_choice(self, "autocast", dpcore.precision.AUTOCAST_MODES)
         for name in ("physical_batch_size", "num_workers"):
             dpcore.validation.check_positive_int(getattr(self, name), name)
         if (

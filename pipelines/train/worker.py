@@ -266,6 +266,7 @@ class Worker:
             reduce_fn=allreduce_sum if self.world > 1 else None,
             physical_batch_size=cfg.physical_batch_size,
             clipping=cfg.clipping,
+            autocast=cfg.autocast,
             **method_options(cfg, plan, rank),
         )
         trace("private built")
