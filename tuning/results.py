@@ -153,6 +153,7 @@ def _register_best(client, base, attrs: dict) -> str | None:
     """Log the best trial's model (from its final checkpoint) into its run and register it."""
     import mlflow
 
+    from pipelines.config import config_from_dict
     from pipelines.data import model_example
     from pipelines.plan import RunPlan
     from pipelines.train import load_final_model
@@ -166,8 +167,16 @@ def _register_best(client, base, attrs: dict) -> str | None:
     example = model_example(spec.data_dir)
     name = base.registered_model or f"dp-sweep-{base.dataset}-{base.model.replace(':', '_')}"
     mlflow.set_tracking_uri(client.tracking_uri)
+    trial_cfg = config_from_dict(spec.config)  # the trial's own options (a searched LoRA rank, say)
     version = tracking.log_model(
-        run_id, model, example, name, float(attrs["epsilon"]), base.target_delta, base.accountant
+        run_id,
+        model,
+        example,
+        name,
+        float(attrs["epsilon"]),
+        base.target_delta,
+        base.accountant,
+        text=tracking.text_model_meta(trial_cfg, spec.data_dir),
     )
     return None if version is None else f"{version.name} v{version.version}"
 

@@ -12,6 +12,7 @@ In YAML (``space:`` in the sweep file), each entry is one of
     lot_size: {choices: [128, 256, 512]}          # or {low: 64, high: 1024, log: true} (integers)
     ascent: {low: 1.0e-3, high: 0.2, log: true}
     optimizer: {choices: [adam, nadam]}
+    lora_rank: {choices: [4, 8, 16]}              # hf: models with LoRA (or {low: 2, high: 32, log: true})
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import Any
 
 import dpcore
 
-SEARCHABLE = ("lr", "lot_size", "ascent", "epochs", "clip_norm", "optimizer", "momentum")
-INT_PARAMS = ("lot_size",)
+SEARCHABLE = ("lr", "lot_size", "ascent", "epochs", "clip_norm", "optimizer", "momentum", "lora_rank")
+INT_PARAMS = ("lot_size", "lora_rank")
 CATEGORICAL_ONLY = ("optimizer",)
 
 
@@ -135,6 +136,8 @@ def parse_space(raw: Any, dataset_size: int | None = None) -> SearchSpace:
                 raise err(f"space: ascent (λ/ρ) must be ≥ 0 (got low={low}).")
             if name in ("lr", "epochs", "clip_norm") and low <= 0:
                 raise err(f"space: {name} must be > 0 (got low={low}).")
+            if name in INT_PARAMS and (low < 1 or low != int(low) or high != int(high)):
+                raise err(f"space: {name} takes whole numbers ≥ 1 (got low={low}, high={high}).")
             p = Param(name, low=low, high=high, log=log)
         params.append(p)
     space = SearchSpace(tuple(params))

@@ -162,6 +162,11 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
         else (sweep.space if sweep.space is not None else default_space(base.method))
     )
     space = parse_space(raw_space, n)
+    if "lora_rank" in space.names and not base.lora_rank:
+        raise dpcore.DPConfigError(
+            "space: lora_rank is searched but the base config fine-tunes every weight (lora_rank=0, or not an hf: "
+            "model); set --lora-rank (any r ≥ 1) on an hf: model to search LoRA's rank."
+        )
     if "ascent" in space.names and base.method == "dpsgd":
         raise dpcore.DPConfigError(
             "space: ascent is searched but method='dpsgd' has no ascent step; set --method bam or dpsat."

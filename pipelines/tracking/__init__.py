@@ -19,9 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import numpy as np
-
-    from .plan import RunPlan
+    from ..plan import RunPlan
 
 import contextlib
 import json
@@ -37,6 +35,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import dpcore
+
+# The run's model, logged and registered: a module of its own, re-exported here.
+from .models import log_model, log_run_model, model_label, skips_registry, text_model_meta  # noqa: F401
 
 
 class TrackingError(dpcore.DPConfigError):
@@ -284,75 +285,6 @@ def log_ledger(client, run_id: str, ledger: dpcore.PrivacyLedger) -> None:
     runs = ledger.runs()
     table = {k: [r[k] for r in runs] for k in (runs[0] if runs else {"kind": None})}
     client.log_table(run_id, data=table, artifact_file="ledger/ledger.json")
-
-
-def log_model(
-    run_id: str, model, example: np.ndarray, registered_name: str | None, epsilon: float, delta: float, accountant: str
-):
-    """Log the model (signature + input example) in ``run_id`` and register it; ε and δ go on
-    the model version. Returns the ModelVersion (or None when not registered)."""
-    import mlflow
-    import torch
-    from mlflow.models import infer_signature
-
-    model.eval()
-    with torch.no_grad():
-        out = model(torch.from_numpy(example)).numpy()
-    signature = infer_signature(example, out)
-    with mlflow.start_run(run_id=run_id):
-        info = mlflow.pytorch.log_model(
-            model,
-            name="model",
-            signature=signature,
-            input_example=example,
-            serialization_format="pt2",  # torch.export graph: loads without our code and without unpickling
-            tags={"dp.epsilon": f"{epsilon:.6g}", "dp.delta": f"{delta:g}"},
-        )
-    if not registered_name:
-        return None
-    client = mlflow.MlflowClient()
-    from mlflow.utils.logging_utils import MLFLOW_LOGGING_STREAM
-
-    was, MLFLOW_LOGGING_STREAM.enabled = MLFLOW_LOGGING_STREAM.enabled, False  # its "Successfully registered" prints:
-    try:  # the run's summary says where the model went
-        version = mlflow.register_model(
-            info.model_uri,
-            registered_name,
-            tags={"dp.epsilon": f"{epsilon:.6g}", "dp.delta": f"{delta:g}", "dp.accountant": accountant},
-        )
-    finally:
-        MLFLOW_LOGGING_STREAM.enabled = was
-    client.update_model_version(
-        registered_name,
-        version.version,
-        description=f"Trained with (ε={epsilon:.4g}, δ={delta:g})-DP ({accountant}), run {run_id}.",
-    )
-    return version
-
-
-def model_label(model: str) -> str:
-    """``model`` as a registry name may hold it: no '/' or ':' (``hf:/models/all-MiniLM-L6-v2`` →
-    ``hf_all-MiniLM-L6-v2``, ``tv:resnet18`` → ``tv_resnet18``)."""
-    kind, _, ref = model.partition(":")
-    if not ref:
-        return model
-    return f"{kind}_{Path(ref.rstrip('/')).name or ref}".replace("/", "_").replace(":", "_")
-
-
-def skips_registry(cfg) -> bool:
-    """True when a run's model is logged without registering it (``registered_model: none``)."""
-    return (cfg.registered_model or "").lower() == "none"
-
-
-def log_run_model(run_id: str, model, example, epsilon: float, cfg, prefix: str = "dp"):
-    """Log a run's final model (if ``cfg.log_model``) and register it as ``cfg.registered_model``,
-    by default ``<prefix>-<dataset>-<model>``; "none" logs it without registering. Returns the
-    registered version, or None."""
-    if not cfg.log_model:
-        return None
-    name = cfg.registered_model or f"{prefix}-{cfg.dataset}-{model_label(cfg.model)}"
-    registered = None if skips_registry(cfg) else name
-    return log_model(run_id, model, example, registered, epsilon, cfg.target_delta, cfg.accountant)
 
 
 def write_json_artifact(client, run_id: str, name: str, obj, artifact_path: str | None = None) -> None:

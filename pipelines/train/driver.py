@@ -324,7 +324,9 @@ def _fit_and_log(
 
     if cfg.log_model:
         progress.phase("logging the model to MLflow" + ("" if tracking.skips_registry(cfg) else " and registering it"))
-    version = tracking.log_run_model(run_id, model, model_example(plan.data_dir), epsilon, cfg, prefix="dp")
+    version = tracking.log_run_model(
+        run_id, model, model_example(plan.data_dir), epsilon, cfg, prefix="dp", data_dir=plan.data_dir
+    )
     accuracy = metrics.get("test_accuracy")
     tracking.describe_run(client, run_id, plan.run_name, epsilon, cfg.target_delta, cfg.accountant, accuracy)
     trace("logged")

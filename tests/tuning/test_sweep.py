@@ -309,6 +309,9 @@ def test_killed_sweep_driver_continues_with_the_same_command(tmp_path, ray_env):
         ({"private_selection": "poisson"}, {}, "needs --sampler random"),
         ({"private_selection": "poisson", "sampler": "random"}, {}, "fix lot_size"),
         ({"space": {"lr": {"low": 0.1, "high": 0.01}}}, {}, "needs low < high"),
+        ({"space": {"lora_rank": {"choices": [4, 8]}}}, {}, "lora_rank is searched but the base config"),
+        ({"space": {"lora_rank": {"choices": [0, 8]}}}, {}, "lora_rank.choices must be positive integers"),
+        ({"space": {"lora_rank": {"low": 0.5, "high": 8}}}, {}, "lora_rank takes whole numbers"),
     ],
 )
 def test_bad_sweeps_fail_before_anything_is_written(tmp_path, sweep_over, base_over, message):
