@@ -33,13 +33,15 @@ def _data(shape, batch):
     return torch.randn((batch,) + shape, generator=g), torch.randint(0, 10, (batch,), generator=g)
 
 
-def _non_private(make, x, y):
+def _non_private(make, x, y, autocast: str = "none"):
     model = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def step():
         opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
+        with dpcore.precision.forward_autocast(autocast, x):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
         opt.step()
 
     return step
@@ -63,9 +65,9 @@ def _our_optimizer(model, lot: int, physical: int, **kw) -> dpcore.DPOptimizer:
     )
 
 
-def _ours(make, x, y, clipping):
+def _ours(make, x, y, clipping, autocast: str = "none"):
     model = make()
-    opt = _our_optimizer(model, x.shape[0], x.shape[0], clipping=clipping)
+    opt = _our_optimizer(model, x.shape[0], x.shape[0], clipping=clipping, autocast=autocast)
 
     def step():
         opt.accumulate(x, y)

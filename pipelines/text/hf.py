@@ -195,3 +195,16 @@ def add_lora(model: nn.Module, lora: LoraOptions, name: str) -> nn.Module:
         task_type=TaskType.SEQ_CLS,
     )
     return get_peft_model(model, config)
+
+
+def random_token_texts(model: str, shape: tuple[int, ...], g) -> torch.Tensor:
+    """Input canaries for a text model: texts of ``shape[1]`` tokens drawn uniformly from the
+    tokenizer's ordinary (non-special) tokens, framed by its start and end tokens where it has
+    them (as a tokenized text is): word salad, unlike any real text."""
+    tok = load_tokenizer(model)
+    special = set(tok.all_special_ids)
+    ordinary = torch.tensor([i for i in range(len(tok)) if i not in special])
+    x = ordinary[torch.randint(0, len(ordinary), shape, generator=g)]
+    if tok.cls_token_id is not None and tok.sep_token_id is not None:
+        x[:, 0], x[:, -1] = tok.cls_token_id, tok.sep_token_id
+    return x

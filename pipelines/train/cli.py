@@ -85,7 +85,9 @@ def print_summary(out: dict) -> None:
         print(f"restarts replayed {out['replayed']} release(s) from the replay log; each was released and counted once")
     if out["rolled_back"]:
         print(f"restarts rolled back {out['rolled_back']} release(s); they stay in the ledger and are counted in ε")
-    print(f"test accuracy: {out['test_accuracy']:.4f}   validation accuracy: {out['val_accuracy']:.4f}")
+    f1 = out.get("test_f1", float("nan"))
+    f1_text = f"   test F1 of class 1 ({out['classes'][1]}): {f1:.4f}" if f1 == f1 and out.get("classes") else ""
+    print(f"test accuracy: {out['test_accuracy']:.4f}{f1_text}   validation accuracy: {out['val_accuracy']:.4f}")
     print(
         f"ε spent: {out['epsilon']:.4f} at δ={out['delta']:g} ({out['accountant']} accountant; example-level, add/remove, "
         "Poisson sampling)"

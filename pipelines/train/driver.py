@@ -30,6 +30,7 @@ from ..config import TrainConfig, config_from_dict
 from ..faults import FaultInjection
 from ..models import build_run_model
 from ..plan import RunPlan, plan_run
+from ..text.hf import is_hf, random_token_texts
 from .cluster import EarlyCluster, cluster_address, ray_cluster
 from .metrics_relay import MetricsForwarder
 from .progress import JournalProgress
@@ -148,8 +149,9 @@ def ensure_audit(plan: RunPlan, cfg: TrainConfig) -> None:
             "coords": torch.randperm(plan.parameters, generator=g)[: cfg.audit_canaries],
             "included": included,
         }
-    else:  # out-of-distribution images (Gaussian noise, scaled like the data) with random labels
-        x = 3.0 * torch.randn((cfg.audit_canaries, *plan.input_shape), generator=g)
+    else:  # out-of-distribution inputs with random labels: Gaussian-noise images, or random token sequences
+        shape = (cfg.audit_canaries, *plan.input_shape)
+        x = random_token_texts(cfg.model, shape, g) if is_hf(cfg.model) else 3.0 * torch.randn(shape, generator=g)
         y = torch.randint(0, plan.num_classes, (cfg.audit_canaries,), generator=g)
         state = {"kind": "input", "x": x, "y": y, "included": included}
     tmp = Path(plan.audit_path + ".tmp")
@@ -169,8 +171,13 @@ def audit_result(plan: RunPlan, cfg: TrainConfig, checkpoint: str) -> dict:
         scores = torch.load(Path(checkpoint) / "audit_scores.pt")
     else:
         model = load_final_model(plan, checkpoint)
-        with torch.no_grad():
-            scores = -F.cross_entropy(model(canaries["x"]), canaries["y"], reduction="none").double()
+        with torch.no_grad():  # in chunks: a text model's 1,000 canaries at once would hold GiBs of attention
+            scores = torch.cat(
+                [
+                    -F.cross_entropy(model(x), y, reduction="none").double()
+                    for x, y in zip(canaries["x"].split(256), canaries["y"].split(256))
+                ]
+            )
     r = cfg.resolved_audit_guesses()
     res = dpcore.audit.one_run_audit(
         scores.numpy(), canaries["included"].numpy(), r - r // 2, r // 2, delta=cfg.target_delta
@@ -345,6 +352,8 @@ def _fit_and_log(
         "replayed": sum(e.replayed for e in ledger.entries),
         "test_accuracy": metrics.get("test_accuracy", float("nan")),
         "val_accuracy": metrics.get("val_accuracy", float("nan")),
+        "test_f1": metrics.get("test_f1", float("nan")),  # two-class tasks: F1 of class 1
+        "classes": _class_names(plan),
         "epsilon": epsilon,
         "delta": cfg.target_delta,
         "accountant": cfg.accountant,
@@ -374,3 +383,10 @@ def _worker_dp_error(error: BaseException) -> dpcore.DPError | None:
                 return seen
             seen = getattr(seen, "cause", None) or seen.__cause__
     return None
+
+
+def _class_names(plan: RunPlan) -> list[str] | None:
+    """The dataset's class names where its manifest has them (text datasets)."""
+    from ..data.shards import read_manifest
+
+    return read_manifest(plan.data_dir).get("source", {}).get("classes")

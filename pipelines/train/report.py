@@ -28,10 +28,12 @@ def param_checksum(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def evaluate(model, split, device=None, batch: int = 2048) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) of ``model`` on ``split``: anything with ``batch(idx,
-    device)`` and labels ``y`` (a mapped split: read in chunks, never loaded whole), or a pair
-    (inputs, labels) of tensors."""
+@torch.no_grad()  # no graph: a text model's activations for 2,048 texts would take GiBs
+def evaluate(model, split, device=None, batch: int = 2048) -> tuple[float, float, float]:
+    """(accuracy, mean cross-entropy, F1 of class 1) of ``model`` on ``split``: anything with
+    ``batch(idx, device)`` and labels ``y`` (a mapped split: read in chunks, never loaded whole),
+    or a pair (inputs, labels) of tensors. The F1 (of the positive class, e.g. spam) is for
+    two-class tasks only, NaN otherwise."""
     if isinstance(split, tuple):
         x_all, labels = split
         inputs = lambda idx: x_all[idx]  # noqa: E731
@@ -40,17 +42,31 @@ def evaluate(model, split, device=None, batch: int = 2048) -> tuple[float, float
         inputs = lambda idx: split.batch(idx, device)  # noqa: E731
     n = len(labels)
     if n == 0:
-        return float("nan"), float("nan")
+        return float("nan"), float("nan"), float("nan")
+    was_training = model.training
     model.eval()
-    correct, loss = 0, 0.0
+    correct, loss, classes = 0, 0.0, 0
+    tp = fp = fn = 0
     for lo in range(0, n, batch):
         idx = torch.arange(lo, min(n, lo + batch))
         out = model(inputs(idx))
         y = labels[idx.to(labels.device)].to(out.device)
-        correct += (out.argmax(1) == y).sum().item()
+        pred = out.argmax(1)
+        correct += (pred == y).sum().item()
         loss += F.cross_entropy(out, y, reduction="sum").item()
-    model.train()
-    return correct / n, loss / n
+        classes = out.shape[1]
+        tp += ((pred == 1) & (y == 1)).sum().item()
+        fp += ((pred == 1) & (y != 1)).sum().item()
+        fn += ((pred != 1) & (y == 1)).sum().item()
+    model.train(was_training)
+    f1 = (2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0) if classes == 2 else float("nan")
+    return correct / n, loss / n, f1
+
+
+def eval_batch(cfg) -> int:
+    """Examples per evaluation forward: 2,048, or 4 physical batches if fewer (a run's physical
+    batch is sized for a training step, which holds more per example than a forward alone)."""
+    return min(2048, 4 * cfg.physical_batch_size)
 
 
 def report(
@@ -97,10 +113,10 @@ def report(
             if plan.features:  # the held-out splits are features too: evaluate the rest of the model
                 eval_model = split_public_front(eval_model)[1]
             device = next(model.parameters()).device
-            val_acc, val_loss = evaluate(eval_model, held_out["val"], device)
-            test_acc = test_loss = float("nan")  # NaN metrics are not logged
+            val_acc, val_loss, val_f1 = evaluate(eval_model, held_out["val"], device, eval_batch(cfg))
+            test_acc = test_loss = test_f1 = float("nan")  # NaN metrics are not logged
             if final or cfg.test_every_report:
-                test_acc, test_loss = evaluate(eval_model, held_out["test"], device)
+                test_acc, test_loss, test_f1 = evaluate(eval_model, held_out["test"], device, eval_batch(cfg))
             if pruner is not None and not final:
                 pruned = bool(pruner(val_acc, step))
             metrics = {
@@ -110,6 +126,8 @@ def report(
                 "val_loss": val_loss,
                 "test_accuracy": test_acc,
                 "test_loss": test_loss,
+                "val_f1": val_f1,  # two-class tasks: F1 of class 1 (spam)
+                "test_f1": test_f1,
                 "steps_per_second": rate,
                 "expected_examples_per_second": rate * plan.sample_rate * plan.dataset_size,
                 "committed_steps": len(private.ledger.committed_steps()),
@@ -117,7 +135,9 @@ def report(
                 "final": float(final),
             }
             if cfg.diagnostics:  # NON-PRIVATE: computed on rank 0's training shard, not noised
-                acc, loss = evaluate(split_public_front(model)[1] if plan.features else model, train)
+                acc, loss, _ = evaluate(
+                    split_public_front(model)[1] if plan.features else model, train, None, eval_batch(cfg)
+                )
                 first = torch.arange(min(512, len(train)))
                 norms = private.optimizer.diagnostics(train.batch(first), train.y[first])["per_sample_norms"]
                 metrics.update(

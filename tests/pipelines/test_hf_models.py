@@ -130,3 +130,18 @@ def test_a_model_folder_without_weights_or_tokenizer_is_named(minilm, tmp_path):
 def test_lora_targets_that_match_nothing_are_refused_with_the_layer_names(minilm):
     with pytest.raises(dpcore.DPConfigError, match=r"\['q_proj'\] match no Linear layer.*query.*value"):
         _load(minilm, rank=8, targets=("q_proj", "value"))
+
+
+def test_random_token_texts_are_ordinary_tokens_framed_like_a_tokenized_text(minilm):
+    """The black-box audit's input canaries for a text model (pipelines.text.hf.random_token_texts)."""
+    from pipelines.text.hf import load_tokenizer, random_token_texts
+
+    tok = load_tokenizer(f"hf:{minilm}")
+    x = random_token_texts(f"hf:{minilm}", (200, 12), torch.Generator().manual_seed(0))
+    assert x.shape == (200, 12) and x.dtype == torch.int64
+    assert (x[:, 0] == tok.cls_token_id).all() and (x[:, -1] == tok.sep_token_id).all()
+    inner = x[:, 1:-1]
+    assert not set(inner.unique().tolist()) & set(tok.all_special_ids)
+    assert len(inner.unique()) > 1500  # spread over the vocabulary (2,000 draws from ~30,000)
+    again = random_token_texts(f"hf:{minilm}", (200, 12), torch.Generator().manual_seed(0))
+    assert torch.equal(x, again)  # public and reproducible: the canaries are not secret, their membership is
