@@ -70,15 +70,15 @@ def machine() -> dict:
     }
 
 
-def load_results() -> dict:
-    return json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+def load_results(path: Path = RESULTS) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def save_results(results: dict) -> None:
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS.with_suffix(".tmp")
+def save_results(results: dict, path: Path = RESULTS) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(results, indent=2))
-    os.replace(tmp, RESULTS)
+    os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------------------------
@@ -93,7 +93,8 @@ def ours_cli(config: Path, seed: int, workdir: Path, extra: list[str] = ()) -> d
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
     text = out.stdout
     run_id = re.search(r"^run ([0-9a-f]{32})", text, re.M).group(1)
-    acc = re.search(r"test accuracy: ([0-9.]+)\s+validation accuracy: ([0-9.]+)", text)
+    acc = re.search(r"test accuracy: ([0-9.]+).*?validation accuracy: ([0-9.]+)", text)
+    f1 = re.search(r"test F1 of class 1 \(.*?\): ([0-9.]+)", text)
     eps = re.search(r"ε spent: ([0-9.]+) at δ=([0-9.e-]+)", text)
     sigma = re.search(r"σ=([0-9.]+)", text)
     steps = re.search(r"steps=(\d+)/(\d+)", text)
@@ -101,6 +102,7 @@ def ours_cli(config: Path, seed: int, workdir: Path, extra: list[str] = ()) -> d
         "run_id": run_id,
         "test_accuracy": float(acc.group(1)),
         "val_accuracy": float(acc.group(2)),
+        **({"test_f1": float(f1.group(1))} if f1 else {}),
         "epsilon": float(eps.group(1)),
         "delta": float(eps.group(2)),
         "noise_multiplier": float(sigma.group(1)),
@@ -156,7 +158,10 @@ def opacus_train(
     t_launch: float | None = None,
     steps: int | None = None,
     stop_at: float | None = None,
+    finish=None,
 ) -> dict:
+    """Opacus's Poisson sampler, GradSampleModule (hooks) and DPOptimizer at our σ, q and step
+    count. ``finish(module, ema)``, if given, returns more results from the trained module."""
     from opacus import GradSampleModule
     from opacus.accountants import PRVAccountant
     from opacus.optimizers import DPOptimizer
@@ -171,7 +176,7 @@ def opacus_train(
     module = trained_module(cfg, spec, seed)
     gsm = GradSampleModule(module)
     opt = DPOptimizer(
-        make_optimizer(cfg, module.parameters()),
+        make_optimizer(cfg, [p for p in module.parameters() if p.requires_grad]),  # LoRA: adapters and head
         noise_multiplier=sigma,
         max_grad_norm=cfg.clip_norm,
         expected_batch_size=int(round(q * n)),
@@ -214,6 +219,7 @@ def opacus_train(
         "opacus_prv_epsilon": acc.get_epsilon(cfg.target_delta),
         "train_seconds": seconds,
         "timeline": timeline,
+        **(finish(module, ema) if finish is not None else {}),
     }
 
 

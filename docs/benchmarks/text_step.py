@@ -5,7 +5,8 @@
     python docs/benchmarks/text_step.py --batch 16 --steps 3
 
 Modes: ``non-private`` (forward, backward, SGD step), ``ours`` (dpcore's DPOptimizer, book-keeping
-clipping after its first-batch check, secure noise), and Opacus 1.6: ``ghost`` (ghost clipping)
+clipping after its first-batch check, secure noise), each also with the forward under bf16
+autocast (``-bf16``: the × column is then against ``non-private-bf16``), and Opacus 1.6: ``ghost`` (ghost clipping)
 for full fine-tuning, ``hooks`` for LoRA (as the issue asks; the other Opacus mode is run too
 where it works). Each (case, mode) runs in a fresh process, so that its peak resident memory
 (the model included) is its own: the peak during the timed steps (Linux's VmHWM, reset after the
@@ -26,8 +27,8 @@ from pathlib import Path
 
 CASES = [(kind, length) for length in (128, 256) for kind in ("full", "lora")]
 MODES = {
-    "full": ("non-private", "ours", "opacus-ghost", "opacus-hooks"),
-    "lora": ("non-private", "ours", "opacus-hooks", "opacus-ghost"),
+    "full": ("non-private", "ours", "opacus-ghost", "opacus-hooks", "non-private-bf16", "ours-bf16"),
+    "lora": ("non-private", "ours", "opacus-hooks", "opacus-ghost", "non-private-bf16", "ours-bf16"),
 }
 
 
@@ -59,10 +60,11 @@ def child(folder: str, kind: str, length: int, mode: str, batch: int, steps: int
     y = torch.randint(0, 2, (batch,), generator=g)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if mode == "non-private":
-            step = _non_private(make, x, y)
-        elif mode == "ours":
-            step, opt = _ours(make, x, y, "auto")
+        autocast = "bf16" if mode.endswith("-bf16") else "none"
+        if mode.startswith("non-private"):
+            step = _non_private(make, x, y, autocast)
+        elif mode.startswith("ours"):
+            step, opt = _ours(make, x, y, "auto", autocast)
         else:
             step = _opacus(make, x, y, mode.split("-")[1])
         step()  # warm-up (ours: the first-batch check)
@@ -76,7 +78,7 @@ def child(folder: str, kind: str, length: int, mode: str, batch: int, steps: int
     status = Path("/proc/self/status").read_text().splitlines()
     hwm = next(int(line.split()[1]) for line in status if line.startswith("VmHWM"))
     out = {"ms": 1e3 * statistics.median(times), "peak_mib": hwm / 1024, "warm_peak_mib": warm_peak}
-    if mode == "ours":
+    if mode.startswith("ours"):
         out["clipping"] = opt.clipping
     return out
 
@@ -120,7 +122,8 @@ def main() -> None:
                     rows.append((kind, length, mode, None, None, None, f"fails: {last}"))
                     continue
                 r = json.loads(res.stdout.strip().splitlines()[-1])
-                base = r["ms"] if mode == "non-private" else base
+                if mode.startswith("non-private"):
+                    base = r["ms"]
                 rows.append(
                     (
                         kind,

@@ -44,26 +44,29 @@ def minilm(minilm_folder) -> str:
     return f"hf:{minilm_folder}"
 
 
+def _small_run(corpus, minilm, tmp_path, **options) -> TrainConfig:
+    """A short LoRA run on a subset of the real corpus: lots of 64, lr 0.01, one worker."""
+    return TrainConfig(
+        dataset="spamassassin",
+        data_dir=str(corpus),
+        model=minilm,
+        lot_size=64,
+        lr=0.01,
+        num_workers=1,
+        storage_path=str(tmp_path / "runs"),
+        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+        quiet=True,
+        **options,
+    )
+
+
 def test_lora_on_the_real_corpus_on_a_ray_worker(corpus, minilm, tmp_path, ray_cluster):
     import mlflow
 
     from pipelines.train import run
 
-    cfg = TrainConfig(
-        dataset="spamassassin",
-        data_dir=str(corpus),
-        model=minilm,
-        lora_rank=4,
-        max_length=32,
-        train_subset=256,
-        lot_size=64,
-        epochs=1,
-        lr=0.01,
-        target_epsilon=3.0,
-        num_workers=1,
-        storage_path=str(tmp_path / "runs"),
-        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
-        quiet=True,
+    cfg = _small_run(
+        corpus, minilm, tmp_path, lora_rank=4, max_length=32, train_subset=256, epochs=1, target_epsilon=3.0
     )
     out = run(cfg)
     assert out["dataset"] == "spamassassin" and out["train_examples"] == 256
@@ -89,25 +92,19 @@ def test_the_one_run_audit_runs_on_a_text_model(corpus, minilm, tmp_path, kind):
 
     from pipelines.train import run
 
-    cfg = TrainConfig(
-        dataset="spamassassin",
-        data_dir=str(corpus),
-        model=minilm,
+    cfg = _small_run(
+        corpus,
+        minilm,
+        tmp_path,
         lora_rank=2,
         max_length=16,
         train_subset=128,
-        lot_size=64,
         epochs=2,
-        lr=0.01,
         target_epsilon=8.0,
-        num_workers=1,
         in_process=True,
         audit_canaries=60,
         audit_kind=kind,
-        storage_path=str(tmp_path / "runs"),
-        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
         log_model=False,
-        quiet=True,
     )
     out = run(cfg)
     audit = out["audit"]
