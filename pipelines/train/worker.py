@@ -133,7 +133,7 @@ class ShardInputs:
         if self.extra_x is None or not bool((idx >= n).any()):
             return self.shard.batch(idx, self.device)
         inside = idx < n
-        out = torch.empty((len(idx),) + tuple(self.extra_x.shape[1:]), dtype=torch.float32, device=self.device)
+        out = torch.empty((len(idx),) + tuple(self.extra_x.shape[1:]), dtype=self.extra_x.dtype, device=self.device)
         out[inside.to(self.device)] = self.shard.batch(idx[inside], self.device)
         out[(~inside).to(self.device)] = self.extra_x[(idx[~inside] - n).to(self.device)]
         return out
