@@ -10,6 +10,7 @@ run's ``spec.json`` artifact).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -155,11 +156,21 @@ def prepare_features(cfg: TrainConfig, data_dir: Path, manifest: dict, model) ->
     )
 
 
+def with_absolute_model(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with a local ``hf:`` model folder as an absolute path (see :func:`pipelines.text.hf.absolute`)."""
+    if not cfg.model.startswith("hf:"):
+        return cfg
+    from .text.hf import absolute
+
+    return dataclasses.replace(cfg, model=absolute(cfg.model))
+
+
 def plan_run(cfg: TrainConfig, on_checked: Callable[[], None] | None = None) -> RunPlan:
     """Validate everything and plan the run. Raises DPConfigError before anything starts.
     ``on_checked`` is called once the config, the data (every shard) and the model have passed
     their checks, before σ is calibrated: the driver starts its local Ray cluster there."""
     cfg.validate()
+    cfg = with_absolute_model(cfg)  # the workers build the model in a working folder of their own
     tracking_uri = tracking.resolve_tracking_uri(cfg.tracking_uri)
     tracking.check_tracking_uri(tracking_uri)
     data_dir, manifest = prepare_data(cfg)

@@ -150,6 +150,9 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
         storage_path=str(Path(base.storage_path).expanduser().resolve()),
         data_dir=None if base.data_dir is None else str(Path(base.data_dir).expanduser().resolve()),
     )
+    from pipelines.plan import with_absolute_model
+
+    base = with_absolute_model(base)
     data_dir, manifest = prepare_data(base)
     n = sum(e["rows"] for e in manifest["files"] if e["split"] == "train")
     # A public front end's features (ScatterNet) are computed once here, not by the first trials at once.

@@ -114,6 +114,16 @@ def _where(name: str) -> str:
     return ref  # a hub name (needs a network)
 
 
+def absolute(name: str) -> str:
+    """``hf:<folder>`` with the folder made absolute where it exists here, else ``name`` as it
+    is: Ray Train's workers run in a working folder of their own, where a relative path (or
+    ``~``) would name nothing, and a missing folder would be taken for a hub name."""
+    if not is_hf(name):
+        return name
+    path = Path(os.path.expanduser(name[len(PREFIX) :]))
+    return f"{PREFIX}{os.path.abspath(path)}" if path.is_dir() else name
+
+
 def load_tokenizer(name: str):
     """The tokenizer of ``hf:<folder or hub name>`` (public and fixed: tokenizing costs no privacy)."""
     from transformers import AutoTokenizer

@@ -29,7 +29,7 @@ from .._trace import trace
 from ..config import TrainConfig, config_from_dict
 from ..faults import FaultInjection
 from ..models import build_run_model
-from ..plan import RunPlan, plan_run
+from ..plan import RunPlan, plan_run, with_absolute_model
 from ..text.hf import is_hf, random_token_texts
 from .cluster import EarlyCluster, cluster_address, ray_cluster
 from .metrics_relay import MetricsForwarder
@@ -230,7 +230,7 @@ def run(
             plan, cfg = resume_plan(resume, (cfg or TrainConfig()).tracking_uri, resume_changes or {})
             early.begin(cfg)
         else:
-            cfg = cfg or TrainConfig()
+            cfg = with_absolute_model(cfg or TrainConfig())
             trace("run() start")
             if faults is not None:
                 faults.check(cfg)

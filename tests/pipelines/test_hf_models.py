@@ -145,3 +145,22 @@ def test_random_token_texts_are_ordinary_tokens_framed_like_a_tokenized_text(min
     assert len(inner.unique()) > 1500  # spread over the vocabulary (2,000 draws from ~30,000)
     again = random_token_texts(f"hf:{minilm}", (200, 12), torch.Generator().manual_seed(0))
     assert torch.equal(x, again)  # public and reproducible: the canaries are not secret, their membership is
+
+
+def test_a_relative_model_folder_is_made_absolute_for_the_workers(minilm, tmp_path, monkeypatch):
+    """Ray Train's workers run in a working folder of their own: hf:models/... given relative to
+    the launch folder must reach them as an absolute path (it was taken for a hub name there)."""
+    from pipelines.config import TrainConfig
+    from pipelines.plan import with_absolute_model
+    from pipelines.text.hf import absolute
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "minilm").symlink_to(minilm)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert absolute("hf:models/minilm") == f"hf:{tmp_path.resolve()}/models/minilm"
+    assert absolute("hf:~/models/minilm") == f"hf:{tmp_path.resolve()}/models/minilm"
+    assert absolute("hf:sentence-transformers/all-MiniLM-L6-v2") == "hf:sentence-transformers/all-MiniLM-L6-v2"
+    cfg = with_absolute_model(TrainConfig(dataset="spamassassin", model="hf:models/minilm"))
+    assert cfg.model == f"hf:{tmp_path.resolve()}/models/minilm"
+    assert with_absolute_model(TrainConfig()).model == "mlp"
