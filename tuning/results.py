@@ -165,7 +165,7 @@ def _register_best(client, base, attrs: dict) -> str | None:
     spec = RunPlan.from_dict(json.loads(Path(spec_path).read_text()))
     model = load_final_model(spec, attrs["checkpoint"])
     example = model_example(spec.data_dir)
-    name = base.registered_model or f"dp-sweep-{base.dataset}-{base.model.replace(':', '_')}"
+    name = base.registered_model or f"dp-sweep-{base.dataset}-{tracking.model_label(base.model)}"
     mlflow.set_tracking_uri(client.tracking_uri)
     trial_cfg = config_from_dict(spec.config)  # the trial's own options (a searched LoRA rank, say)
     version = tracking.log_model(

@@ -72,6 +72,9 @@ def test_lora_on_the_real_corpus_on_a_ray_worker(corpus, minilm, tmp_path, ray_c
     assert out["dataset"] == "spamassassin" and out["train_examples"] == 256
     assert out["epsilon"] <= 3.0 and out["steps"] == out["planned_steps"] == 4
     assert 0.0 <= out["test_accuracy"] <= 1.0
+    # the run's folder sits right under the storage path (the model's path is not in its name)
+    assert Path(out["spec"].run_dir).parent == tmp_path / "runs"
+    assert out["spec"].run_name.startswith("spamassassin-hf_all-MiniLM-L6-v2-")
     # the shards hold the tokenized corpus: 6,046 e-mails, most longer than 32 tokens (counted)
     manifest = json.loads((Path(out["spec"].data_dir) / "manifest.json").read_text())
     assert manifest["source"]["texts"] == 6046 and manifest["source"]["classes"] == ["ham", "spam"]
