@@ -50,3 +50,21 @@ def small_plan(**fields):
         audit_path=None, steps=1, checkpoint_every=1, epsilon_every=1, tracking_uri="", parameters=1,
     )  # fmt: skip
     return RunPlan(**{**defaults, **fields})
+
+
+def assert_input_example_is_no_private_row(model_uri: str, rows: torch.Tensor, tmp_path) -> None:
+    """The logged model leaves with the run, outside the guarantee: its input example has the
+    inputs' shape and is no row of ``rows`` (the model inputs of every split). It once held the
+    test split's first 4 inputs."""
+    import json
+    from pathlib import Path
+
+    import mlflow
+    import numpy as np
+
+    local = Path(mlflow.artifacts.download_artifacts(model_uri, dst_path=str(tmp_path / "input-example-model")))
+    saved = json.loads((local / "input_example.json").read_text())
+    example = torch.tensor(np.asarray(saved["inputs"] if isinstance(saved, dict) else saved), dtype=torch.float64)
+    assert example.shape[1:] == rows.shape[1:] and len(example) > 0, (example.shape, rows.shape)
+    nearest = torch.cdist(example.flatten(1), rows.flatten(1).double()).min(dim=1).values
+    assert (nearest > 1e-3).all(), nearest

@@ -4,7 +4,7 @@ dataset (:mod:`.features`)."""
 
 from ..catalog import DATASETS, IDX_DATASETS, NEEDS_DATA_DIR, USES_DATA_DIR
 from .idx import find_idx_files, read_idx_split
-from .mapped import MappedSplit, model_example, open_split, read_split, train_size
+from .mapped import MappedSplit, model_example, open_split, public_example, read_split, train_size
 from .shards import CorruptShardError, ingest, read_manifest, sha256_file, verify
 from .sources import (
     Dataset,
@@ -33,6 +33,7 @@ __all__ = [
     "load_digits",
     "load_generated",
     "model_example",
+    "public_example",
     "open_split",
     "read_idx_split",
     "read_manifest",

@@ -128,10 +128,33 @@ def read_split(data_dir: str | Path, split: str, rank: int = 0, world_size: int 
     return Split(m.x[:], m.y.clone())
 
 
+def public_example(
+    input_shape, rows: int = 4, stored: torch.dtype = torch.float32, normalization: Normalization | None = None
+) -> np.ndarray:
+    """``rows`` fixed inputs of ``input_shape`` that depend on nothing but that shape: MLflow's
+    input example. The model artifact leaves the trainer with the run, outside the (ε, δ)
+    guarantee, so it must never hold a private example (not even one of the test split's).
+    Stored values are drawn from a seeded generator (uint8: every byte value; float: standard
+    normal; other integers: zeros) and then normalised like the data."""
+    g = torch.Generator().manual_seed(0)
+    size = (rows, *tuple(input_shape))
+    if stored == torch.uint8:
+        raw = torch.randint(0, 256, size, generator=g, dtype=torch.uint8)
+    elif stored.is_floating_point:
+        raw = torch.randn(size, generator=g, dtype=torch.float32)
+    else:
+        raw = torch.zeros(size, dtype=stored)
+    return (normalization or Normalization())(raw).numpy()
+
+
 def model_example(data_dir: str | Path, rows: int = 4) -> np.ndarray:
-    """The first test inputs, as the model takes them (float32, normalised): MLflow's input example."""
-    test = open_split(data_dir, "test")
-    return test.batch(torch.arange(min(rows, len(test)))).numpy()
+    """MLflow's input example for a model of the ingested dataset at ``data_dir``: the shape,
+    stored dtype and public normalisation of its inputs, and no row of it
+    (:func:`public_example`)."""
+    manifest = read_manifest(data_dir)
+    stored = torch.from_numpy(np.zeros(0, np.dtype(manifest["dtype"]))).dtype
+    norm = Normalization.from_dict(manifest.get("normalization"))
+    return public_example(manifest["input_shape"], rows, stored, norm)
 
 
 def normalization(data_dir: str | Path) -> Normalization:

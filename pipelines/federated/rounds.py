@@ -15,6 +15,7 @@ import dpcore
 from dpcore.federated import AdaptiveClipping, ClientLevelDP, nonprivate_median_clip_norm
 
 from .. import tracking
+from ..data import public_example
 from ..models import build_model
 from .clients import load_flat
 from .config import BYTES_PER_FLOAT, ActorFault, FederatedConfig
@@ -266,7 +267,7 @@ def run_federated(cfg: FederatedConfig | None = None, faults: ActorFault | None 
                 }
                 tracking.log_audit(client, run_id, audit_out, epsilon)
             _plot(client, run_id, ledger, history, cfg)
-            example = data.test.x[:4].numpy().astype("float32")
+            example = public_example(data.input_shape)  # never a client's example: the model leaves with the run
             if cfg.log_model:
                 say("logging the model to MLflow" + ("" if tracking.skips_registry(cfg) else " and registering it"))
             version = tracking.log_run_model(run_id, model, example, epsilon, cfg, prefix="dp-fedavg")

@@ -23,6 +23,8 @@ from pipelines.data import load_digits
 from pipelines.federated import ActorFault, FederatedConfig, plan_federated, run_federated
 from pipelines.federated.clients import ClientRunner, split_clients
 
+from ..helpers import assert_input_example_is_no_private_row
+
 DIGITS = load_digits()
 
 
@@ -394,3 +396,6 @@ def test_cli_runs_on_ray_and_tracks_the_run_at_client_level(tmp_path, ray_env):
     assert fetch_ledger(run.info.run_id, uri).num_rows == 4
     version = client.get_latest_versions("dp-fedavg-digits-mlp")[0]
     assert version.run_id == run.info.run_id and version.tags["dp.epsilon"] == tags["dp.epsilon"]
+    rows = torch.cat([DIGITS.inputs(s) for s in ("train", "val", "test")])
+    mlflow.set_tracking_uri(uri)
+    assert_input_example_is_no_private_row(f"models:/dp-fedavg-digits-mlp/{version.version}", rows, tmp_path)

@@ -8,11 +8,15 @@ from pathlib import Path
 
 import mlflow
 import pytest
+import torch
 
 import dpcore
 from pipelines.config import TrainConfig
+from pipelines.data import open_split
 from pipelines.faults import FaultInjection
 from pipelines.train import run
+
+from ..helpers import assert_input_example_is_no_private_row
 
 
 def _cfg(root: Path, **over) -> TrainConfig:
@@ -48,6 +52,11 @@ def test_an_in_process_run_trains_ledgers_and_checkpoints_without_a_cluster(tmp_
     assert meta["step"] == out["steps"] and meta["releases"] == len(out["ledger"])
     r = mlflow.MlflowClient(out["tracking_uri"]).get_run(out["run_id"])
     assert r.info.status == "FINISHED" and float(r.data.tags["dp.epsilon"]) == pytest.approx(out["epsilon"], rel=1e-5)
+    (logged,) = mlflow.search_logged_models(
+        experiment_ids=[out["experiment_id"]], filter_string=f"source_run_id = '{out['run_id']}'", output_format="list"
+    )
+    splits = [(m := open_split(out["spec"].data_dir, s)).batch(torch.arange(len(m))) for s in ("train", "val", "test")]
+    assert_input_example_is_no_private_row(logged.model_uri, torch.cat(splits), tmp_path)
     # the journal lock was let go: another run of this process could take it
     from pipelines.train.run_ledger import journal_is_locked
 
