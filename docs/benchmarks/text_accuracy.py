@@ -15,8 +15,10 @@ and hyperparameters. Every number in docs/text.md comes from this script.
   initial weights (``init_seed``), the same Poisson rate q, our calibrated σ, clip norm,
   optimizer, learning rate and step count, with Opacus's GradSampleModule (hooks), DPOptimizer
   and Poisson sampler: the same (ε, δ).
-* **Non-private**: the same model, optimizer, learning rate, batch size (the expected lot) and
-  number of steps, shuffled batches, no clipping and no noise.
+* **Non-private**: the same model, optimizer, batch size (the expected lot) and number of
+  steps, shuffled batches, no clipping and no noise; its learning rate is chosen on the
+  validation split (seed 0) among 3e-4, 1e-3 and 3e-3: the private runs' 0.0153 makes Adam
+  diverge to "always ham" without clipping (measured: 71.05 % test accuracy, F1 0).
 
 The seed sets the initial weights (the new head, the LoRA matrices); the noise and the sampling
 of ours are secure (OS entropy), so no two runs are alike.
@@ -69,8 +71,15 @@ def scores(module, x, y) -> dict:
     return {"test_accuracy": acc, "test_f1": f1}
 
 
-def non_private(cfg, spec, data, seed: int) -> dict:
-    """The same model and hyperparameters, trained without clipping or noise."""
+NON_PRIVATE_LRS = (3e-4, 1e-3, 3e-3)  # the private runs' lr (0.0153) makes Adam diverge without clipping
+
+
+def non_private(cfg, spec, data, seed: int, lr: float) -> dict:
+    """The same model, batch size (the expected lot) and steps, trained without clipping or
+    noise, at learning rate ``lr``."""
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, lr=lr)
     from pipelines.train.report import evaluate
     from pipelines.train.worker import make_optimizer
 
@@ -95,8 +104,24 @@ def non_private(cfg, spec, data, seed: int) -> dict:
         **scores(module, xte, yte),
         "val_accuracy": evaluate(module, (xva, yva), batch=256)[0],
         "steps": done,
+        "lr": lr,
         "train_seconds": time.time() - t0,
     }
+
+
+def non_private_row(cfg, spec, data, seed: int, rows: list, kind: str) -> dict:
+    """The non-private fine-tune of ``seed``: its learning rate chosen on the validation split
+    with seed 0 among :data:`NON_PRIVATE_LRS` (the test split chooses nothing)."""
+    chosen = [r for r in rows if r["kind"] == kind and r["impl"] == "non-private-lr"]
+    if not chosen:
+        trials = [non_private(cfg, spec, data, 0, lr) for lr in NON_PRIVATE_LRS]
+        for t in trials:
+            rows.append({"kind": kind, "impl": "non-private-lr", "epsilon_target": None, "seed": 0, **t})
+        chosen = trials
+    best = max(chosen, key=lambda r: r["val_accuracy"])
+    if seed == 0:
+        return {k: v for k, v in best.items() if k not in ("kind", "impl", "epsilon_target", "seed")}
+    return non_private(cfg, spec, data, seed, best["lr"])
 
 
 def cmd_run(a) -> None:
@@ -109,6 +134,15 @@ def cmd_run(a) -> None:
     work.mkdir(parents=True, exist_ok=True)
     where = {"data_dir": str(Path(a.corpus).expanduser().resolve()), "model": f"hf:{Path(a.model).resolve()}"}
     flags = ["--data-dir", where["data_dir"], "--model", where["model"]]
+    if "test_majority" not in results:  # the accuracy of always predicting the commonest class
+        cwd = os.getcwd()
+        os.chdir(work)
+        try:
+            y_test = plan_and_data(config_path(a.kinds[0], a.eps[0]), {"init_seed": 0, **where})[2]["test"][1]
+        finally:
+            os.chdir(cwd)
+        results["test_majority"] = float(y_test.bincount().max()) / len(y_test)
+        save(results)
     for kind in a.kinds:
         for eps in a.eps:
             config = config_path(kind, eps)
@@ -133,7 +167,7 @@ def cmd_run(a) -> None:
                                 )
                                 r.pop("timeline", None)
                             else:
-                                r = non_private(cfg, spec, data, seed)
+                                r = non_private_row(cfg, spec, data, seed, rows, kind)
                         finally:
                             os.chdir(cwd)
                     r["wall_s"] = time.time() - t0
@@ -189,10 +223,21 @@ def cmd_report(a) -> None:
                 f"| {kind} | ∞ (non-private) | {_mean_std([r['test_accuracy'] for r in npv])} | "
                 f"{_mean_std([r['test_f1'] for r in npv])} | | | {len(npv)} | 0 | {npv[0]['steps']} |"
             )
-    _plot(rows)
+    for kind in kinds:
+        tried = [r for r in rows if r["kind"] == kind and r["impl"] == "non-private-lr"]
+        if tried:
+            print(
+                f"{kind}, non-private learning rate chosen on validation (seed 0): "
+                + ", ".join(f"{r['lr']:g} → val {100 * r['val_accuracy']:.2f}" for r in tried)
+            )
+    if results.get("test_majority"):
+        print(
+            f"always predicting the majority class ('ham'): test accuracy {100 * results['test_majority']:.2f} %, F1 0"
+        )
+    _plot(rows, results.get("test_majority"))
 
 
-def _plot(rows) -> None:
+def _plot(rows, majority: float | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -207,13 +252,25 @@ def _plot(rows) -> None:
                     pts.setdefault(r["epsilon_target"], []).append(r["test_accuracy"])
             if pts:
                 eps = sorted(pts)
-                mean = [100 * sum(pts[e]) / len(pts[e]) for e in eps]
-                ax.plot(eps, mean, style, label=f"{kind}, {'this platform' if impl == 'ours' else 'Opacus 1.6'}")
+                acc = [100 * torch.tensor(pts[e], dtype=torch.float64) for e in eps]
+                std = [float(a.std()) if len(a) > 1 else 0.0 for a in acc]
+                ax.errorbar(
+                    eps,
+                    [float(a.mean()) for a in acc],
+                    yerr=std,
+                    fmt=style,
+                    capsize=3,
+                    label=f"{kind}, {'this platform' if impl == 'ours' else 'Opacus 1.6'} (mean ± std over seeds)",
+                )
         npv = [r["test_accuracy"] for r in rows if r["kind"] == kind and r["impl"] == "non-private"]
         if npv:
             ax.axhline(100 * sum(npv) / len(npv), ls=":", color="gray", label=f"{kind}, non-private")
-    ax.axhline(100 * 4150 / 6046, ls="-.", color="lightgray", label="always 'ham' (share of ham)")
+    if majority:
+        ax.axhline(100 * majority, ls="-.", color="lightgray", label="always 'ham' (its share of the test split)")
     ax.set_xscale("log")
+    ticks = sorted({r["epsilon_target"] for r in rows if r["epsilon_target"]})
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("ε (δ = 1e-5)")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title("all-MiniLM-L6-v2 on SpamAssassin")
