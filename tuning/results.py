@@ -120,7 +120,7 @@ def finalise(study, sweep: SweepConfig, base, client, parent_id: str, sel, n_tri
     client.log_metric(parent_id, "best_value", float(best.value))
     registered = None
     if base.registered_model is None or base.registered_model.lower() != "none":
-        registered = _register_best(client, base, attrs)
+        registered = _register_best(client, base, attrs, sel, len(complete))
     summary["best"] = {
         "number": best.number,
         "value": best.value,
@@ -149,8 +149,10 @@ def _describe_parent(client, parent_id: str, study: str, base, sel, complete) ->
     client.update_run(parent_id, name=f"{title} · sweep-{study}")
 
 
-def _register_best(client, base, attrs: dict) -> str | None:
-    """Log the best trial's model (from its final checkpoint) into its run and register it."""
+def _register_best(client, base, attrs: dict, sel: dict | None, n_complete: int) -> str | None:
+    """Log the best trial's model (from its final checkpoint) into its run and register it. Its
+    version states what its ε covers: with private selection, the whole search's total (the
+    model included); else the trial's own ε, and that the choice among the trials is not in it."""
     import mlflow
 
     from pipelines.config import config_from_dict
@@ -168,15 +170,28 @@ def _register_best(client, base, attrs: dict) -> str | None:
     name = base.registered_model or f"dp-sweep-{base.dataset}-{tracking.model_label(base.model)}"
     mlflow.set_tracking_uri(client.tracking_uri)
     trial_cfg = config_from_dict(spec.config)  # the trial's own options (a searched LoRA rank, say)
+    if sel is None:
+        epsilon, accountant = float(attrs["epsilon"]), base.accountant
+        selection = (
+            f"Not accounted: chosen among {n_complete} complete trials on the validation split; ε is this trial's "
+            "own, and the search's cost (every trial saw the training data) is not in it."
+        )
+    else:
+        epsilon, accountant = float(sel["total_epsilon"]), "rdp"
+        selection = (
+            "Accounted (Papernot & Steinke 2022): the best of a random number of trials; ε is the whole search's, "
+            "this model included."
+        )
     version = tracking.log_model(
         run_id,
         model,
         example,
         name,
-        float(attrs["epsilon"]),
+        epsilon,
         base.target_delta,
-        base.accountant,
+        accountant,
         text=tracking.text_model_meta(trial_cfg, spec.data_dir),
+        selection=selection,
     )
     return None if version is None else f"{version.name} v{version.version}"
 

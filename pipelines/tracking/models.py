@@ -19,11 +19,13 @@ def log_model(
     delta: float,
     accountant: str,
     text: dict | None = None,
+    selection: str | None = None,
 ):
     """Log the model (signature + input example) in ``run_id`` and register it; ε and δ go on
-    the model version. A text classifier (``text``: its :func:`pipelines.text.logged.text_meta`)
-    is logged as a pyfunc of texts: its LoRA adapter (or all weights), base model's name and
-    tokenizer. Returns the ModelVersion (or None when not registered)."""
+    the model version (and ``selection``, for a sweep's best model: what ε covers of the
+    choice among trials, in the version's tag ``dp.selection`` and its description). A text
+    classifier (``text``: its :func:`pipelines.text.logged.text_meta`) is logged as a pyfunc of
+    texts: its LoRA adapter (or all weights), base model's name and tokenizer. Returns the ModelVersion (or None when not registered)."""
     import mlflow
     import torch
     from mlflow.models import infer_signature
@@ -56,14 +58,20 @@ def log_model(
         version = mlflow.register_model(
             info.model_uri,
             registered_name,
-            tags={"dp.epsilon": f"{epsilon:.6g}", "dp.delta": f"{delta:g}", "dp.accountant": accountant},
+            tags={
+                "dp.epsilon": f"{epsilon:.6g}",
+                "dp.delta": f"{delta:g}",
+                "dp.accountant": accountant,
+                **({"dp.selection": selection} if selection else {}),
+            },
         )
     finally:
         MLFLOW_LOGGING_STREAM.enabled = was
     client.update_model_version(
         registered_name,
         version.version,
-        description=f"Trained with (ε={epsilon:.4g}, δ={delta:g})-DP ({accountant}), run {run_id}.",
+        description=f"Trained with (ε={epsilon:.4g}, δ={delta:g})-DP ({accountant}), run {run_id}."
+        + (f" {selection}" if selection else ""),
     )
     return version
 

@@ -110,6 +110,10 @@ def test_sweep_completes_its_trials_with_parent_and_child_runs(e2e):
     assert len(best) == 1 and best[0].info.run_id == out["best"]["run_id"]
     assert best[0].info.run_id == max(complete, key=lambda t: t.value).user_attrs["run_id"]
     assert out["best"]["registered_model"].startswith("dp-sweep-test v")
+    version = client.get_model_version("dp-sweep-test", out["best"]["registered_model"].split(" v")[1])
+    assert float(version.tags["dp.epsilon"]) == pytest.approx(out["best"]["epsilon"], rel=1e-5)
+    assert version.tags["dp.selection"].startswith("Not accounted: chosen among 3 complete trials")
+    assert "the search's cost" in version.description
     plots = {f.path for f in client.list_artifacts(out["parent_run_id"], "plots")}
     assert {"plots/optimization_history.png", "plots/param_importances.png", "plots/contour_lr_lot_size.png"} <= plots
 
@@ -151,7 +155,7 @@ def test_a_trial_whose_process_died_is_failed_and_retried(e2e):
 
 
 def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path):
-    base = _base(tmp_path, lot_size=256, registered_model="none", epochs=1)
+    base = _base(tmp_path, lot_size=256, registered_model="dp-private-selection", epochs=1)
     sweep = SweepConfig(
         study="private",
         storage=f"sqlite:///{tmp_path}/optuna.db",
@@ -187,6 +191,11 @@ def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path):
     study = optuna.load_study(study_name="private", storage=sweep.storage)
     assert out["n_trials"] == study.user_attrs["selection_k"] == len(study.trials)
     assert reference > 2.0  # selection is not free
+    # the registered model says the whole search's ε, not its trial's
+    assert out["best"] is not None  # the seeded K is ≥ 1
+    version = client.get_model_version("dp-private-selection", out["best"]["registered_model"].split(" v")[1])
+    assert float(version.tags["dp.epsilon"]) == pytest.approx(reference, rel=1e-5)
+    assert version.tags["dp.accountant"] == "rdp" and version.tags["dp.selection"].startswith("Accounted")
 
 
 def test_number_of_trials_follows_the_chosen_distribution():
