@@ -129,7 +129,7 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
     from mlflow import MlflowClient
 
     from pipelines.models import build_run_model
-    from pipelines.plan import prepare_data, prepare_features
+    from pipelines.plan import prepare_data, prepare_features, with_absolute_model
     from pipelines.train import ray_cluster
 
     # ---- everything that can fail, before the study or any run is written ----------------
@@ -143,16 +143,15 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
     tracking_uri = tracking.resolve_tracking_uri(base.tracking_uri)
     tracking.check_tracking_uri(tracking_uri)
     # Trials run in Ray tasks whose working folder may not be this one (a joined cluster):
-    # every relative path of the base config is made absolute here.
-    base = dataclasses.replace(
-        base,
-        tracking_uri=tracking_uri,
-        storage_path=str(Path(base.storage_path).expanduser().resolve()),
-        data_dir=None if base.data_dir is None else str(Path(base.data_dir).expanduser().resolve()),
+    # every relative path of the base config (a local hf: model folder too) is made absolute here.
+    base = with_absolute_model(
+        dataclasses.replace(
+            base,
+            tracking_uri=tracking_uri,
+            storage_path=str(Path(base.storage_path).expanduser().resolve()),
+            data_dir=None if base.data_dir is None else str(Path(base.data_dir).expanduser().resolve()),
+        )
     )
-    from pipelines.plan import with_absolute_model
-
-    base = with_absolute_model(base)
     data_dir, manifest = prepare_data(base)
     n = sum(e["rows"] for e in manifest["files"] if e["split"] == "train")
     # A public front end's features (ScatterNet) are computed once here, not by the first trials at once.

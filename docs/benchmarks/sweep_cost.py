@@ -19,7 +19,8 @@ training split its cost is a composition of the trials. Two numbers:
   most their pointwise maximum whatever the sampler chose, and RDP composes under adaptive
   choice, so ``n_trials`` of that maximum bound the whole search (dp_accounting's RDP,
   converted at δ). It assumes no trial was retried (a retried trial adds one more) and that no
-  step was re-released after a crash (the ledgers say; ``--storage`` checks the steps).
+  step was re-released after a crash (check the trials' ledgers in MLflow: only committed
+  releases, no more than the planned steps).
 
 For an example of the validation split there is no finite guarantee either way: the winner is
 chosen on an exact count. ``--private-selection`` gives an accounted search instead (docs/sweeps.md).
@@ -37,6 +38,8 @@ import json
 import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
+
+from tuning.space import SEARCHABLE
 
 
 def trials_from_optuna(storage: str, study: str) -> list[dict]:
@@ -71,8 +74,9 @@ def event(trials: list[dict], n: int) -> dp_accounting.DpEvent:
     )
 
 
-# searched or fixed options that change no trial's mechanism once σ is calibrated to the target
-PRIVACY_NEUTRAL = {"lr", "lora_rank", "lam", "rho", "clip_norm", "optimizer", "momentum", "weight_decay"}
+# searchable options that change no trial's mechanism once σ is calibrated to the target; the
+# lot size and the epochs do, and an optimizer may change the kind of noise
+PRIVACY_NEUTRAL = set(SEARCHABLE) - {"lot_size", "epochs", "optimizer"}
 ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)) + [128, 256, 512]
 
 

@@ -101,6 +101,11 @@ def _entries(manifest: dict, split: str, rank: int, world_size: int) -> list[dic
     return sorted(entries, key=lambda e: e["shard"])
 
 
+def _stored_dtype(manifest: dict) -> torch.dtype:
+    """The torch dtype of the stored examples (the manifest names the numpy one)."""
+    return torch.from_numpy(np.zeros(0, np.dtype(manifest["dtype"]))).dtype
+
+
 def open_split(data_dir: str | Path, split: str, rank: int = 0, world_size: int = 1) -> MappedSplit:
     """The rows of ``split`` that belong to ``rank``, memory-mapped: for ``train``, shards i with
     i % world_size == rank; for ``val``/``test``, the whole split (any rank may evaluate).
@@ -112,7 +117,7 @@ def open_split(data_dir: str | Path, split: str, rank: int = 0, world_size: int 
         batch = _check_structure(data_dir / entry["file"], entry, manifest, random_access=split == "train")
         parts.append(_mapped_tensor(batch, manifest))
         labels.append(torch.from_numpy(batch.column("label").to_numpy(zero_copy_only=False).astype(np.int64)))
-    dtype = torch.from_numpy(np.zeros(0, np.dtype(manifest["dtype"]))).dtype
+    dtype = _stored_dtype(manifest)
     y = torch.cat(labels) if labels else torch.empty(0, dtype=torch.long)
     return MappedSplit(
         MappedImages(parts, tuple(manifest["input_shape"]), dtype),
@@ -152,9 +157,8 @@ def model_example(data_dir: str | Path, rows: int = 4) -> np.ndarray:
     stored dtype and public normalisation of its inputs, and no row of it
     (:func:`public_example`)."""
     manifest = read_manifest(data_dir)
-    stored = torch.from_numpy(np.zeros(0, np.dtype(manifest["dtype"]))).dtype
     norm = Normalization.from_dict(manifest.get("normalization"))
-    return public_example(manifest["input_shape"], rows, stored, norm)
+    return public_example(manifest["input_shape"], rows, _stored_dtype(manifest), norm)
 
 
 def normalization(data_dir: str | Path) -> Normalization:

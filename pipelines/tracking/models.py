@@ -25,7 +25,8 @@ def log_model(
     the model version (and ``selection``, for a sweep's best model: what ε covers of the
     choice among trials, in the version's tag ``dp.selection`` and its description). A text
     classifier (``text``: its :func:`pipelines.text.logged.text_meta`) is logged as a pyfunc of
-    texts: its LoRA adapter (or all weights), base model's name and tokenizer. Returns the ModelVersion (or None when not registered)."""
+    texts: its LoRA adapter (or all weights), base model's name and tokenizer. Returns the
+    ModelVersion (or None when not registered)."""
     import mlflow
     import torch
     from mlflow.models import infer_signature
