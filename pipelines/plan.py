@@ -165,6 +165,15 @@ def with_absolute_model(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, model=absolute(cfg.model))
 
 
+def check_shards(cfg: TrainConfig, data_dir: Path, manifest: dict) -> None:
+    """Each worker reads shards of its own: an ingested dataset needs at least ``num_workers``."""
+    if cfg.num_workers > manifest["num_shards"]:
+        raise dpcore.DPConfigError(
+            f"num_workers={cfg.num_workers} but {data_dir} has {manifest['num_shards']} training shards; "
+            f"re-ingest with at least {cfg.num_workers} shards or use fewer workers."
+        )
+
+
 def plan_run(cfg: TrainConfig, on_checked: Callable[[], None] | None = None) -> RunPlan:
     """Validate everything and plan the run. Raises DPConfigError before anything starts.
     ``on_checked`` is called once the config, the data (every shard) and the model have passed
@@ -175,11 +184,7 @@ def plan_run(cfg: TrainConfig, on_checked: Callable[[], None] | None = None) -> 
     tracking.check_tracking_uri(tracking_uri)
     data_dir, manifest = prepare_data(cfg)
     n = sum(e["rows"] for e in manifest["files"] if e["split"] == "train")
-    if cfg.num_workers > manifest["num_shards"]:
-        raise dpcore.DPConfigError(
-            f"num_workers={cfg.num_workers} but {data_dir} has {manifest['num_shards']} training shards; "
-            f"re-ingest with at least {cfg.num_workers} shards or use fewer workers."
-        )
+    check_shards(cfg, data_dir, manifest)
     input_shape = tuple(manifest["input_shape"])
     prior = []
     if cfg.pca_components:

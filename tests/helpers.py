@@ -68,3 +68,22 @@ def assert_input_example_is_no_private_row(model_uri: str, rows: torch.Tensor, t
     assert example.shape[1:] == rows.shape[1:] and len(example) > 0, (example.shape, rows.shape)
     nearest = torch.cdist(example.flatten(1), rows.flatten(1).double()).min(dim=1).values
     assert (nearest > 1e-3).all(), nearest
+
+
+def rdp_epsilon(mechanisms, delta: float = 1e-5) -> float:
+    """ε at ``delta`` of composing Poisson-subsampled Gaussian mechanisms given as (q, σ,
+    releases), by dp_accounting's RDP accountant alone (an independent reference)."""
+    import dp_accounting
+
+    acc = dp_accounting.rdp.RdpAccountant()
+    acc.compose(
+        dp_accounting.ComposedDpEvent(
+            [
+                dp_accounting.SelfComposedDpEvent(
+                    dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), releases
+                )
+                for q, sigma, releases in mechanisms
+            ]
+        )
+    )
+    return acc.get_epsilon(delta)

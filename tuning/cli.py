@@ -24,6 +24,10 @@ def print_summary(s: dict) -> None:
         )
     else:
         print("selection: the best trial was chosen on the validation split; that choice is not accounted in ε")
+    if s.get("search_bound"):
+        print(f"the search's cost to a training example: {s['search_bound']}")
+    if s.get("stopped"):
+        print(f"stopped early: {s['stopped']}")
     b = s["best"]
     if b is None:
         print("no complete trial")
@@ -121,7 +125,8 @@ def main(argv: list[str] | None = None, prog: str = "dp-platform sweep") -> int:
     from pipelines.train.cli import ui_command
 
     print(f"open the UI: {ui_command(resolve_tracking_uri(base.tracking_uri))}")
-    return 0
+    summaries = [out["stage1"], *out["stage2"].values()] if sweep.preset == "bam-appendix" else [out]
+    return 1 if any(s.get("stopped") for s in summaries) else 0  # trials kept failing: not a finished sweep
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ class SweepConfig(Section):
     heartbeat_interval: int = option(10, "seconds between trial heartbeats")
     grace_period: int = option(30, "seconds without heartbeat before a trial is stale and retried")
     max_retry: int = option(2, "retries of a trial whose process died")
+    max_failed_trials: int = option(
+        3, "trials that may fail with an error before the sweep launches no more (a crashed process is retried instead)"
+    )
     private_selection: str | None = option(
         None,
         "account the choice of the best trial (Papernot & Steinke): a random number of trials from this distribution",
@@ -58,7 +61,7 @@ class SweepConfig(Section):
         err = dpcore.DPConfigError
         if not self.study or any(c in self.study for c in "/\\ "):
             raise err(f"study={self.study!r}: give a name without spaces or slashes.")
-        for name in ("n_trials", "max_concurrent", "heartbeat_interval", "grace_period"):
+        for name in ("n_trials", "max_concurrent", "heartbeat_interval", "grace_period", "max_failed_trials"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise err(f"{name}={v!r} is invalid: it must be an integer ≥ 1.")

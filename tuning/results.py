@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pipelines import tracking
 
+from . import search_cost
 from .config import SweepConfig
 
 
@@ -51,8 +52,9 @@ def finish_trial(study, trial, ref, sel, randomness, client, parent_id) -> str:
         return f"trial {trial.number}: its process died; it is retried once its heartbeat is stale"
     except ray.exceptions.RayTaskError as e:
         cause = e.cause if getattr(e, "cause", None) is not None else e
-        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        # the error first: a finished trial can no longer be updated
         study._storage.set_trial_user_attr(trial._trial_id, "error", f"{type(cause).__name__}: {cause}"[:2000])
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
         fail_orphan_children(client, parent_id, trial.number)
         return f"trial {trial.number} FAILED: {type(cause).__name__}: {str(cause).splitlines()[0][:200]}"
     if study._storage.get_trial(trial._trial_id).state != optuna.trial.TrialState.RUNNING:
@@ -87,11 +89,14 @@ def finish_trial(study, trial, ref, sel, randomness, client, parent_id) -> str:
     )
 
 
-def finalise(study, sweep: SweepConfig, base, client, parent_id: str, sel, n_trials: int) -> dict:
-    """Tag the best trial, register its model, log Optuna's plots to the parent run."""
+def finalise(study, sweep: SweepConfig, base, client, parent_id: str, sel, n_trials: int, bound=None) -> dict:
+    """Tag the best trial, register its model, log Optuna's plots to the parent run. ``bound``:
+    the search's :class:`tuning.search_cost.SearchBound` (or why it has none), counted again
+    here over every trial the study started, failed and retried ones included."""
     import optuna
 
     complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    search = search_cost.log(client, parent_id, bound, len(study.trials))
     summary = {
         "study": sweep.study,
         "parent_run_id": parent_id,
@@ -99,9 +104,10 @@ def finalise(study, sweep: SweepConfig, base, client, parent_id: str, sel, n_tri
         "complete": len(complete),
         "n_trials": n_trials,
         "selection_total_epsilon": None if sel is None else sel["total_epsilon"],
+        **search,
     }
     _log_plots(study, client, parent_id)
-    _describe_parent(client, parent_id, sweep.study, base, sel, complete)
+    _describe_parent(client, parent_id, sweep.study, base, sel, complete, search)
     if not complete:
         client.set_tag(parent_id, "sweep.best_trial", "none")
         summary["best"] = None
@@ -120,7 +126,7 @@ def finalise(study, sweep: SweepConfig, base, client, parent_id: str, sel, n_tri
     client.log_metric(parent_id, "best_value", float(best.value))
     registered = None
     if base.registered_model is None or base.registered_model.lower() != "none":
-        registered = _register_best(client, base, attrs, sel, len(complete))
+        registered = _register_best(client, base, attrs, sel, len(complete), search)
     summary["best"] = {
         "number": best.number,
         "value": best.value,
@@ -131,7 +137,7 @@ def finalise(study, sweep: SweepConfig, base, client, parent_id: str, sel, n_tri
     return summary
 
 
-def _describe_parent(client, parent_id: str, study: str, base, sel, complete) -> None:
+def _describe_parent(client, parent_id: str, study: str, base, sel, complete, search: dict) -> None:
     """The parent run says, without a click, the ε every trial met and what choosing cost: in its
     description, and at the start of its name in the runs list (``ε≤2 each · sweep-<study>``, or
     ``ε=2.41 in all · ...`` when the choice is accounted)."""
@@ -142,6 +148,11 @@ def _describe_parent(client, parent_id: str, study: str, base, sel, complete) ->
         client.set_tag(parent_id, "dp.trial_epsilon_max", f"{max(spent):.6g}")
     if sel is None:
         choice = "choosing the best trial on validation data is **not** accounted"
+        if search.get("search_epsilon_bound") is not None:
+            choice += (
+                f"; the whole search costs a training example at most **ε ≤ {search['search_epsilon_bound']:.2f}** "
+                f"(a data-independent RDP bound over its {search['search_trials']} trials)"
+            )
     else:
         choice = f"choosing the best trial is accounted: total **ε = {sel['total_epsilon']:.2f}** (RDP)"
     client.set_tag(parent_id, "mlflow.note.content", f"**{met}**; {choice}")
@@ -149,7 +160,7 @@ def _describe_parent(client, parent_id: str, study: str, base, sel, complete) ->
     client.update_run(parent_id, name=f"{title} · sweep-{study}")
 
 
-def _register_best(client, base, attrs: dict, sel: dict | None, n_complete: int) -> str | None:
+def _register_best(client, base, attrs: dict, sel: dict | None, n_complete: int, search: dict) -> str | None:
     """Log the best trial's model (from its final checkpoint) into its run and register it. Its
     version states what its ε covers: with private selection, the whole search's total (the
     model included); else the trial's own ε, and that the choice among the trials is not in it."""
@@ -176,6 +187,11 @@ def _register_best(client, base, attrs: dict, sel: dict | None, n_complete: int)
             f"Not accounted: chosen among {n_complete} complete trials on the validation split; ε is this trial's "
             "own, and the search's cost (every trial saw the training data) is not in it."
         )
+        if search.get("search_epsilon_bound") is not None:
+            selection += (
+                f" The whole search is bounded by ε ≤ {search['search_epsilon_bound']:.4g} at δ={base.target_delta:g} "
+                f"for a training example ({search['search_trials']} trials; RDP, data-independent)."
+            )
     else:
         epsilon, accountant = float(sel["total_epsilon"]), "rdp"
         selection = (

@@ -12,7 +12,9 @@ pruning, and a fixed lot size and number of epochs (so that every trial has the 
 (q, σ, T)). Q's score is the validation accuracy made private: the count of correct
 predictions plus N(0, σ_v²) (sensitivity 1 under add/remove of one validation example), a
 Gaussian event composed into Q. Q's event is therefore Compose(T × PoissonGaussian(q, σ),
-Gaussian(σ_v)): the training split and the validation split are disjoint, so composing both is
+Gaussian(σ_v)), with T the most releases a trial's ledger allows at σ (a trial whose steps
+were re-released after a crash can exceed its planned steps up to T; a DP-PCA release is
+composed in too): the training split and the validation split are disjoint, so composing both is
 a valid (if slightly loose) bound for one example in either.
 """
 
@@ -26,15 +28,10 @@ import dpcore
 from dpcore.accountants.rdp import quiet_absl
 
 
-def trial_event(noise_multiplier: float, sample_rate: float, steps: int, score_noise: float) -> dp_accounting.DpEvent:
-    return dp_accounting.ComposedDpEvent(
-        [
-            dp_accounting.SelfComposedDpEvent(
-                dp_accounting.PoissonSampledDpEvent(sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier)), steps
-            ),
-            dp_accounting.GaussianDpEvent(score_noise),
-        ]
-    )
+def trial_event(groups, score_noise: float) -> dp_accounting.DpEvent:
+    """Q's event: one trial's releases (``groups``: [(PrivacyEvent, count)], the most its ledger
+    allows, a DP-PCA release included) and its noisy validation count."""
+    return dp_accounting.ComposedDpEvent([dpcore.events.compose(groups), dp_accounting.GaussianDpEvent(score_noise)])
 
 
 def shape_of(distribution: str, shape: float) -> float:

@@ -150,3 +150,18 @@ def parse_space(raw: Any, dataset_size: int | None = None) -> SearchSpace:
                 f"keep lot sizes ≤ N (q = L/N ≤ 1)."
             )
     return space
+
+
+def check_against(space: SearchSpace, base) -> None:
+    """Every value the space can give a trial must make a valid training config with ``base``:
+    a trial whose config is refused fails after the sweep has started (each choice, and both
+    ends of each range, are checked here instead, before the study or any run is written)."""
+    import dataclasses
+
+    for p in space.params:
+        for v in p.values_at_extremes():
+            value = int(v) if p.name in INT_PARAMS else v
+            try:
+                dataclasses.replace(base, **{p.name: value}).validate()
+            except dpcore.DPConfigError as e:
+                raise dpcore.DPConfigError(f"space: {p.name}={value!r} would make every such trial fail: {e}") from None

@@ -16,8 +16,10 @@ parameters, which the next free slot runs.
 
 Choosing the best trial looks at the validation split, which is carved out of the private
 training data. Without ``--private-selection`` that choice is not accounted, and the parent
-run says so (tag ``dp.selection``). With it, the number of trials is random and the total
-(ε, δ) of releasing the best trial is accounted by RDP (:mod:`tuning.selection`).
+run says so (tag ``dp.selection``); the training split's cost of the whole search is then
+bounded from the config alone, before any trial runs, and logged on the parent
+(``search_epsilon_bound``, :mod:`tuning.search_cost`). With it, the number of trials is random
+and the total (ε, δ) of releasing the best trial is accounted by RDP (:mod:`tuning.selection`).
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ import dpcore
 from pipelines import tracking
 from pipelines.tracking import redact
 
-from . import selection
+from . import search_cost, selection
 from .config import MEDIAN_PRUNER, SweepConfig, check_feasible, make_storage
 from .pruning import TrialPruner
 from .results import best_trial, finalise, finish_trial
-from .space import default_space, parse_space
+from .space import check_against, default_space, parse_space
 
 
 def _trial_task():
@@ -54,6 +56,7 @@ def _trial_task():
         pruner: TrialPruner | None,
         heartbeat: dict | None,
         pid_file: str,
+        hook=None,
     ) -> dict:
         """One trial: the main job as a child run. Sends the trial's heartbeat while it runs
         (first thing, before the heavy imports)."""
@@ -80,6 +83,8 @@ def _trial_task():
         from pipelines.train import run
 
         try:
+            if hook is not None:
+                hook(cfg_dict)
             with _w.catch_warnings():
                 _w.simplefilter("ignore", dpcore.SeededRandomnessWarning)
                 out = run(config_from_dict(cfg_dict), parent_run_id=parent_run_id, extra_tags=tags, pruner=pruner)
@@ -121,15 +126,18 @@ class Progress:
         self.stream.flush()
 
 
-def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixed: dict | None = None) -> dict:
+def run_sweep(
+    sweep: SweepConfig, base, space_override: dict | None = None, fixed: dict | None = None, *, trial_hook=None
+) -> dict:
     """Run (or continue) one study. ``base`` is the TrainConfig shared by every trial; ``fixed``
-    are config values set for every trial on top of it (the preset's stage 2)."""
+    are config values set for every trial on top of it (the preset's stage 2). ``trial_hook``:
+    a test hook, called in each trial's task with its config dict before the trial runs."""
     import optuna
     import ray
     from mlflow import MlflowClient
 
     from pipelines.models import build_run_model
-    from pipelines.plan import prepare_data, prepare_features, with_absolute_model
+    from pipelines.plan import check_shards, prepare_data, prepare_features, with_absolute_model
     from pipelines.train import ray_cluster
 
     # ---- everything that can fail, before the study or any run is written ----------------
@@ -153,6 +161,7 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
         )
     )
     data_dir, manifest = prepare_data(base)
+    check_shards(base, data_dir, manifest)
     n = sum(e["rows"] for e in manifest["files"] if e["split"] == "train")
     # A public front end's features (ScatterNet) are computed once here, not by the first trials at once.
     prepare_features(
@@ -173,6 +182,7 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
         raise dpcore.DPConfigError(
             "space: ascent is searched but method='dpsgd' has no ascent step; set --method bam or dpsat."
         )
+    check_against(space, base)
     lot_choices = check_feasible(base, space, n)
     if lot_choices is not None and len(lot_choices) < len(space.get("lot_size").choices):
         dropped = sorted(set(space.get("lot_size").choices) - set(lot_choices))
@@ -190,17 +200,14 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
                 f"--private-selection needs every trial to be the same mechanism: fix {', '.join(sorted(searched))} in the base "
                 "config (every trial then has the same q, σ and steps) and search lr, λ/ρ, the clip norm or the optimizer."
             )
-        sigma, q, steps = dpcore.plan(
-            dataset_size=n,
-            lot_size=base.lot_size,
-            epochs=base.epochs,
-            target_epsilon=base.target_epsilon,
-            target_delta=base.target_delta,
-            accountant=base.accountant,
-            noise_multiplier=base.noise_multiplier,
-        )
+        found = search_cost.mechanisms(base, space, n)  # lot size and epochs fixed: one mechanism
+        if isinstance(found, str):
+            raise dpcore.DPConfigError(
+                f"--private-selection accounts the search by RDP, which cannot account it: {found}."
+            )
+        (mech,) = found
         event = selection.selection_event(
-            selection.trial_event(sigma, q, steps, sweep.selection_noise_multiplier),
+            selection.trial_event(mech.groups(), sweep.selection_noise_multiplier),
             sweep.selection_mean,
             sweep.private_selection,
             sweep.selection_shape,
@@ -208,11 +215,14 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
         sel = {
             "event": event,
             "total_epsilon": selection.total_epsilon(event, base.target_delta),
-            "sigma": sigma,
-            "q": q,
-            "steps": steps,
+            "sigma": mech.noise_multiplier,
+            "q": mech.sample_rate,
+            "steps": mech.max_releases,
             "score_noise": sweep.selection_noise_multiplier,
         }
+    # Without private selection: a bound on the whole search's cost to the training split,
+    # fixed before any trial runs (or the reason there is none).
+    bound = search_cost.search_bound(base, space, n) if sel is None else None
     storage = make_storage(sweep.storage, sweep)
 
     # ---- the study ---------------------------------------------------------------------
@@ -295,6 +305,8 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
         if sel is not None:
             client.log_metric(parent_id, "sweep_total_epsilon", sel["total_epsilon"])
             client.set_tag(parent_id, "dp.sweep_total_epsilon", f"{sel['total_epsilon']:.6g}")
+        # planned: n_trials (or more, when a continued study has started more); the end counts again
+        search_cost.log(client, parent_id, bound, max(n_trials, len(study.trials)))
 
         run_dir = Path(base.storage_path).resolve() / "sweeps" / sweep.study
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -310,9 +322,13 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
                     optuna.storages.fail_stale_trials(study)
                     trials = study.get_trials(deepcopy=False)
                     done = sum(t.state in finished_states for t in trials)
+                    errored = [t for t in trials if t.state == optuna.trial.TrialState.FAIL and "error" in t.user_attrs]
+                    if sel is not None:  # an errored trial is one of the K runs of Q (with no score), not replaced
+                        done += len(errored)
+                    stop = sel is None and len(errored) >= sweep.max_failed_trials
                     mine = {t.number for t, _ in inflight.values()}
                     foreign = sum(t.state == optuna.trial.TrialState.RUNNING and t.number not in mine for t in trials)
-                    launchable = n_trials - done - len(inflight) - foreign
+                    launchable = 0 if stop else n_trials - done - len(inflight) - foreign
                     while launchable > 0 and len(inflight) < sweep.max_concurrent:
                         trial = study.ask()
                         params = space.suggest(trial)
@@ -340,13 +356,19 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
                             "trial_id": trial._trial_id,
                         }
                         ref = run_trial.remote(
-                            cfg.to_dict(), parent_id, tags, opt, hb, str(run_dir / f"trial-{trial.number}.pid")
+                            cfg.to_dict(),
+                            parent_id,
+                            tags,
+                            opt,
+                            hb,
+                            str(run_dir / f"trial-{trial.number}.pid"),
+                            trial_hook,
                         )
                         inflight[ref] = (trial, params)
                         launchable -= 1
                         progress.show(done, len(inflight), best_trial(study), f"started trial {trial.number}: {params}")
                     if not inflight:
-                        if done >= n_trials:
+                        if done >= n_trials or stop:
                             break
                         time.sleep(min(5, sweep.heartbeat_interval))  # foreign running trials: wait until they go stale
                         continue
@@ -358,7 +380,16 @@ def run_sweep(sweep: SweepConfig, base, space_override: dict | None = None, fixe
                         progress.show(
                             sum(t.state in finished_states for t in trials), len(inflight), best_trial(study), note
                         )
-        return finalise(study, sweep, base, client, parent_id, sel, n_trials)
+        if stop:
+            stopped = (
+                f"{len(errored)} trials failed with an error (max_failed_trials={sweep.max_failed_trials}); no more were launched. "
+                f"The first: {errored[0].user_attrs['error'][:500]}"
+            )
+            client.set_tag(parent_id, "sweep.stopped", stopped)
+            progress.show(done, 0, best_trial(study), f"stopped: {stopped}")
+        summary = finalise(study, sweep, base, client, parent_id, sel, n_trials, bound)
+        summary["stopped"] = stopped if stop else None
+        return summary
 
 
 def run_preset(sweep: SweepConfig, base) -> dict:

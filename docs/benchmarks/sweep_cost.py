@@ -12,15 +12,15 @@ training split its cost is a composition of the trials. Two numbers:
   composing mechanisms whose privacy parameters were chosen adaptively, as they turned out,
   is not covered by the composition theorems (Rogers et al. 2016, "Privacy odometers and
   filters"). Read it as what the search would cost had those settings been fixed in advance.
-* **A bound** (``--config``): data-independent, from the sweep's config alone. Every trial is
-  one of finitely many mechanisms, fixed before any data is seen: for each lot size the space
-  allows (and the config's fixed epochs), σ, q and T as the platform calibrates them
-  (:func:`dpcore.plan`); a pruned trial releases a prefix of one. Each trial's RDP curve is at
-  most their pointwise maximum whatever the sampler chose, and RDP composes under adaptive
-  choice, so ``n_trials`` of that maximum bound the whole search (dp_accounting's RDP,
-  converted at δ). It assumes no trial was retried (a retried trial adds one more) and that no
-  step was re-released after a crash (check the trials' ledgers in MLflow: only committed
-  releases, no more than the planned steps).
+* **A bound** (``--config``): data-independent, from the sweep's config alone, as
+  ``dp-platform sweep`` itself logs it on the parent run (``search_epsilon_bound``;
+  :mod:`tuning.search_cost`). Every trial is one of finitely many mechanisms, fixed before any
+  data is seen: for each lot size and epochs the space allows, σ and q as the platform
+  calibrates them and at most the releases its ledger allows at that σ; a pruned trial
+  releases a prefix of one. Each trial's RDP curve is at most their pointwise maximum whatever
+  the sampler chose, and RDP composes under adaptive choice, so ``n_trials`` of that maximum
+  bound the whole search (dp_accounting's RDP, converted at δ). The sweep's own number counts
+  every trial it started, retried ones included; this script assumes ``n_trials``.
 
 For an example of the validation split there is no finite guarantee either way: the winner is
 chosen on an exact count. ``--private-selection`` gives an accounted search instead (docs/sweeps.md).
@@ -38,8 +38,6 @@ import json
 import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
-
-from tuning.space import SEARCHABLE
 
 
 def trials_from_optuna(storage: str, study: str) -> list[dict]:
@@ -74,45 +72,16 @@ def event(trials: list[dict], n: int) -> dp_accounting.DpEvent:
     )
 
 
-# searchable options that change no trial's mechanism once σ is calibrated to the target; the
-# lot size and the epochs do, and an optimizer may change the kind of noise
-PRIVACY_NEUTRAL = set(SEARCHABLE) - {"lot_size", "epochs", "optimizer"}
-ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)) + [128, 256, 512]
+def bound_from_config(path: str, n: int):
+    """The data-independent bound of the module docstring, as ``dp-platform sweep`` logs it
+    (:mod:`tuning.search_cost`): (the bound, or the reason there is none; n_trials)."""
+    from tuning.cli import load_sweep_config
+    from tuning.search_cost import search_bound
+    from tuning.space import default_space, parse_space
 
-
-def bound_from_config(path: str, n: int) -> tuple[float, list[tuple]]:
-    """The data-independent bound of the module docstring: ``n_trials`` × the pointwise maximum
-    RDP curve over the mechanisms the config's space allows. Returns (ε, the mechanisms)."""
-    import yaml
-    from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
-
-    import dpcore
-
-    cfg = yaml.safe_load(open(path))
-    space = cfg.get("space") or {}
-    unknown = set(space) - PRIVACY_NEUTRAL - {"lot_size"}
-    if unknown:
-        raise SystemExit(
-            f"{path}: the space searches {sorted(unknown)}; this bound covers only lot_size besides {sorted(PRIVACY_NEUTRAL)}"
-        )
-    lots = space["lot_size"]["choices"] if "lot_size" in space else [cfg["lot_size"]]
-    delta, curves, mechanisms = float(cfg["target_delta"]), [], []
-    for lot in lots:
-        sigma, q, steps = dpcore.plan(
-            dataset_size=n,
-            lot_size=int(lot),
-            epochs=float(cfg["epochs"]),
-            target_epsilon=float(cfg["target_epsilon"]),
-            target_delta=delta,
-        )
-        acc = rdp_privacy_accountant.RdpAccountant(ORDERS)
-        acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
-        curves.append(acc._rdp)  # noqa: SLF001 - the RDP curve at ORDERS
-        mechanisms.append((lot, q, sigma, steps))
-    worst = [max(c[i] for c in curves) for i in range(len(ORDERS))]
-    k = int(cfg["n_trials"])
-    eps, _ = compute_epsilon(ORDERS, [k * v for v in worst], delta)
-    return float(eps), mechanisms
+    sweep, base = load_sweep_config(path, {})
+    space = parse_space(sweep.space if sweep.space is not None else default_space(base.method), n)
+    return search_bound(base, space, n), sweep.n_trials
 
 
 def main() -> None:
@@ -125,11 +94,17 @@ def main() -> None:
     p.add_argument("--delta", type=float, default=1e-5)
     a = p.parse_args()
     if a.config:
-        eps, mechanisms = bound_from_config(a.config, a.train_examples)
-        for lot, q, sigma, steps in mechanisms:
-            print(f"lot {lot}: q={q:.4f}, σ={sigma:.4f}, {steps} steps")
+        bound, k = bound_from_config(a.config, a.train_examples)
+        if isinstance(bound, str):
+            raise SystemExit(f"{a.config}: no data-independent bound: {bound}")
+        for m in bound.mechanisms:
+            print(
+                f"lot {m.lot_size} × {m.epochs:g} epochs: q={m.sample_rate:.4f}, σ={m.noise_multiplier:.4f}, "
+                f"at most {m.max_releases} releases"
+            )
         print(
-            f"{a.config}: the whole search, whatever the sampler chose: ε ≤ {eps:.2f} at its δ (RDP, data-independent)"
+            f"{a.config}: the whole search ({k} trials), whatever the sampler chose: ε ≤ {bound.epsilon(k):.2f} "
+            f"at δ={bound.delta:g} (RDP, data-independent)"
         )
         return
     trials = trials_from_json(a.json) if a.json else trials_from_optuna(a.storage, a.study)

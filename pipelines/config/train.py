@@ -74,6 +74,11 @@ class ModelConfig(Section):
             raise dpcore.DPConfigError(
                 "lora_targets is empty: name the Linear layers that get adapters (e.g. query,value)."
             )
+        check_choice(self, "optimizer", OPTIMIZERS)
+        check_positive_number(self, "lr")
+        if not (0 <= self.momentum < 1):
+            raise dpcore.DPConfigError(f"momentum={self.momentum!r} is invalid: it must lie in [0, 1).")
+        check_count(self, "init_seed")
 
     def lora(self):
         """The LoRA options of an hf: model (rank 0: full fine-tuning)."""
@@ -81,11 +86,6 @@ class ModelConfig(Section):
 
         targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
         return LoraOptions(self.lora_rank, self.lora_alpha, targets)
-        check_choice(self, "optimizer", OPTIMIZERS)
-        check_positive_number(self, "lr")
-        if not (0 <= self.momentum < 1):
-            raise dpcore.DPConfigError(f"momentum={self.momentum!r} is invalid: it must lie in [0, 1).")
-        check_count(self, "init_seed")
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,11 @@ def corrupt_dataset(tmp_path_factory):
         (dict(pca_components=10, pca_noise_multiplier=0.5, target_epsilon=1.0), "nothing is left for training"),
         (dict(bam_variant="exact"), "bam_variant='exact' has no effect with method='dpsgd'"),
         (dict(pca_components=10, model="small_cnn"), "only model='mlp' takes"),
+        # the model section's optimizer checks (unreachable from 13d7b08 until 2026-11-25)
+        (dict(optimizer="adamw"), "optimizer='adamw' is unknown; available: sgd, adam, nadam"),
+        (dict(lr=-0.1), "lr=-0.1 is invalid: it must be a finite number > 0"),
+        (dict(optimizer="sgd", momentum=1.0), "momentum=1.0 is invalid: it must lie in [0, 1)"),
+        (dict(init_seed=-1), "init_seed=-1 is invalid"),
     ],
 )
 def test_bad_input_fails_before_anything_starts(tmp_path, over, message):

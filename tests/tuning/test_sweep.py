@@ -3,7 +3,7 @@
 * an end-to-end sweep of 3 trials, 2 at a time, on a SQLite study, with one trial's process
   killed mid-trial (it is failed through its stale heartbeat and retried);
 * the sweep driver killed midway and the same command run again;
-* private selection's total ε against dp_accounting;
+* private selection's total ε, and the search's data-independent bound, against dp_accounting;
 * bad input, refused before the study or any run is written.
 """
 
@@ -28,6 +28,8 @@ from pipelines.config import TrainConfig
 from tuning import selection
 from tuning.config import SweepConfig
 from tuning.sweep import run_sweep
+
+from ..helpers import rdp_epsilon
 
 pytestmark = pytest.mark.slow
 
@@ -114,6 +116,21 @@ def test_sweep_completes_its_trials_with_parent_and_child_runs(e2e):
     assert float(version.tags["dp.epsilon"]) == pytest.approx(out["best"]["epsilon"], rel=1e-5)
     assert version.tags["dp.selection"].startswith("Not accounted: chosen among 3 complete trials")
     assert "the search's cost" in version.description
+    # the whole search's cost to a training example: bounded from the config alone, over every
+    # trial the study started (the killed one included), checked against dp_accounting
+    k = len(study.trials)
+    assert k == 4 and out["search_trials"] == k and parent.data.tags["dp.search_trials"] == str(k)
+    bound = parent.data.metrics["search_epsilon_bound"]
+    assert out["search_epsilon_bound"] == pytest.approx(bound, rel=1e-9)
+    mechs = []
+    for lot in (128, 256, 512):
+        sigma, q, _ = dpcore.plan(dataset_size=1258, lot_size=lot, epochs=1, target_epsilon=2.0, target_delta=1e-5)
+        mechs.append((q, sigma, dpcore.max_steps(sigma, q, 2.0, 1e-5, "pld")))
+    assert max(rdp_epsilon([m] * k) for m in mechs) <= bound * (1 + 1e-9)  # k trials of any one lot size
+    assert bound < rdp_epsilon(mechs * k)  # and below k trials that each ran all three
+    assert parent.data.tags["dp.search_epsilon_bound"].startswith(f"ε ≤ {bound:.4g} at δ=1e-05 for the whole search")
+    assert f"at most **ε ≤ {bound:.2f}**" in note
+    assert f"The whole search is bounded by ε ≤ {bound:.4g}" in version.tags["dp.selection"]
     plots = {f.path for f in client.list_artifacts(out["parent_run_id"], "plots")}
     assert {"plots/optimization_history.png", "plots/param_importances.png", "plots/contour_lr_lot_size.png"} <= plots
 
@@ -169,11 +186,12 @@ def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path):
         max_concurrent=2,
     )
     out = run_sweep(sweep, base)
-    sigma, q, steps = dpcore.plan(dataset_size=1258, lot_size=256, epochs=1, target_epsilon=2.0, target_delta=1e-5)
+    sigma, q, _ = dpcore.plan(dataset_size=1258, lot_size=256, epochs=1, target_epsilon=2.0, target_delta=1e-5)
+    most = dpcore.max_steps(sigma, q, 2.0, 1e-5, "pld")  # a trial's releases: at most what its ledger allows
     one_trial = dp_accounting.ComposedDpEvent(
         [
             dp_accounting.SelfComposedDpEvent(
-                dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+                dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), most
             ),
             dp_accounting.GaussianDpEvent(3.0),
         ]
@@ -186,6 +204,7 @@ def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path):
     parent = client.get_run(out["parent_run_id"])
     assert float(parent.data.tags["dp.sweep_total_epsilon"]) == pytest.approx(reference, rel=1e-5)
     assert "accounted (Papernot & Steinke 2022)" in parent.data.tags["dp.selection"]
+    assert "dp.search_epsilon_bound" not in parent.data.tags  # the accounted total says it all
     assert f"total **ε = {reference:.2f}**" in parent.data.tags["mlflow.note.content"]
     assert parent.info.run_name == f"ε={reference:.2f} in all · sweep-private"
     study = optuna.load_study(study_name="private", storage=sweep.storage)
@@ -196,6 +215,56 @@ def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path):
     version = client.get_model_version("dp-private-selection", out["best"]["registered_model"].split(" v")[1])
     assert float(version.tags["dp.epsilon"]) == pytest.approx(reference, rel=1e-5)
     assert version.tags["dp.accountant"] == "rdp" and version.tags["dp.selection"].startswith("Accounted")
+
+
+def _failing_trial(cfg_dict):
+    raise RuntimeError("injected: this trial cannot train")
+
+
+def test_trials_that_keep_failing_stop_the_sweep_with_their_error(ray_cluster, tmp_path):
+    base = _base(tmp_path, epochs=1, registered_model="none")
+    sweep = SweepConfig(
+        study="failing",
+        storage=f"sqlite:///{tmp_path}/optuna.db",
+        n_trials=4,
+        max_concurrent=1,
+        max_failed_trials=2,
+        space=SPACE,
+        quiet=True,
+    )
+    out = run_sweep(sweep, base, trial_hook=_failing_trial)
+    trials = optuna.load_study(study_name="failing", storage=sweep.storage).trials
+    # two failures, then no more trials: the sweep does not relaunch failing trials for ever
+    assert [t.state for t in trials] == [optuna.trial.TrialState.FAIL] * 2
+    assert all(t.user_attrs["error"] == "RuntimeError: injected: this trial cannot train" for t in trials)
+    assert out["best"] is None and out["stopped"].startswith("2 trials failed with an error (max_failed_trials=2)")
+    assert "RuntimeError: injected" in out["stopped"]
+    client = mlflow.MlflowClient(base.tracking_uri)
+    parent = client.get_run(out["parent_run_id"])
+    assert parent.data.tags["sweep.stopped"] == out["stopped"][:5000]
+    assert parent.data.tags["dp.search_trials"] == "2" and out["search_trials"] == 2  # what was started, counted
+
+
+def test_with_private_selection_a_failed_trial_is_one_of_the_k_runs(ray_cluster, tmp_path):
+    base = _base(tmp_path, lot_size=256, epochs=1, registered_model="none")
+    sweep = SweepConfig(
+        study="private-failing",
+        storage=f"sqlite:///{tmp_path}/optuna.db",
+        sampler="random",
+        private_selection="poisson",
+        selection_mean=3.0,
+        space={"lr": {"low": 0.005, "high": 0.05, "log": True}},
+        quiet=True,
+        max_concurrent=2,
+        max_failed_trials=1,  # not what stops it: the K runs are
+    )
+    out = run_sweep(sweep, base, trial_hook=_failing_trial)
+    study = optuna.load_study(study_name="private-failing", storage=sweep.storage)
+    k = study.user_attrs["selection_k"]
+    # exactly K runs of Q, as the accounting assumes: the failed ones are not replaced by more
+    assert len(study.trials) == k == out["n_trials"]
+    assert all(t.state == optuna.trial.TrialState.FAIL for t in study.trials)
+    assert out["best"] is None and out["stopped"] is None
 
 
 def test_number_of_trials_follows_the_chosen_distribution():
@@ -321,6 +390,14 @@ def test_killed_sweep_driver_continues_with_the_same_command(tmp_path, ray_env):
         ({"space": {"lora_rank": {"choices": [4, 8]}}}, {}, "lora_rank is searched but the base config"),
         ({"space": {"lora_rank": {"choices": [0, 8]}}}, {}, "lora_rank.choices must be positive integers"),
         ({"space": {"lora_rank": {"low": 0.5, "high": 8}}}, {}, "lora_rank takes whole numbers"),
+        # values that only a trial's own config check would refuse, after the study had started
+        (
+            {"space": {"momentum": {"low": 0.5, "high": 1.5}}},
+            {"optimizer": "sgd"},
+            "space: momentum=1.5 would make every such trial fail: momentum=1.5 is invalid",
+        ),
+        ({"space": {"optimizer": {"choices": ["adam", "adamw"]}}}, {}, "space: optimizer='adamw' would make"),
+        ({"space": {"clip_norm": {"choices": [1.0, -1.0]}}}, {}, "space: clip_norm=-1.0 would make"),
     ],
 )
 def test_bad_sweeps_fail_before_anything_is_written(tmp_path, sweep_over, base_over, message):

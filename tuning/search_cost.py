@@ -1,0 +1,177 @@
+"""What a whole sweep costs an example of the training split: a bound fixed before any data is seen.
+
+Every trial trains on the same private training split, each calibrated to the target (ε, δ),
+so the search as a whole spends more than any one trial. Without ``--private-selection`` the
+choice of the winner is made on exact validation scores and is not accounted (the validation
+split has no finite guarantee); the *training* split's cost is a composition of the trials,
+bounded here without looking at any trial's result:
+
+* Every trial runs one of finitely many mechanisms, each fixed by the config alone: for each
+  lot size and epochs the space allows, the σ and q the platform calibrates
+  (:func:`dpcore.plan`, with the run's own plan options and its DP-PCA release), and at most
+  the number of releases its ledger allows at that σ (:func:`dpcore.max_steps`, which bounds a
+  trial whose steps were re-released after a crash too). A pruned or failed trial releases a
+  prefix of one of them.
+* Each trial's RDP curve is then at most the pointwise maximum of those mechanisms' curves,
+  whatever TPE, the pruner or a crash chose, and RDP composes under adaptive choice: K trials
+  cost at most K × that maximum, converted to ε at the sweep's δ (dp_accounting's RDP).
+
+K is every trial the study started: complete, pruned, failed and retried ones alike. The
+bound exists only where the set of mechanisms is finite and RDP can account them: a lot size
+or epochs searched over a range (not ``choices``), or Laplace noise, gives none, and the
+reason is logged instead.
+
+Composing the trials as they ran (their actual lot sizes and steps) gives a smaller number but
+not a bound, since TPE chose later trials' settings from earlier trials' scores (Rogers et al.
+2016); ``docs/benchmarks/sweep_cost.py`` prints both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import dpcore
+from dpcore.accountants.rdp import quiet_absl
+
+# options that change what a trial releases, besides the ones the plan reads
+MECHANISM_OPTIONS = ("lot_size", "epochs")
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """One mechanism a trial may run: lot size, epochs, σ, q, the most releases its ledger
+    allows, and its prior releases (DP-PCA)."""
+
+    lot_size: int
+    epochs: float
+    noise_multiplier: float
+    sample_rate: float
+    max_releases: int
+    prior: tuple = ()
+
+    def groups(self) -> list:
+        step = dpcore.PrivacyEvent.of(dpcore.events.POISSON_GAUSSIAN, self.noise_multiplier, self.sample_rate)
+        return [*self.prior, (step, self.max_releases)]
+
+
+@dataclass(frozen=True)
+class SearchBound:
+    """The pointwise-maximum RDP curve of a sweep's mechanisms, at dp_accounting's orders."""
+
+    mechanisms: tuple[Mechanism, ...]
+    orders: tuple[float, ...]
+    curve: tuple[float, ...]
+    delta: float
+
+    def epsilon(self, trials: int) -> float:
+        """ε at the sweep's δ of ``trials`` trials, each any of the mechanisms, chosen adaptively."""
+        from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+
+        if trials < 1:
+            return 0.0
+        eps, _ = compute_epsilon(list(self.orders), [trials * v for v in self.curve], self.delta)
+        return float(eps)
+
+    def describe(self, trials: int) -> str:
+        lots = ", ".join(
+            f"lot {m.lot_size} × {m.epochs:g} epochs: σ={m.noise_multiplier:.4g}, q={m.sample_rate:.4g}, "
+            f"≤ {m.max_releases} releases"
+            for m in self.mechanisms
+        )
+        return (
+            f"ε ≤ {self.epsilon(trials):.4g} at δ={self.delta:g} for the whole search ({trials} trials, each any of: "
+            f"{lots}; RDP, data-independent)"
+        )
+
+
+def curve(groups, orders=None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(orders, RDP at each order) of ``groups`` ([(PrivacyEvent, count)]), by dp_accounting."""
+    import dp_accounting
+
+    acc = dp_accounting.rdp.RdpAccountant(list(orders)) if orders is not None else dp_accounting.rdp.RdpAccountant()
+    with quiet_absl():
+        acc.compose(dpcore.events.compose(groups))
+    return tuple(float(o) for o in acc._orders), tuple(float(r) for r in acc._rdp)  # noqa: SLF001 - the curve itself
+
+
+def mechanisms(base, space, dataset_size: int) -> tuple[Mechanism, ...] | str:
+    """Every mechanism a trial of this sweep may run, or why they are not a finite set RDP can
+    account. ``base``: the sweep's TrainConfig; ``space``: its :class:`tuning.space.SearchSpace`."""
+    if base.noise != "gaussian":
+        return f"noise={base.noise}: dp_accounting's RDP does not account it"
+    options = {}
+    for name in MECHANISM_OPTIONS:
+        p = space.get(name)
+        if p is None:
+            options[name] = [getattr(base, name)]
+        elif p.choices is None:
+            return (
+                f"{name} is searched over a range, so the trials' mechanisms are not a finite set fixed in advance; "
+                f"search it over choices for a bound"
+            )
+        else:
+            options[name] = list(p.choices)
+    prior = ()
+    if base.pca_components:
+        prior = ((dpcore.pca.pca_event(base.pca_noise_multiplier, base.pca_sample_rate), 1),)
+    found = []
+    for lot in options["lot_size"]:
+        for epochs in options["epochs"]:
+            cfg = dataclasses.replace(base, lot_size=int(lot), epochs=float(epochs))
+            try:
+                sigma, q, _ = dpcore.plan(dataset_size=dataset_size, prior_groups=list(prior), **cfg.plan_options())
+            except dpcore.DPConfigError:
+                continue  # a trial with these settings fails its plan, before any release
+            most = dpcore.max_steps(
+                sigma,
+                q,
+                cfg.target_epsilon,
+                cfg.target_delta,
+                cfg.accountant,
+                prior_groups=list(prior),
+                event=dpcore.PrivacyEvent.of(dpcore.events.POISSON_GAUSSIAN, sigma, q),
+            )
+            found.append(Mechanism(int(lot), float(epochs), float(sigma), float(q), int(most), prior))
+    if not found:
+        return "no lot size and epochs of the space can be planned at the target (ε, δ)"
+    return tuple(found)
+
+
+def search_bound(base, space, dataset_size: int) -> SearchBound | str:
+    """The sweep's :class:`SearchBound`, or the reason it has none."""
+    found = mechanisms(base, space, dataset_size)
+    if isinstance(found, str):
+        return found
+    orders, worst = None, None
+    for m in found:
+        orders, c = curve(m.groups(), orders)
+        worst = c if worst is None else tuple(max(a, b) for a, b in zip(worst, c, strict=True))
+    return SearchBound(found, orders, worst, float(base.target_delta))
+
+
+def summary(bound: SearchBound | str | None, trials: int) -> dict:
+    """What a sweep reports of its bound: ``{"search_epsilon_bound": ε or None, "search_bound":
+    the sentence, "search_trials": K}`` (ε None and the reason when there is no bound; empty
+    with private selection, whose total is accounted instead)."""
+    if bound is None:
+        return {}
+    if isinstance(bound, str):
+        return {"search_epsilon_bound": None, "search_bound": f"none: {bound}", "search_trials": trials}
+    return {
+        "search_epsilon_bound": bound.epsilon(trials),
+        "search_bound": bound.describe(trials),
+        "search_trials": trials,
+    }
+
+
+def log(client, run_id: str, bound: SearchBound | str | None, trials: int) -> dict:
+    """The bound on a sweep's parent run: metric ``search_epsilon_bound`` and tags
+    ``dp.search_epsilon_bound`` (the sentence) and ``dp.search_trials`` (K). Returns :func:`summary`."""
+    out = summary(bound, trials)
+    if out:
+        client.set_tag(run_id, "dp.search_epsilon_bound", out["search_bound"][:5000])
+        if out["search_epsilon_bound"] is not None:
+            client.log_metric(run_id, "search_epsilon_bound", out["search_epsilon_bound"])
+            client.set_tag(run_id, "dp.search_trials", str(trials))
+    return out
