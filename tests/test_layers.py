@@ -44,3 +44,31 @@ def test_the_checks_above_can_fail():
     """The import scanner sees imports inside functions too (where this code base hides many)."""
     src = ROOT / "pipelines" / "cli.py"
     assert "tuning" in _imports(src)
+
+
+def _unreachable(source: str) -> list[int]:
+    """Lines of statements that follow a return, raise, continue or break in the same block."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if isinstance(block, list):
+                lines += [
+                    after.lineno
+                    for st, after in zip(block, block[1:])
+                    if isinstance(st, (ast.Return, ast.Raise, ast.Continue, ast.Break))
+                ]
+    return lines
+
+
+@pytest.mark.parametrize("package", ["dpcore", "pipelines", "tuning", "deploy", "tests"], ids=lambda p: f"{p}/")
+def test_no_statement_follows_a_return_in_its_block(package):
+    # A method once inserted in the middle of ModelConfig.check left the optimizer's, lr's and
+    # momentum's checks after its return, where they never ran (13d7b08 until 2026-11-25).
+    found = [f"{p.relative_to(ROOT)}:{line}" for p in _files(package) for line in _unreachable(p.read_text())]
+    assert not found, f"unreachable statements: {found}"
+
+
+def test_the_unreachable_scanner_can_fail():
+    src = "def check(x):\n    if x:\n        raise ValueError\n    return 1\n    validate(x)\n"
+    assert _unreachable(src) == [5]
