@@ -258,6 +258,60 @@ def test_secure_bits_are_aes_256_ctr_keystream_under_fresh_os_keys(monkeypatch):
     assert a != b and len(a) == len(b) == 64
 
 
+def test_secure_normals_are_box_muller_of_the_keystream_chunk_by_chunk(monkeypatch):
+    """A draw is made chunk by chunk (``_NORMAL_CHUNK`` normals, here 6; the last chunk odd):
+    each chunk's 53-bit uniforms come from the next bytes of one keystream, rekeyed every 64 MiB
+    (here 100 bytes, so a chunk straddles two keys), and give (r cos θ, r sin θ)·std. Checked
+    against the openssl command line and a Box–Muller written here in numpy."""
+    import shutil
+    import subprocess
+
+    from dpcore import randomness as rnd
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl command line not installed")
+    entropy = bytes((7 * i + 3) % 256 for i in range(1024))
+    taken = []
+
+    def fake_urandom(k):
+        start = sum(taken)
+        taken.append(k)
+        return entropy[start : start + k]
+
+    monkeypatch.setattr(rnd, "_REKEY_BYTES", 100)
+    monkeypatch.setattr(rnd, "_NORMAL_CHUNK", 6)
+    monkeypatch.setattr(rnd.os, "urandom", fake_urandom)
+    got = dpcore.SecureRandomness().normal((13,), 2.5, dtype=torch.float64)
+    assert taken == [32, 16, 32, 16]  # 6 + 6 + 1 normals: 48 + 48 + 16 = 112 bytes, two keys
+
+    def keystream(i, n):
+        key, iv = entropy[48 * i : 48 * i + 32], entropy[48 * i + 32 : 48 * i + 48]
+        return subprocess.run(
+            ["openssl", "enc", "-aes-256-ctr", "-K", key.hex(), "-iv", iv.hex(), "-nosalt"],
+            input=bytes(n),
+            capture_output=True,
+            check=True,
+        ).stdout
+
+    stream = keystream(0, 100) + keystream(1, 12)
+    expected = []
+    for start, k in ((0, 6), (48, 6), (96, 1)):
+        m = (k + 1) // 2
+        words = np.frombuffer(stream[start : start + 16 * m], dtype="<u8")
+        u = (words >> np.uint64(11)).astype(np.float64) * 2.0**-53
+        r = np.sqrt(-2.0 * np.log(1.0 - u[:m]))
+        theta = 2.0 * np.pi * u[m:]
+        expected.extend(np.concatenate([r * np.cos(theta), r * np.sin(theta)])[:k] * 2.5)
+    np.testing.assert_allclose(got.numpy(), np.array(expected), rtol=1e-12, atol=0)
+    monkeypatch.undo()
+    # and with the real chunk size, a draw of several chunks and an odd remainder is N(0, std²)
+    n = 3 * rnd._NORMAL_CHUNK + 12345
+    z = dpcore.SecureRandomness().normal((n,), 1.5).double() / 1.5
+    assert z.shape == (n,) and stats.kstest(z[:: max(1, n // 50000)].numpy(), "norm").pvalue > 1e-3
+    heads = z.view(-1)[: 3 * rnd._NORMAL_CHUNK].reshape(3, -1)[:, :8]
+    assert len({tuple(h.tolist()) for h in heads}) == 3  # no chunk repeats another's stream
+
+
 def test_the_threaded_os_entropy_fallback_fills_every_part():
     """Without ``cryptography`` the bits come from os.urandom, fetched by several threads above
     4 MiB: every part must be filled and no chunk repeated."""
