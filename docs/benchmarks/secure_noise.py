@@ -21,7 +21,12 @@ import torch  # noqa: E402
 
 import dpcore  # noqa: E402
 
-SIZES = {"MNIST CNN": 26_010, "ResNet-9": 6_573_130, "WRN-16-4": 2_748_890, "all-MiniLM-L6-v2 + 2-class head": 22_713_986}
+SIZES = {
+    "MNIST CNN": 26_010,
+    "ResNet-9": 6_573_130,
+    "WRN-16-4": 2_748_890,
+    "all-MiniLM-L6-v2 + 2-class head": 22_713_986,
+}
 
 
 def median_ms(fn, repeats: int) -> float:
