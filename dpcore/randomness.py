@@ -196,8 +196,10 @@ class SecureRandomness(Randomness):
         a time (each from its own uniforms; the last chunk may be odd)."""
         shape = torch.Size(shape if not isinstance(shape, int) else (shape,))
         n = shape.numel()
+        if n == 0:
+            return torch.empty(shape, dtype=dtype, device=device)
         out = torch.empty(n, dtype=dtype)
-        chunk = min(_NORMAL_CHUNK, n + n % 2)
+        chunk = min(_NORMAL_CHUNK + _NORMAL_CHUNK % 2, n + n % 2)  # even: a pair per two normals
         stream = _Keystream()
         buf = bytearray(8 * chunk + 15)
         z = torch.empty(chunk, dtype=torch.float64)

@@ -118,6 +118,11 @@ def main(argv: list[str] | None = None, prog: str = "dp-platform sweep") -> int:
         ]:
             print(f"== {name}")
             print_summary(s)
+        if out.get("search_epsilon_bound") is not None:
+            print(
+                f"the three stages together cost a training example at most ε ≤ {out['search_epsilon_bound']:.4g} "
+                "(RDP, data-independent: each stage's bound composed)"
+            )
     else:
         print_summary(out)
     logs.print_report("MLflow, Ray, Optuna", "; each trial's own output is in Ray's session logs")

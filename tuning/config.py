@@ -41,7 +41,9 @@ class SweepConfig(Section):
     grace_period: int = option(30, "seconds without heartbeat before a trial is stale and retried")
     max_retry: int = option(2, "retries of a trial whose process died")
     max_failed_trials: int = option(
-        3, "trials that may fail with an error before the sweep launches no more (a crashed process is retried instead)"
+        3,
+        "failed trials (an error, or a process that died) after which the sweep launches no more; it starts at most "
+        "n_trials + this many trials, the K of its privacy bound",
     )
     private_selection: str | None = option(
         None,

@@ -52,10 +52,12 @@ def finish_trial(study, trial, ref, sel, randomness, client, parent_id) -> str:
         return f"trial {trial.number}: its process died; it is retried once its heartbeat is stale"
     except ray.exceptions.RayTaskError as e:
         cause = e.cause if getattr(e, "cause", None) is not None else e
+        fail_orphan_children(client, parent_id, trial.number)
+        if study._storage.get_trial(trial._trial_id).state != optuna.trial.TrialState.RUNNING:
+            return f"trial {trial.number} failed after it was declared stale (already failed): {type(cause).__name__}"
         # the error first: a finished trial can no longer be updated
         study._storage.set_trial_user_attr(trial._trial_id, "error", f"{type(cause).__name__}: {cause}"[:2000])
         study.tell(trial, state=optuna.trial.TrialState.FAIL)
-        fail_orphan_children(client, parent_id, trial.number)
         return f"trial {trial.number} FAILED: {type(cause).__name__}: {str(cause).splitlines()[0][:200]}"
     if study._storage.get_trial(trial._trial_id).state != optuna.trial.TrialState.RUNNING:
         # Its heartbeat went stale before it finished (declared dead too early): the retry counts.
@@ -89,14 +91,18 @@ def finish_trial(study, trial, ref, sel, randomness, client, parent_id) -> str:
     )
 
 
-def finalise(study, sweep: SweepConfig, base, client, parent_id: str, sel, n_trials: int, bound=None) -> dict:
+def finalise(
+    study, sweep: SweepConfig, base, client, parent_id: str, sel, n_trials: int, bound=None, cap: int = 0
+) -> dict:
     """Tag the best trial, register its model, log Optuna's plots to the parent run. ``bound``:
-    the search's :class:`tuning.search_cost.SearchBound` (or why it has none), counted again
-    here over every trial the study started, failed and retried ones included."""
+    the search's :class:`tuning.search_cost.SearchBound` (or why it has none), for the ``cap``
+    trials the sweep could start (more if another driver of the study started more)."""
     import optuna
 
     complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    search = search_cost.log(client, parent_id, bound, len(study.trials))
+    search = search_cost.log(client, parent_id, bound, max(cap, len(study.trials)))
+    search["trials_started"] = len(study.trials)
+    client.set_tag(parent_id, "sweep.trials_started", str(len(study.trials)))
     summary = {
         "study": sweep.study,
         "parent_run_id": parent_id,
@@ -151,7 +157,8 @@ def _describe_parent(client, parent_id: str, study: str, base, sel, complete, se
         if search.get("search_epsilon_bound") is not None:
             choice += (
                 f"; the whole search costs a training example at most **ε ≤ {search['search_epsilon_bound']:.2f}** "
-                f"(a data-independent RDP bound over its {search['search_trials']} trials)"
+                f"(a data-independent RDP bound for at most {search['search_trials']} trials; "
+                f"{search['trials_started']} started)"
             )
     else:
         choice = f"choosing the best trial is accounted: total **ε = {sel['total_epsilon']:.2f}** (RDP)"
@@ -190,7 +197,7 @@ def _register_best(client, base, attrs: dict, sel: dict | None, n_complete: int,
         if search.get("search_epsilon_bound") is not None:
             selection += (
                 f" The whole search is bounded by ε ≤ {search['search_epsilon_bound']:.4g} at δ={base.target_delta:g} "
-                f"for a training example ({search['search_trials']} trials; RDP, data-independent)."
+                f"for a training example (at most {search['search_trials']} trials; RDP, data-independent)."
             )
     else:
         epsilon, accountant = float(sel["total_epsilon"]), "rdp"

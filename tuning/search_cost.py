@@ -16,10 +16,13 @@ bounded here without looking at any trial's result:
   whatever TPE, the pruner or a crash chose, and RDP composes under adaptive choice: K trials
   cost at most K × that maximum, converted to ε at the sweep's δ (dp_accounting's RDP).
 
-K is every trial the study started: complete, pruned, failed and retried ones alike. The
+K is fixed before the first trial: the sweep starts at most ``n_trials`` + ``max_failed_trials``
+trials (complete, pruned, failed and retried ones alike: a retry is a trial of its own), so
+the bound does not depend on how many trials happened to fail. A seeded sweep gives each trial
+a seed of its own (:func:`tuning.sweep.trial_seed`), so no two trials share their noise. The
 bound exists only where the set of mechanisms is finite and RDP can account them: a lot size
-or epochs searched over a range (not ``choices``), or Laplace noise, gives none, and the
-reason is logged instead.
+or epochs searched over a range (not ``choices``), Laplace noise, or ``diagnostics`` (which
+logs statistics without noise) gives none, and the reason is logged instead.
 
 Composing the trials as they ran (their actual lot sizes and steps) gives a smaller number but
 not a bound, since TPE chose later trials' settings from earlier trials' scores (Rogers et al.
@@ -100,6 +103,8 @@ def mechanisms(base, space, dataset_size: int) -> tuple[Mechanism, ...] | str:
     account. ``base``: the sweep's TrainConfig; ``space``: its :class:`tuning.space.SearchSpace`."""
     if base.noise != "gaussian":
         return f"noise={base.noise}: dp_accounting's RDP does not account it"
+    if base.diagnostics:
+        return "diagnostics: every trial also logs training statistics without noise"
     options = {}
     for name in MECHANISM_OPTIONS:
         p = space.get(name)
@@ -167,7 +172,8 @@ def summary(bound: SearchBound | str | None, trials: int) -> dict:
 
 def log(client, run_id: str, bound: SearchBound | str | None, trials: int) -> dict:
     """The bound on a sweep's parent run: metric ``search_epsilon_bound`` and tags
-    ``dp.search_epsilon_bound`` (the sentence) and ``dp.search_trials`` (K). Returns :func:`summary`."""
+    ``dp.search_epsilon_bound`` (the sentence) and ``dp.search_trials`` (K, the most trials the
+    sweep starts). Returns :func:`summary`."""
     out = summary(bound, trials)
     if out:
         client.set_tag(run_id, "dp.search_epsilon_bound", out["search_bound"][:5000])
@@ -175,3 +181,19 @@ def log(client, run_id: str, bound: SearchBound | str | None, trials: int) -> di
             client.log_metric(run_id, "search_epsilon_bound", out["search_epsilon_bound"])
             client.set_tag(run_id, "dp.search_trials", str(trials))
     return out
+
+
+def combined(parts) -> float | None:
+    """ε of several searches on the same training split together (a preset's stages): their
+    curves, each times its K, summed order by order. ``parts``: [(SearchBound or reason, K)].
+    None if any part has no bound."""
+    from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+
+    if not parts or any(p is None or not isinstance(p[0], SearchBound) for p in parts):
+        return None
+    orders, delta = parts[0][0].orders, parts[0][0].delta
+    if any(b.orders != orders or b.delta != delta for b, _ in parts):
+        return None
+    total = [sum(k * b.curve[i] for b, k in parts) for i in range(len(orders))]
+    eps, _ = compute_epsilon(list(orders), total, delta)
+    return float(eps)

@@ -110,6 +110,16 @@ def _trial_task():
     return run_trial
 
 
+def trial_seed(seed: int | None, number: int) -> int | None:
+    """A seeded sweep's trial seed: its own for each trial, so that no two trials draw the same
+    noise (the search's bound composes independent trials). None stays None (secure noise)."""
+    if seed is None:
+        return None
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(f"dp-sweep-trial:{seed}:{number}".encode()).digest()[:4], "little")
+
+
 class Progress:
     def __init__(self, total: int, enabled: bool, stream=sys.stderr):
         self.total, self.enabled, self.stream = total, enabled, stream
@@ -223,7 +233,8 @@ def run_sweep(
     # Without private selection: a bound on the whole search's cost to the training split,
     # fixed before any trial runs (or the reason there is none).
     bound = search_cost.search_bound(base, space, n) if sel is None else None
-    storage = make_storage(sweep.storage, sweep)
+    # With private selection a trial whose process died is one of the K runs: not retried.
+    storage = make_storage(sweep.storage, sweep if sel is None else dataclasses.replace(sweep, max_retry=0))
 
     # ---- the study ---------------------------------------------------------------------
     fingerprint = json.dumps(
@@ -305,8 +316,11 @@ def run_sweep(
         if sel is not None:
             client.log_metric(parent_id, "sweep_total_epsilon", sel["total_epsilon"])
             client.set_tag(parent_id, "dp.sweep_total_epsilon", f"{sel['total_epsilon']:.6g}")
-        # planned: n_trials (or more, when a continued study has started more); the end counts again
-        search_cost.log(client, parent_id, bound, max(n_trials, len(study.trials)))
+        # The bound holds for at most `cap` trials started, fixed here: the loop starts no more.
+        # Without private selection: n_trials finished plus max_failed_trials failed (an error, or
+        # a process that died); with it: exactly K (a failed run is one of them, never retried).
+        cap = max(n_trials + (sweep.max_failed_trials if sel is None else 0), len(study.trials))
+        search_cost.log(client, parent_id, bound, cap)
 
         run_dir = Path(base.storage_path).resolve() / "sweeps" / sweep.study
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -322,13 +336,16 @@ def run_sweep(
                     optuna.storages.fail_stale_trials(study)
                     trials = study.get_trials(deepcopy=False)
                     done = sum(t.state in finished_states for t in trials)
-                    errored = [t for t in trials if t.state == optuna.trial.TrialState.FAIL and "error" in t.user_attrs]
-                    if sel is not None:  # an errored trial is one of the K runs of Q (with no score), not replaced
-                        done += len(errored)
-                    stop = sel is None and len(errored) >= sweep.max_failed_trials
+                    failed = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
+                    if sel is not None:  # a failed trial is one of the K runs of Q (with no score), not replaced
+                        done += len(failed)
                     mine = {t.number for t, _ in inflight.values()}
                     foreign = sum(t.state == optuna.trial.TrialState.RUNNING and t.number not in mine for t in trials)
-                    launchable = 0 if stop else n_trials - done - len(inflight) - foreign
+                    stop = sel is None and (
+                        len(failed) >= sweep.max_failed_trials
+                        or (len(trials) >= cap and not inflight and not foreign and done < n_trials)
+                    )
+                    launchable = 0 if stop else min(n_trials - done - len(inflight) - foreign, cap - len(trials))
                     while launchable > 0 and len(inflight) < sweep.max_concurrent:
                         trial = study.ask()
                         params = space.suggest(trial)
@@ -336,6 +353,7 @@ def run_sweep(
                         cfg = dataclasses.replace(
                             base,
                             **params,
+                            seed=trial_seed(base.seed, trial.number),
                             run_name=f"{sweep.study}-trial-{trial.number}",
                             log_model=False,
                             quiet=True,
@@ -381,14 +399,17 @@ def run_sweep(
                             sum(t.state in finished_states for t in trials), len(inflight), best_trial(study), note
                         )
         if stop:
+            first = next((t.user_attrs["error"] for t in failed if "error" in t.user_attrs), "its process died")
             stopped = (
-                f"{len(errored)} trials failed with an error (max_failed_trials={sweep.max_failed_trials}); no more were launched. "
-                f"The first: {errored[0].user_attrs['error'][:500]}"
+                f"{len(failed)} trials failed (max_failed_trials={sweep.max_failed_trials}), {done} finished of "
+                f"{n_trials}, {len(study.trials)} started (at most {cap}); no more were launched. The first error: "
+                f"{first[:500]}"
             )
             client.set_tag(parent_id, "sweep.stopped", stopped)
             progress.show(done, 0, best_trial(study), f"stopped: {stopped}")
-        summary = finalise(study, sweep, base, client, parent_id, sel, n_trials, bound)
+        summary = finalise(study, sweep, base, client, parent_id, sel, n_trials, bound, cap)
         summary["stopped"] = stopped if stop else None
+        summary["_search"] = (bound, max(cap, len(study.trials)))  # for a preset's total; not printed
         return summary
 
 
@@ -416,4 +437,7 @@ def run_preset(sweep: SweepConfig, base) -> dict:
             sweep, preset=None, sampler="random", study=f"{sweep.study}-stage2-{method}", space=space
         )
         out["stage2"][method] = run_sweep(st, base, fixed={**fixed, "method": method})
+    # the three studies train on the same split: what they cost a training example together
+    stages = [out["stage1"], *out["stage2"].values()]
+    out["search_epsilon_bound"] = search_cost.combined([s.get("_search") for s in stages])
     return out

@@ -310,6 +310,9 @@ def test_secure_normals_are_box_muller_of_the_keystream_chunk_by_chunk(monkeypat
     assert z.shape == (n,) and stats.kstest(z[:: max(1, n // 50000)].numpy(), "norm").pvalue > 1e-3
     heads = z.view(-1)[: 3 * rnd._NORMAL_CHUNK].reshape(3, -1)[:, :8]
     assert len({tuple(h.tolist()) for h in heads}) == 3  # no chunk repeats another's stream
+    for shape in ((0,), (0, 3), (4, 0)):  # an empty draw is an empty tensor of its shape
+        empty = dpcore.SecureRandomness().normal(shape, 1.0, dtype=torch.float64)
+        assert empty.shape == shape and empty.dtype == torch.float64
 
 
 def test_the_threaded_os_entropy_fallback_fills_every_part():

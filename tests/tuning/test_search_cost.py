@@ -81,6 +81,18 @@ def test_epochs_choices_multiply_the_mechanisms_and_ranges_give_a_reason():
     assert isinstance(why, str) and "laplace" in why
     out = search_cost.summary(why, 10)
     assert out["search_epsilon_bound"] is None and out["search_bound"].startswith("none: noise=laplace")
+    noisy_stats = TrainConfig(target_epsilon=3.0, epochs=4, lot_size=512, diagnostics=True)
+    why = search_cost.search_bound(noisy_stats, parse_space({"lr": {"low": 1e-3, "high": 0.1}}, N), N)
+    assert isinstance(why, str) and why.startswith("diagnostics")
+
+
+def test_only_lot_size_and_epochs_of_the_searchable_options_reach_the_plan():
+    # the bound enumerates MECHANISM_OPTIONS and treats every other searchable option as leaving
+    # each trial's mechanism alone: making, say, noise_multiplier searchable must fail here first
+    from tuning.space import SEARCHABLE
+
+    assert set(SEARCHABLE) & set(TrainConfig().plan_options()) == set(search_cost.MECHANISM_OPTIONS)
+    assert not set(SEARCHABLE) & {"noise", "noise_multiplier", "pca_components", "pca_noise_multiplier", "seed"}
 
 
 def test_a_lot_size_that_cannot_be_planned_runs_no_mechanism():
@@ -115,3 +127,19 @@ def test_a_dp_pca_release_is_in_every_trial():
     )
     acc.compose(dp_accounting.ComposedDpEvent([one] * 4))
     assert with_pca.epsilon(4) == pytest.approx(acc.get_epsilon(DELTA), rel=1e-9)
+
+
+def test_searches_on_the_same_split_compose():
+    # a preset's stages: each its own bound and K; together, their RDP curves add
+    space = parse_space({"lr": {"low": 1e-3, "high": 0.1}}, N)
+    a = search_cost.search_bound(TrainConfig(target_epsilon=3.0, epochs=4, lot_size=512), space, N)
+    b = search_cost.search_bound(TrainConfig(target_epsilon=3.0, epochs=4, lot_size=256), space, N)
+    (ma,), (mb,) = a.mechanisms, b.mechanisms
+    reference = rdp_epsilon(
+        [(ma.sample_rate, ma.noise_multiplier, ma.max_releases)] * 3
+        + [(mb.sample_rate, mb.noise_multiplier, mb.max_releases)] * 2
+    )
+    assert search_cost.combined([(a, 3), (b, 2)]) == pytest.approx(reference, rel=1e-9)
+    assert max(a.epsilon(3), b.epsilon(2)) < search_cost.combined([(a, 3), (b, 2)])
+    assert search_cost.combined([(a, 3), ("lot_size is searched over a range", 2)]) is None
+    assert search_cost.combined([(a, 3), None]) is None

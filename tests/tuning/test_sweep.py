@@ -116,10 +116,12 @@ def test_sweep_completes_its_trials_with_parent_and_child_runs(e2e):
     assert float(version.tags["dp.epsilon"]) == pytest.approx(out["best"]["epsilon"], rel=1e-5)
     assert version.tags["dp.selection"].startswith("Not accounted: chosen among 3 complete trials")
     assert "the search's cost" in version.description
-    # the whole search's cost to a training example: bounded from the config alone, over every
-    # trial the study started (the killed one included), checked against dp_accounting
-    k = len(study.trials)
-    assert k == 4 and out["search_trials"] == k and parent.data.tags["dp.search_trials"] == str(k)
+    # the whole search's cost to a training example: bounded from the config alone, for the most
+    # trials the sweep may start (n_trials + max_failed_trials = 6, fixed before the first), checked
+    # against dp_accounting; 4 were started (the killed one and its retry included)
+    k = 6
+    assert out["search_trials"] == k and parent.data.tags["dp.search_trials"] == str(k)
+    assert out["trials_started"] == len(study.trials) == 4 and parent.data.tags["sweep.trials_started"] == "4"
     bound = parent.data.metrics["search_epsilon_bound"]
     assert out["search_epsilon_bound"] == pytest.approx(bound, rel=1e-9)
     mechs = []
@@ -129,7 +131,7 @@ def test_sweep_completes_its_trials_with_parent_and_child_runs(e2e):
     assert max(rdp_epsilon([m] * k) for m in mechs) <= bound * (1 + 1e-9)  # k trials of any one lot size
     assert bound < rdp_epsilon(mechs * k)  # and below k trials that each ran all three
     assert parent.data.tags["dp.search_epsilon_bound"].startswith(f"ε ≤ {bound:.4g} at δ=1e-05 for the whole search")
-    assert f"at most **ε ≤ {bound:.2f}**" in note
+    assert f"at most **ε ≤ {bound:.2f}** (a data-independent RDP bound for at most 6 trials; 4 started)" in note
     assert f"The whole search is bounded by ε ≤ {bound:.4g}" in version.tags["dp.selection"]
     plots = {f.path for f in client.list_artifacts(out["parent_run_id"], "plots")}
     assert {"plots/optimization_history.png", "plots/param_importances.png", "plots/contour_lr_lot_size.png"} <= plots
@@ -237,12 +239,13 @@ def test_trials_that_keep_failing_stop_the_sweep_with_their_error(ray_cluster, t
     # two failures, then no more trials: the sweep does not relaunch failing trials for ever
     assert [t.state for t in trials] == [optuna.trial.TrialState.FAIL] * 2
     assert all(t.user_attrs["error"] == "RuntimeError: injected: this trial cannot train" for t in trials)
-    assert out["best"] is None and out["stopped"].startswith("2 trials failed with an error (max_failed_trials=2)")
-    assert "RuntimeError: injected" in out["stopped"]
+    assert out["best"] is None and out["stopped"].startswith("2 trials failed (max_failed_trials=2), 0 finished of 4")
+    assert "The first error: RuntimeError: injected" in out["stopped"]
     client = mlflow.MlflowClient(base.tracking_uri)
     parent = client.get_run(out["parent_run_id"])
     assert parent.data.tags["sweep.stopped"] == out["stopped"][:5000]
-    assert parent.data.tags["dp.search_trials"] == "2" and out["search_trials"] == 2  # what was started, counted
+    # the bound's K was fixed before the first trial (4 + 2), whatever then failed
+    assert parent.data.tags["dp.search_trials"] == "6" and out["search_trials"] == 6 and out["trials_started"] == 2
 
 
 def test_with_private_selection_a_failed_trial_is_one_of_the_k_runs(ray_cluster, tmp_path):
@@ -265,6 +268,15 @@ def test_with_private_selection_a_failed_trial_is_one_of_the_k_runs(ray_cluster,
     assert len(study.trials) == k == out["n_trials"]
     assert all(t.state == optuna.trial.TrialState.FAIL for t in study.trials)
     assert out["best"] is None and out["stopped"] is None
+
+
+def test_a_seeded_sweep_gives_each_trial_a_seed_of_its_own():
+    from tuning.sweep import trial_seed
+
+    seeds = [trial_seed(5, n) for n in range(50)]
+    assert len(set(seeds)) == 50 and all(isinstance(s, int) and s >= 0 for s in seeds)
+    assert seeds == [trial_seed(5, n) for n in range(50)]  # a resumed sweep gives trial n the same seed
+    assert trial_seed(6, 0) != trial_seed(5, 0) and trial_seed(None, 3) is None
 
 
 def test_number_of_trials_follows_the_chosen_distribution():
