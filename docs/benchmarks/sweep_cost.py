@@ -18,9 +18,10 @@ training split its cost is a composition of the trials. Two numbers:
   data is seen: for each lot size and epochs the space allows, σ and q as the platform
   calibrates them and at most the releases its ledger allows at that σ; a pruned trial
   releases a prefix of one. Each trial's RDP curve is at most their pointwise maximum whatever
-  the sampler chose, and RDP composes under adaptive choice, so ``n_trials`` of that maximum
-  bound the whole search (dp_accounting's RDP, converted at δ). The sweep's own number counts
-  every trial it started, retried ones included; this script assumes ``n_trials``.
+  the sampler chose, and RDP composes under adaptive choice, so K of that maximum bound the
+  whole search (dp_accounting's RDP, converted at δ): K = n_trials + max_failed_trials, the
+  most trials the sweep starts (what it logs), and K = n_trials for a sweep that started
+  exactly n_trials (none failed or was retried).
 
 For an example of the validation split there is no finite guarantee either way: the winner is
 chosen on an exact count. ``--private-selection`` gives an accounted search instead (docs/sweeps.md).
@@ -81,7 +82,7 @@ def bound_from_config(path: str, n: int):
 
     sweep, base = load_sweep_config(path, {})
     space = parse_space(sweep.space if sweep.space is not None else default_space(base.method), n)
-    return search_bound(base, space, n), sweep.n_trials
+    return search_bound(base, space, n), sweep.n_trials, sweep.max_failed_trials
 
 
 def main() -> None:
@@ -94,7 +95,7 @@ def main() -> None:
     p.add_argument("--delta", type=float, default=1e-5)
     a = p.parse_args()
     if a.config:
-        bound, k = bound_from_config(a.config, a.train_examples)
+        bound, k, failures = bound_from_config(a.config, a.train_examples)
         if isinstance(bound, str):
             raise SystemExit(f"{a.config}: no data-independent bound: {bound}")
         for m in bound.mechanisms:
@@ -103,8 +104,9 @@ def main() -> None:
                 f"at most {m.max_releases} releases"
             )
         print(
-            f"{a.config}: the whole search ({k} trials), whatever the sampler chose: ε ≤ {bound.epsilon(k):.2f} "
-            f"at δ={bound.delta:g} (RDP, data-independent)"
+            f"{a.config}: the whole search, whatever the sampler chose: ε ≤ {bound.epsilon(k + failures):.2f} at "
+            f"δ={bound.delta:g} for the {k + failures} trials the sweep may start (n_trials + max_failed_trials, "
+            f"as it logs it); ε ≤ {bound.epsilon(k):.2f} where exactly {k} were started (RDP, data-independent)"
         )
         return
     trials = trials_from_json(a.json) if a.json else trials_from_optuna(a.storage, a.study)
