@@ -215,18 +215,15 @@ def test_large_secure_draws_across_rekeys_are_still_iid_normal(monkeypatch):
     assert passes(z / 2.0, lambda: dpcore.SecureRandomness().normal((n,), 2.0) / 2.0, "norm")
 
 
-def test_secure_bits_are_aes_256_ctr_keystream_under_fresh_os_keys(monkeypatch):
-    """The wiring, checked against the openssl command line: each 64 MiB (here 100 bytes) of
-    output is the AES-256-CTR keystream under the next 32 bytes of OS entropy as the key and
-    the 16 after as the initial counter; nothing is reused across draws."""
+def _fake_os_entropy(entropy: bytes):
+    """(the sizes taken, an os.urandom that hands out ``entropy`` in order, and the openssl
+    command line's AES-256-CTR keystream of n bytes under the i-th key and counter taken from it:
+    32 + 16 bytes each). Skips without the openssl command line."""
     import shutil
     import subprocess
 
-    from dpcore import randomness as rnd
-
     if shutil.which("openssl") is None:
         pytest.skip("openssl command line not installed")
-    entropy = bytes(range(256)) * 4
     taken = []
 
     def fake_urandom(k):
@@ -234,24 +231,33 @@ def test_secure_bits_are_aes_256_ctr_keystream_under_fresh_os_keys(monkeypatch):
         taken.append(k)
         return entropy[start : start + k]
 
-    monkeypatch.setattr(rnd, "_REKEY_BYTES", 100)
-    monkeypatch.setattr(rnd.os, "urandom", fake_urandom)
-    got = bytes(rnd._secure_bytes(250))
-    assert taken == [32, 16] * 3  # a fresh key and counter for each of the 3 chunks
-
-    def openssl_keystream(key, iv, n):
-        out = subprocess.run(
+    def keystream(i, n):
+        key, iv = entropy[48 * i : 48 * i + 32], entropy[48 * i + 32 : 48 * i + 48]
+        return subprocess.run(
             ["openssl", "enc", "-aes-256-ctr", "-K", key.hex(), "-iv", iv.hex(), "-nosalt"],
             input=bytes(n),
             capture_output=True,
             check=True,
         ).stdout
-        return out
 
-    expected = b"".join(
-        openssl_keystream(entropy[48 * i : 48 * i + 32], entropy[48 * i + 32 : 48 * i + 48], min(100, 250 - 100 * i))
-        for i in range(3)
-    )
+    return taken, fake_urandom, keystream
+
+
+def test_secure_bits_are_aes_256_ctr_keystream_under_fresh_os_keys(monkeypatch):
+    """The wiring, checked against the openssl command line: each 64 MiB (here 100 bytes) of
+    output is the AES-256-CTR keystream under the next 32 bytes of OS entropy as the key and
+    the 16 after as the initial counter; nothing is reused across draws."""
+
+    from dpcore import randomness as rnd
+
+    entropy = bytes(range(256)) * 4
+    taken, fake_urandom, openssl_keystream = _fake_os_entropy(entropy)
+    monkeypatch.setattr(rnd, "_REKEY_BYTES", 100)
+    monkeypatch.setattr(rnd.os, "urandom", fake_urandom)
+    got = bytes(rnd._secure_bytes(250))
+    assert taken == [32, 16] * 3  # a fresh key and counter for each of the 3 chunks
+
+    expected = b"".join(openssl_keystream(i, min(100, 250 - 100 * i)) for i in range(3))
     assert got == expected
     monkeypatch.undo()
     a, b = rnd._secure_bytes(64), rnd._secure_bytes(64)
@@ -263,35 +269,15 @@ def test_secure_normals_are_box_muller_of_the_keystream_chunk_by_chunk(monkeypat
     each chunk's 53-bit uniforms come from the next bytes of one keystream, rekeyed every 64 MiB
     (here 100 bytes, so a chunk straddles two keys), and give (r cos θ, r sin θ)·std. Checked
     against the openssl command line and a Box–Muller written here in numpy."""
-    import shutil
-    import subprocess
 
     from dpcore import randomness as rnd
 
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl command line not installed")
-    entropy = bytes((7 * i + 3) % 256 for i in range(1024))
-    taken = []
-
-    def fake_urandom(k):
-        start = sum(taken)
-        taken.append(k)
-        return entropy[start : start + k]
-
+    taken, fake_urandom, keystream = _fake_os_entropy(bytes((7 * i + 3) % 256 for i in range(1024)))
     monkeypatch.setattr(rnd, "_REKEY_BYTES", 100)
     monkeypatch.setattr(rnd, "_NORMAL_CHUNK", 6)
     monkeypatch.setattr(rnd.os, "urandom", fake_urandom)
     got = dpcore.SecureRandomness().normal((13,), 2.5, dtype=torch.float64)
     assert taken == [32, 16, 32, 16]  # 6 + 6 + 1 normals: 48 + 48 + 16 = 112 bytes, two keys
-
-    def keystream(i, n):
-        key, iv = entropy[48 * i : 48 * i + 32], entropy[48 * i + 32 : 48 * i + 48]
-        return subprocess.run(
-            ["openssl", "enc", "-aes-256-ctr", "-K", key.hex(), "-iv", iv.hex(), "-nosalt"],
-            input=bytes(n),
-            capture_output=True,
-            check=True,
-        ).stdout
 
     stream = keystream(0, 100) + keystream(1, 12)
     expected = []
