@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -72,6 +73,45 @@ def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
     base = _read_status("VmRSS")
     fn()
     return max(0, _read_status("VmHWM") - base)
+
+
+AUTO_CPU_FRACTION = 0.5  # of a worker's share of its node's memory
+AUTO_GPU_FRACTION = 0.6  # of its GPU's memory
+
+
+def node_memory_bytes() -> int:
+    """This process's memory limit: the node's RAM (``MemTotal``), or its cgroup's limit
+    (``memory.max``, v2) where that is lower (a container, a Kubernetes pod)."""
+    total = _read_meminfo("MemTotal")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            total = min(total, int(limit))
+    except (OSError, ValueError):
+        pass
+    return total
+
+
+def _read_meminfo(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"{key} not in /proc/meminfo")
+
+
+def auto_budget_bytes(device: torch.device, workers_on_node: int) -> int | None:
+    """The budget ``memory_budget_mb: auto`` gives one worker: on a GPU, 60 % of its memory; on
+    the CPU, half of its share of the node's memory (``workers_on_node`` workers share it). The
+    rest is for the weights, the optimizer's state, the data and the libraries. None where the
+    memory cannot be read (then no budget applies)."""
+    if device.type == "cuda":
+        return int(AUTO_GPU_FRACTION * torch.cuda.get_device_properties(device).total_memory)
+    try:
+        total = node_memory_bytes()
+    except OSError:
+        return None
+    return int(AUTO_CPU_FRACTION * total / max(1, workers_on_node))
 
 
 def fit_batch_size(probe: Callable[[int], object], upper: int, budget_bytes: int, device: torch.device) -> dict:

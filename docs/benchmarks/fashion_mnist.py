@@ -91,7 +91,11 @@ def ours_cli(config: Path, seed: int, workdir: Path, extra: list[str] = ()) -> d
     wall = time.time() - t0
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-    text = out.stdout
+    return {**summary_row(out.stdout), "wall_s": wall, "command": " ".join(["dp-platform"] + cmd[1:])}
+
+
+def summary_row(text: str) -> dict:
+    """The numbers of a `dp-platform train` summary (its standard output)."""
     run_id = re.search(r"^run ([0-9a-f]{32})", text, re.M).group(1)
     acc = re.search(r"test accuracy: ([0-9.]+).*?validation accuracy: ([0-9.]+)", text)
     f1 = re.search(r"test F1 of class 1 \(.*?\): ([0-9.]+)", text)
@@ -107,8 +111,6 @@ def ours_cli(config: Path, seed: int, workdir: Path, extra: list[str] = ()) -> d
         "delta": float(eps.group(2)),
         "noise_multiplier": float(sigma.group(1)),
         "steps": int(steps.group(1)),
-        "wall_s": wall,
-        "command": " ".join(["dp-platform"] + cmd[1:]),
     }
 
 

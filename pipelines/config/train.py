@@ -234,10 +234,11 @@ class ScaleConfig(Section):
         "seconds; one worker (num_workers=1), no automatic restarts (--resume still works)",
     )
     physical_batch_size: int = option(256, "examples per per-example-gradient call (memory, not privacy)")
-    memory_budget_mb: float = option(
-        0.0,
+    memory_budget_mb: str | float = option(
+        "auto",
         "per-worker memory budget (MiB) for the per-example gradients: the physical batch size becomes the largest "
-        "power of two ≤ physical_batch_size that fits, measured at start (0: off)",
+        "power of two ≤ physical_batch_size that fits, measured at start. auto: half of the worker's share of its "
+        "node's memory (on a GPU, 60 percent of its memory); 0: off",
     )
     clipping: str = option(
         "auto",
@@ -274,14 +275,7 @@ class ScaleConfig(Section):
         check_choice(self, "autocast", dpcore.precision.AUTOCAST_MODES)
         for name in ("physical_batch_size", "num_workers"):
             dpcore.validation.check_positive_int(getattr(self, name), name)
-        if (
-            isinstance(self.memory_budget_mb, bool)
-            or not isinstance(self.memory_budget_mb, (int, float))
-            or not (self.memory_budget_mb == 0 or 1 <= self.memory_budget_mb < float("inf"))
-        ):
-            raise err(
-                f"memory_budget_mb={self.memory_budget_mb!r} is invalid: it must be 0 (off) or a number of MiB ≥ 1."
-            )
+        self.memory_budget()  # raises on a bad value
         check_count(self, "checkpoint_every", "max_failures")
         if "://" in self.storage_path:
             raise err(
@@ -292,6 +286,27 @@ class ScaleConfig(Section):
             raise err(
                 f"in_process trains one worker in this process; num_workers={self.num_workers} needs Ray workers (drop --in-process)."
             )
+
+    def memory_budget(self) -> str | float:
+        """``memory_budget_mb`` read: "auto", or MiB (0.0: off). YAML and flags give it as text."""
+        value = self.memory_budget_mb
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                value = None
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not (value == 0 or 1 <= value < float("inf"))
+        ):
+            raise dpcore.DPConfigError(
+                f"memory_budget_mb={self.memory_budget_mb!r} is invalid: it must be auto, 0 (off) or a number of "
+                "MiB ≥ 1."
+            )
+        return float(value)
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,11 @@ def report(
     metrics: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
-        rank_state = {"sampler": private.sampler.state_dict(), "noise": private.optimizer.randomness.state_dict()}
+        rank_state = {
+            "sampler": private.sampler.state_dict(),
+            "noise": private.optimizer.randomness.state_dict(),
+            "physical_batch_size": private.optimizer.physical_batch_size,  # a resumed run sums in the same pieces
+        }
         if private.optimizer.augment is not None:
             rank_state["augment"] = private.optimizer.augment.state_dict()
         torch.save(rank_state, d / f"rank-{rank}.pt")

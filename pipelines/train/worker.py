@@ -192,6 +192,7 @@ class Worker:
         _quiet_ray_train_logs()
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.local_world = ctx.get_local_world_size()  # the workers sharing this node's memory
         record_placement(plan, self.rank)
         if self.rank == 0:
             note_phase(plan, f"{self.world} worker(s) up; loading the data")
@@ -270,12 +271,7 @@ class Worker:
             **method_options(cfg, plan, rank),
         )
         trace("private built")
-        fitted = None
-        if cfg.memory_budget_mb > 0:  # probes on random data shaped like this shard's; nothing is released
-            probe = torch.arange(min(len(self.train), cfg.physical_batch_size))  # each rank fits its own
-            fitted = self.private.optimizer.fit_physical_batch_size(
-                self.train.batch(probe), self.train.y[probe], int(cfg.memory_budget_mb * 2**20)
-            )
+        fitted = self._fit_physical_batch(rank_state)
         self.ema = dpcore.ParameterEMA(self.model, cfg.ema_decay) if cfg.ema_decay is not None else None
         if meta is not None:
             self.private.optimizer.load_state_dict({**shared["optimizer"], "randomness": rank_state["noise"]})
@@ -306,6 +302,28 @@ class Worker:
                 if fitted.get("measured"):
                     mib = fitted["per_example_bytes"] / 2**20
                     self.tracker.tag("physical_batch_size.per_example_mib", f"{mib:.3f}")
+                    self.tracker.tag("physical_batch_size.budget_mib", f"{fitted['budget_bytes'] / 2**20:.0f}")
+
+    def _fit_physical_batch(self, rank_state) -> dict | None:
+        """The physical batch size (memory, not privacy): the one the checkpoint recorded, so that
+        a resumed run sums its lots in the same pieces (a seeded run then stays bit-identical);
+        else the largest that fits the memory budget, measured by probes on random data shaped
+        like this rank's shard (nothing is released). None: no budget."""
+        cfg, opt = self.cfg, self.private.optimizer
+        if rank_state is not None and "physical_batch_size" in rank_state:
+            opt.physical_batch_size = int(rank_state["physical_batch_size"])
+            return {"physical_batch_size": opt.physical_batch_size, "measured": False, "reason": "the checkpoint's"}
+        budget = cfg.memory_budget()
+        if budget == 0:
+            return None
+        if budget == "auto":
+            budget_bytes = dpcore.memory.auto_budget_bytes(self.device, self.local_world)
+            if budget_bytes is None:
+                return None
+        else:
+            budget_bytes = int(budget * 2**20)
+        probe = torch.arange(min(len(self.train), cfg.physical_batch_size))  # each rank fits its own
+        return opt.fit_physical_batch_size(self.train.batch(probe), self.train.y[probe], budget_bytes)
 
     def _gradient_canaries(self, checkpoint) -> dict | None:
         """White-box canaries live in rank 0's shard: their scores so far, and how they join lots."""

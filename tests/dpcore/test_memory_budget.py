@@ -115,8 +115,22 @@ def test_the_budget_option_is_checked(bad):
 
     with pytest.raises(dpcore.DPConfigError, match="memory_budget_mb"):
         TrainConfig(memory_budget_mb=bad).validate()
-    TrainConfig(memory_budget_mb=0).validate()
-    TrainConfig(memory_budget_mb=512).validate()
+    for good, read in ((0, 0.0), (512, 512.0), ("512", 512.0), ("auto", "auto"), ("Auto", "auto")):
+        cfg = TrainConfig(memory_budget_mb=good)
+        cfg.validate()
+        assert cfg.memory_budget() == read
+    assert TrainConfig().memory_budget() == "auto"  # the default
+
+
+def test_the_auto_budget_is_half_of_a_workers_share_of_the_node(monkeypatch):
+    """memory_budget_mb: auto on the CPU: half of MemTotal (or of the cgroup's limit, if lower)
+    over the workers on the node; here with MemTotal read as 16 GiB."""
+    real = memory._read_meminfo
+    monkeypatch.setattr(memory, "_read_meminfo", lambda key: 16 * 2**30 if key == "MemTotal" else real(key))
+    limit = memory.node_memory_bytes()
+    assert limit <= 16 * 2**30
+    assert memory.auto_budget_bytes(torch.device("cpu"), 1) == limit // 2
+    assert memory.auto_budget_bytes(torch.device("cpu"), 4) == limit // 8
 
 
 def test_probes_never_see_the_training_data():
