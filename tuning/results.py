@@ -127,8 +127,12 @@ def finalise(
         "sweep.best_params": json.dumps(best.params),
     }.items():
         client.set_tag(parent_id, k, str(v))
-    client.log_metric(parent_id, "best_val_accuracy", float(attrs["val_accuracy"]))
-    client.log_metric(parent_id, "best_test_accuracy", float(attrs["test_accuracy"]))
+    if sel is None:
+        client.log_metric(parent_id, "best_val_accuracy", float(attrs["val_accuracy"]))
+        client.log_metric(parent_id, "best_test_accuracy", float(attrs["test_accuracy"]))
+    # With private selection the parent (like the registered model) carries only what the
+    # accounted total covers: the best trial's noisy score, not its exact accuracies (those stay
+    # in its child run, a working record as private as the data).
     client.log_metric(parent_id, "best_value", float(best.value))
     registered = None
     if base.registered_model is None or base.registered_model.lower() != "none":

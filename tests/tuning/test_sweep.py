@@ -96,6 +96,7 @@ def test_sweep_completes_its_trials_with_parent_and_child_runs(e2e):
     parent = client.get_run(out["parent_run_id"])
     assert parent.info.status == "FINISHED" and parent.data.tags["sweep.study"] == "e2e"
     assert "not accounted" in parent.data.tags["dp.selection"]
+    assert parent.data.metrics["best_val_accuracy"] == pytest.approx(out["best"]["val_accuracy"])
     # the parent says, without a click, the ε every trial met and that the choice is not accounted
     spent = max(t.user_attrs["epsilon"] for t in complete)
     note = parent.data.tags["mlflow.note.content"]
@@ -209,6 +210,10 @@ def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path):
     assert "dp.search_epsilon_bound" not in parent.data.tags  # the accounted total says it all
     assert f"total **ε = {reference:.2f}**" in parent.data.tags["mlflow.note.content"]
     assert parent.info.run_name == f"ε={reference:.2f} in all · sweep-private"
+    # the parent carries the noisy score the total covers, not the best trial's exact accuracies
+    assert "best_val_accuracy" not in parent.data.metrics and "best_test_accuracy" not in parent.data.metrics
+    if out["best"] is not None:
+        assert parent.data.metrics["best_value"] == pytest.approx(out["best"]["value"])
     study = optuna.load_study(study_name="private", storage=sweep.storage)
     assert out["n_trials"] == study.user_attrs["selection_k"] == len(study.trials)
     assert reference > 2.0  # selection is not free
