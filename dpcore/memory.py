@@ -100,18 +100,20 @@ def _read_meminfo(key: str) -> int:
     raise OSError(f"{key} not in /proc/meminfo")
 
 
-def auto_budget_bytes(device: torch.device, workers_on_node: int) -> int | None:
+def auto_budget_bytes(device: torch.device, share: float) -> int | None:
     """The budget ``memory_budget_mb: auto`` gives one worker: on a GPU, 60 % of its memory; on
-    the CPU, half of its share of the node's memory (``workers_on_node`` workers share it). The
-    rest is for the weights, the optimizer's state, the data and the libraries. None where the
-    memory cannot be read (then no budget applies)."""
+    the CPU, half of its ``share`` (a fraction) of the node's memory. The rest is for the
+    weights, the optimizer's state, the data and the libraries. None where the memory cannot be
+    read (then no budget applies)."""
     if device.type == "cuda":
         return int(AUTO_GPU_FRACTION * torch.cuda.get_device_properties(device).total_memory)
+    if not 0 < share <= 1:
+        raise ValueError(f"a worker's share of its node is in (0, 1], not {share}")
     try:
         total = node_memory_bytes()
     except OSError:
         return None
-    return int(AUTO_CPU_FRACTION * total / max(1, workers_on_node))
+    return int(AUTO_CPU_FRACTION * total * share)
 
 
 def fit_batch_size(probe: Callable[[int], object], upper: int, budget_bytes: int, device: torch.device) -> dict:

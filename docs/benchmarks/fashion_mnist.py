@@ -161,9 +161,13 @@ def opacus_train(
     steps: int | None = None,
     stop_at: float | None = None,
     finish=None,
+    physical: int | None = None,
 ) -> dict:
     """Opacus's Poisson sampler, GradSampleModule (hooks) and DPOptimizer at our σ, q and step
-    count. ``finish(module, ema)``, if given, returns more results from the trained module."""
+    count. ``finish(module, ema)``, if given, returns more results from the trained module.
+    ``physical``: each lot is clipped in pieces of at most that many examples and noised once,
+    as Opacus's BatchMemoryManager does (skipped steps accumulate the clipped sum); None: each
+    lot in one piece."""
     from opacus import GradSampleModule
     from opacus.accountants import PRVAccountant
     from opacus.optimizers import DPOptimizer
@@ -194,8 +198,14 @@ def opacus_train(
                 break
             idx = torch.as_tensor(idx, dtype=torch.long)
             opt.zero_grad(set_to_none=True)
-            F.cross_entropy(gsm(xtr[idx]), ytr[idx]).backward()
-            opt.step()
+            pieces = idx.split(physical) if physical and len(idx) > physical else (idx,)
+            for i, part in enumerate(pieces):
+                F.cross_entropy(gsm(xtr[part]), ytr[part]).backward()
+                last = i == len(pieces) - 1
+                opt.signal_skip_step(do_skip=not last)  # clip and accumulate; noise once, at the last piece
+                opt.step()
+                if not last:
+                    opt.zero_grad(set_to_none=True)  # the per-sample gradients; the clipped sum stays
             if ema is not None:
                 ema.update()
             done += 1

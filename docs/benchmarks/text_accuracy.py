@@ -15,7 +15,8 @@ and hyperparameters. Every number in docs/text.md comes from this script.
 * **Opacus 1.6**: the same tokenized shards, the same model and LoRA adapters with the same
   initial weights (``init_seed``), the same Poisson rate q, our calibrated σ, clip norm,
   optimizer, learning rate and step count, with Opacus's GradSampleModule (hooks), DPOptimizer
-  and Poisson sampler: the same (ε, δ).
+  and Poisson sampler: the same (ε, δ). With full fine-tuning it clips each lot in pieces of 16
+  texts and noises it once (Opacus's BatchMemoryManager mechanism).
 * **Non-private**: the same model, optimizer, batch size (the expected lot) and number of
   steps, shuffled batches, no clipping and no noise; its learning rate is chosen on the
   validation split (seed 0) among 3e-4, 1e-3 and 3e-3: the private runs' 0.0153 makes Adam
@@ -164,7 +165,14 @@ def cmd_run(a) -> None:
                             cfg, spec, data = plan_and_data(config, {"init_seed": seed, **where})
                             if impl == "opacus":
                                 r = opacus_train(
-                                    cfg, spec, data, seed, finish=lambda m, ema, test=data["test"]: scores(m, *test)
+                                    cfg,
+                                    spec,
+                                    data,
+                                    seed,
+                                    finish=lambda m, ema, test=data["test"]: scores(m, *test),
+                                    # a whole lot of 512 fully fine-tuned texts would hold 46 GB of
+                                    # per-sample gradients: pieces of 16, as our run's fitted size
+                                    physical=OPACUS_FULL_PHYSICAL if kind == "full" else None,
                                 )
                                 r.pop("timeline", None)
                             else:
@@ -182,7 +190,8 @@ def cmd_run(a) -> None:
     cmd_report(a)
 
 
-FULL_LRS = (1e-4, 3e-4, 1e-3)  # full fine-tuning's learning rates tried (Adam, lot 512)
+FULL_LRS = (3e-5, 1e-4, 3e-4)  # full fine-tuning's learning rates tried (Adam, lot 512)
+OPACUS_FULL_PHYSICAL = 16  # Opacus clips a full fine-tuning lot in pieces of this many texts
 
 
 def cmd_select_lr(a) -> None:

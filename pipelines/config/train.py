@@ -238,7 +238,7 @@ class ScaleConfig(Section):
         "auto",
         "per-worker memory budget (MiB) for the per-example gradients: the physical batch size becomes the largest "
         "power of two ≤ physical_batch_size that fits, measured at start. auto: half of the worker's share of its "
-        "node's memory (on a GPU, 60 percent of its memory); 0: off",
+        "node's memory (its CPUs over the node's; on a GPU, 60 percent of the GPU's memory); 0: off",
     )
     clipping: str = option(
         "auto",

@@ -180,6 +180,24 @@ def train_loop_per_worker(plan: RunPlan, pruner=None, faults=None) -> None:
     w.finish(step)
 
 
+def node_share(world: int) -> float:
+    """This worker's share of its node: the CPUs Ray gave it over the node's CPUs (so that
+    concurrent trials of a sweep, or another job's workers, are counted), or 1/``world`` in
+    Ray Train's local mode (no cluster)."""
+    import ray
+
+    if not ray.is_initialized():
+        return 1.0 / world
+    ctx = ray.get_runtime_context()
+    try:
+        mine = ctx.get_assigned_resources().get("CPU", 0.0)
+    except AssertionError:  # not a Ray worker process: local mode in a driver that joined a cluster
+        return 1.0 / world
+    node = next((n["Resources"] for n in ray.nodes() if n["NodeID"] == ctx.get_node_id()), {})
+    total = node.get("CPU", 0.0)
+    return min(1.0, mine / total) if mine > 0 and total > 0 else 1.0 / world
+
+
 class Worker:
     """One rank's part of a run: built from the plan, restored from the latest checkpoint, then
     stepped and reported by :func:`train_loop_per_worker`."""
@@ -192,7 +210,6 @@ class Worker:
         _quiet_ray_train_logs()
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
-        self.local_world = ctx.get_local_world_size()  # the workers sharing this node's memory
         record_placement(plan, self.rank)
         if self.rank == 0:
             note_phase(plan, f"{self.world} worker(s) up; loading the data")
@@ -317,7 +334,7 @@ class Worker:
         if budget == 0:
             return None
         if budget == "auto":
-            budget_bytes = dpcore.memory.auto_budget_bytes(self.device, self.local_world)
+            budget_bytes = dpcore.memory.auto_budget_bytes(self.device, node_share(self.world))
             if budget_bytes is None:
                 return None
         else:

@@ -123,14 +123,30 @@ def test_the_budget_option_is_checked(bad):
 
 
 def test_the_auto_budget_is_half_of_a_workers_share_of_the_node(monkeypatch):
-    """memory_budget_mb: auto on the CPU: half of MemTotal (or of the cgroup's limit, if lower)
-    over the workers on the node; here with MemTotal read as 16 GiB."""
+    """memory_budget_mb: auto on the CPU: half of the worker's share of MemTotal (or of the
+    cgroup's limit, if lower); here with MemTotal read as 16 GiB."""
     real = memory._read_meminfo
     monkeypatch.setattr(memory, "_read_meminfo", lambda key: 16 * 2**30 if key == "MemTotal" else real(key))
     limit = memory.node_memory_bytes()
     assert limit <= 16 * 2**30
-    assert memory.auto_budget_bytes(torch.device("cpu"), 1) == limit // 2
-    assert memory.auto_budget_bytes(torch.device("cpu"), 4) == limit // 8
+    assert memory.auto_budget_bytes(torch.device("cpu"), 1.0) == limit // 2
+    assert memory.auto_budget_bytes(torch.device("cpu"), 0.25) == limit // 8
+    with pytest.raises(ValueError):
+        memory.auto_budget_bytes(torch.device("cpu"), 0.0)
+
+
+def test_a_ray_workers_share_is_its_cpus_over_its_nodes(ray_cluster):
+    """Two 1-CPU tasks on the tests' 2-CPU cluster each get half of the node (concurrent trials
+    of a sweep are then counted); without a cluster, 1/world."""
+    import ray
+
+    from pipelines.train.worker import node_share
+
+    @ray.remote(num_cpus=1)
+    def share():
+        return node_share(4)
+
+    assert ray.get([share.remote(), share.remote()]) == [0.5, 0.5]
 
 
 def test_probes_never_see_the_training_data():

@@ -54,7 +54,7 @@ def test_an_in_process_run_trains_ledgers_and_checkpoints_without_a_cluster(tmp_
     assert r.info.status == "FINISHED" and float(r.data.tags["dp.epsilon"]) == pytest.approx(out["epsilon"], rel=1e-5)
     # memory_budget_mb: auto (the default): half of the node's memory for its one worker; the
     # digits MLP fits the configured 256, and the checkpoint records it for a resumed run.
-    budget = dpcore.memory.auto_budget_bytes(torch.device("cpu"), 1) / 2**20
+    budget = dpcore.memory.auto_budget_bytes(torch.device("cpu"), 1.0) / 2**20
     assert float(r.data.tags["physical_batch_size.budget_mib"]) == pytest.approx(budget, abs=1)
     assert r.data.tags["physical_batch_size.fitted"] == "256"
     assert torch.load(Path(out["checkpoint"]) / "rank-0.pt")["physical_batch_size"] == 256
