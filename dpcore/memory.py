@@ -36,12 +36,17 @@ PROBE_BATCHES = (4, 16)
 SAFETY = 1.15  # per-example bytes are scaled up by this much before fitting
 
 
-def _read_status(key: str) -> int:
-    with open("/proc/self/status") as f:
+def _read_kib(path: str, key: str) -> int:
+    """A ``key: N kB`` line of a /proc file, in bytes."""
+    with open(path) as f:
         for line in f:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
-    raise OSError(f"{key} not in /proc/self/status")
+    raise OSError(f"{key} not in {path}")
+
+
+def _read_status(key: str) -> int:
+    return _read_kib("/proc/self/status", key)
 
 
 def cpu_peak_supported() -> bool:
@@ -93,11 +98,7 @@ def node_memory_bytes() -> int:
 
 
 def _read_meminfo(key: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"{key} not in /proc/meminfo")
+    return _read_kib("/proc/meminfo", key)
 
 
 def auto_budget_bytes(device: torch.device, share: float) -> int | None:

@@ -156,6 +156,13 @@ def cmd_run(a) -> None:
                     if key in have:
                         continue
                     t0 = time.time()
+                    chosen = _lr_run(rows, kind, eps, seed, config) if impl == "ours" else None
+                    if chosen is not None:  # select-lr already ran this very command (ε, seed, lr)
+                        r = {k: v for k, v in chosen.items() if k not in ("kind", "impl", "epsilon_target", "seed")}
+                        r["from_select_lr"] = True
+                        rows.append({"kind": kind, "impl": impl, "epsilon_target": key[2], "seed": seed, **r})
+                        save(results)
+                        continue
                     if impl == "ours":
                         r = ours_cli(config, seed, work, flags)
                     else:
@@ -217,6 +224,17 @@ def cmd_select_lr(a) -> None:
     print(
         f"chosen: lr={best['lr']:g} (validation {best['val_accuracy']:.4f}); put it in configs/spamassassin-{a.kind}-eps*.yaml"
     )
+
+
+def _lr_run(rows: list, kind: str, eps: float, seed: int, config: Path) -> dict | None:
+    """The select-lr run that is this (kind, ε, seed) run at the config's learning rate, if any."""
+    import yaml
+
+    lr = float(yaml.safe_load(config.read_text())["lr"])
+    for r in rows:
+        if (r["kind"], r["impl"], r["epsilon_target"], r["seed"]) == (kind, "ours-lr", eps, seed) and r["lr"] == lr:
+            return r
+    return None
 
 
 def _mean_std(values: list[float]) -> str:
