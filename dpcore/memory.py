@@ -84,16 +84,23 @@ AUTO_CPU_FRACTION = 0.5  # of a worker's share of its node's memory
 AUTO_GPU_FRACTION = 0.6  # of its GPU's memory
 
 
+# A container's memory limit, as its own cgroup namespace shows it (v2, then v1); v1's "no
+# limit" is a huge number, which MemTotal then undercuts.
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
 def node_memory_bytes() -> int:
     """This process's memory limit: the node's RAM (``MemTotal``), or its cgroup's limit
-    (``memory.max``, v2) where that is lower (a container, a Kubernetes pod)."""
+    (v2 ``memory.max`` or v1 ``memory.limit_in_bytes``) where that is lower (a container, a
+    Kubernetes pod)."""
     total = _read_meminfo("MemTotal")
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            total = min(total, int(limit))
-    except (OSError, ValueError):
-        pass
+    for path in CGROUP_LIMITS:
+        try:
+            limit = Path(path).read_text().strip()
+            if limit != "max":
+                total = min(total, int(limit))
+        except (OSError, ValueError):
+            pass
     return total
 
 
@@ -117,9 +124,12 @@ def auto_budget_bytes(device: torch.device, share: float) -> int | None:
     return int(AUTO_CPU_FRACTION * total * share)
 
 
-def fit_batch_size(probe: Callable[[int], object], upper: int, budget_bytes: int, device: torch.device) -> dict:
+def fit_batch_size(
+    probe: Callable[[int], object], upper: int, budget_bytes: int, device: torch.device, at_least_one: bool = False
+) -> dict:
     """The largest power of two ≤ ``upper`` whose measured peak fits ``budget_bytes``
-    (``upper`` itself if it fits). ``probe(b)`` runs the computation on b examples."""
+    (``upper`` itself if it fits). ``probe(b)`` runs the computation on b examples. Where not
+    even one example fits: an error, or with ``at_least_one`` 1 (``report["over_budget"]``)."""
     if budget_bytes <= 0:
         raise DPConfigError(f"the memory budget must be positive, not {budget_bytes} bytes.")
     b1, b2 = (min(upper, b) for b in PROBE_BATCHES)
@@ -139,6 +149,9 @@ def fit_batch_size(probe: Callable[[int], object], upper: int, budget_bytes: int
         "budget_bytes": budget_bytes,
         "probe_peaks": {b1: p1, b2: p2},
     }
+    if fits < 1 and at_least_one:
+        report.update(physical_batch_size=1, over_budget=True)
+        return report
     if fits < 1:
         raise DPConfigError(
             f"the memory budget of {budget_bytes / 2**20:.0f} MiB does not fit one example: measured "
@@ -149,7 +162,7 @@ def fit_batch_size(probe: Callable[[int], object], upper: int, budget_bytes: int
     return report
 
 
-def fit_optimizer(opt, x: torch.Tensor, y: torch.Tensor, budget_bytes: int) -> dict:
+def fit_optimizer(opt, x: torch.Tensor, y: torch.Tensor, budget_bytes: int, at_least_one: bool = False) -> dict:
     """Set ``opt.physical_batch_size`` (a :class:`dpcore.DPOptimizer`) to the largest power of
     two, at most its current value, whose measured peak memory fits ``budget_bytes``.
 
@@ -202,7 +215,7 @@ def fit_optimizer(opt, x: torch.Tensor, y: torch.Tensor, budget_bytes: int) -> d
     saved = augment.state_dict() if augment is not None and hasattr(augment, "state_dict") else None
     try:
         device = next(iter(opt.params.values())).device
-        report = fit_batch_size(probe, upper, int(budget_bytes), device)
+        report = fit_batch_size(probe, upper, int(budget_bytes), device, at_least_one)
     finally:
         if saved is not None:
             augment.load_state_dict(saved)

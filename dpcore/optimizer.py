@@ -268,12 +268,14 @@ class DPOptimizer:
         self.lot.begin(self.steps_taken, self._prev_private)
         self.lot.add_coordinates(coords, value)
 
-    def fit_physical_batch_size(self, x: torch.Tensor, y: torch.Tensor, budget_bytes: int) -> dict:
+    def fit_physical_batch_size(
+        self, x: torch.Tensor, y: torch.Tensor, budget_bytes: int, at_least_one: bool = False
+    ) -> dict:
         """The largest power-of-two physical batch size (at most the current one) whose
         measured peak memory fits ``budget_bytes``; see :func:`dpcore.memory.fit_optimizer`."""
         if self.lot.open:
             raise RuntimeError("fit_physical_batch_size is for before a lot starts")
-        return memory.fit_optimizer(self, x, y, int(budget_bytes))
+        return memory.fit_optimizer(self, x, y, int(budget_bytes), at_least_one)
 
     def diagnostics(self, x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> dict:
         """NON-PRIVATE: the count of examples skipped for a non-finite gradient so far, and with

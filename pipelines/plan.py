@@ -59,6 +59,7 @@ class RunPlan:
     tracking_uri: str
     parameters: int  # trainable parameters
     run_id: str | None = None  # the MLflow run, once it exists
+    memory_share: float = 1.0  # of each node's memory, for the run's workers there (a sweep: 1/trials at once)
     extra: dict = field(default_factory=dict)  # keys of older plans this version does not know
 
     def to_dict(self) -> dict:

@@ -32,8 +32,12 @@ def print_summary(s: dict) -> None:
     if b is None:
         print("no complete trial")
         return
+    if s["selection_total_epsilon"] is not None:  # only what the accounted total covers: the noisy score
+        scores = f"noisy validation score {b['value']:.4f}"
+    else:
+        scores = f"validation {b['val_accuracy']:.4f}  test {b['test_accuracy']:.4f}"
     print(
-        f"best trial {b['number']}: {b['params']}  validation {b['val_accuracy']:.4f}  test {b['test_accuracy']:.4f}  "
+        f"best trial {b['number']}: {b['params']}  {scores}  "
         f"ε={b['epsilon']:.4f}  σ={b['noise_multiplier']:.4f}  run {b['run_id']}"
     )
     if b["registered_model"]:

@@ -112,7 +112,8 @@ def finalise(
         "selection_total_epsilon": None if sel is None else sel["total_epsilon"],
         **search,
     }
-    _log_plots(study, client, parent_id)
+    if sel is None:  # with private selection they would show every trial's score: only the best's is covered
+        _log_plots(study, client, parent_id)
     _describe_parent(client, parent_id, sweep.study, base, sel, complete, search)
     if not complete:
         client.set_tag(parent_id, "sweep.best_trial", "none")

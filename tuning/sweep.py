@@ -57,6 +57,7 @@ def _trial_task():
         heartbeat: dict | None,
         pid_file: str,
         hook=None,
+        memory_share: float = 1.0,
     ) -> dict:
         """One trial: the main job as a child run. Sends the trial's heartbeat while it runs
         (first thing, before the heavy imports)."""
@@ -87,7 +88,13 @@ def _trial_task():
                 hook(cfg_dict)
             with _w.catch_warnings():
                 _w.simplefilter("ignore", dpcore.SeededRandomnessWarning)
-                out = run(config_from_dict(cfg_dict), parent_run_id=parent_run_id, extra_tags=tags, pruner=pruner)
+                out = run(
+                    config_from_dict(cfg_dict),
+                    parent_run_id=parent_run_id,
+                    extra_tags=tags,
+                    pruner=pruner,
+                    memory_share=memory_share,
+                )
         finally:
             stop.set()
         keys = (
@@ -240,7 +247,8 @@ def run_sweep(
     fingerprint = json.dumps(
         {
             "space": raw_space,
-            "base": {k: v for k, v in base.to_dict().items() if k not in ("quiet",)},
+            # (the memory budget is the machine's, not the search's: a study may go on elsewhere)
+            "base": {k: v for k, v in base.to_dict().items() if k not in ("quiet", "memory_budget_mb")},
             "private_selection": sweep.private_selection,
         },
         sort_keys=True,
@@ -381,6 +389,7 @@ def run_sweep(
                             hb,
                             str(run_dir / f"trial-{trial.number}.pid"),
                             trial_hook,
+                            1.0 / sweep.max_concurrent,  # trials at once share the nodes' memory
                         )
                         inflight[ref] = (trial, params)
                         launchable -= 1

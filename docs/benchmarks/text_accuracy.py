@@ -213,13 +213,16 @@ def cmd_select_lr(a) -> None:
     flags = ["--data-dir", str(Path(a.corpus).expanduser().resolve()), "--model", f"hf:{Path(a.model).resolve()}"]
     config = config_path(a.kind, a.eps)
     for lr in a.lrs:
-        if any(r["kind"] == a.kind and r["impl"] == "ours-lr" and r["lr"] == lr for r in rows):
+        if any(
+            r["kind"] == a.kind and r["impl"] == "ours-lr" and r["epsilon_target"] == a.eps and r["lr"] == lr
+            for r in rows
+        ):
             continue
         r = ours_cli(config, 0, work, [*flags, "--lr", f"{lr:g}"])
         rows.append({"kind": a.kind, "impl": "ours-lr", "epsilon_target": a.eps, "seed": 0, "lr": lr, **r})
         save(results)
         print(f"{a.kind} lr={lr:g}: validation {r['val_accuracy']:.4f}, {r['wall_s']:.0f}s", flush=True)
-    tried = [r for r in rows if r["kind"] == a.kind and r["impl"] == "ours-lr"]
+    tried = [r for r in rows if r["kind"] == a.kind and r["impl"] == "ours-lr" and r["epsilon_target"] == a.eps]
     best = max(tried, key=lambda r: r["val_accuracy"])
     print(
         f"chosen: lr={best['lr']:g} (validation {best['val_accuracy']:.4f}); put it in configs/spamassassin-{a.kind}-eps*.yaml"

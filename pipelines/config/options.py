@@ -140,6 +140,13 @@ def _coerce(name: str, value: Any, fields: dict) -> Any:
             if isinstance(value, bool):
                 raise TypeError
             return float(value)
+        if t.startswith("str | float"):  # a word (e.g. "auto") or a number, kept as a float
+            if isinstance(value, bool):
+                raise TypeError
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                return str(value)
         return str(value)
     except (TypeError, ValueError):
         raise dpcore.DPConfigError(f"{name}={value!r} has the wrong type: expected {t}.") from None

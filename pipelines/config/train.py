@@ -238,7 +238,8 @@ class ScaleConfig(Section):
         "auto",
         "per-worker memory budget (MiB) for the per-example gradients: the physical batch size becomes the largest "
         "power of two ≤ physical_batch_size that fits, measured at start. auto: half of the worker's share of its "
-        "node's memory (its CPUs over the node's; on a GPU, 60 percent of the GPU's memory); 0: off",
+        "node's memory (shared by the run's workers there, and by a sweep's trials at once; on a GPU, 60 percent of "
+        "the GPU's memory); 0: off (a seeded run then sums its lots in the same pieces on any machine)",
     )
     clipping: str = option(
         "auto",

@@ -216,6 +216,7 @@ def run(
     extra_tags: dict | None = None,
     pruner: Callable[[float, int], bool] | None = None,
     faults: FaultInjection | None = None,
+    memory_share: float = 1.0,
 ) -> dict:
     """Plan, train on Ray, log to MLflow. Returns a summary (run id, ε, accuracy, ...).
 
@@ -224,7 +225,9 @@ def run(
     in :data:`RESUME_MAY_CHANGE`. A sweep passes ``parent_run_id`` (the run is nested under
     it), ``extra_tags``, and a ``pruner``: rank 0 then calls ``pruner(validation_accuracy, step)``
     at every checkpoint and stops the run early when it returns True (``summary["pruned"]``).
-    The sweep's pruner reports to its Optuna trial (:class:`tuning.pruning.TrialPruner`)."""
+    The sweep's pruner reports to its Optuna trial (:class:`tuning.pruning.TrialPruner`).
+    ``memory_share``: the fraction of each node's memory this run's workers there may plan for
+    (``memory_budget_mb: auto``); a sweep running K trials at once gives each 1/K."""
     with EarlyCluster() as early:  # a local Ray cluster starts while the driver plans; stopped on any error
         if resume is not None:
             plan, cfg = resume_plan(resume, (cfg or TrainConfig()).tracking_uri, resume_changes or {})
@@ -235,6 +238,7 @@ def run(
             if faults is not None:
                 faults.check(cfg)
             plan = plan_run(cfg, on_checked=lambda: early.begin(cfg))
+            plan.memory_share = memory_share
             trace("planned")
         return _run_planned(plan, cfg, resume, parent_run_id, extra_tags, pruner, faults, early)
 

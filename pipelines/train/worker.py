@@ -180,24 +180,6 @@ def train_loop_per_worker(plan: RunPlan, pruner=None, faults=None) -> None:
     w.finish(step)
 
 
-def node_share(world: int) -> float:
-    """This worker's share of its node: the CPUs Ray gave it over the node's CPUs (so that
-    concurrent trials of a sweep, or another job's workers, are counted), or 1/``world`` in
-    Ray Train's local mode (no cluster)."""
-    import ray
-
-    if not ray.is_initialized():
-        return 1.0 / world
-    ctx = ray.get_runtime_context()
-    try:
-        mine = ctx.get_assigned_resources().get("CPU", 0.0)
-    except AssertionError:  # not a Ray worker process: local mode in a driver that joined a cluster
-        return 1.0 / world
-    node = next((n["Resources"] for n in ray.nodes() if n["NodeID"] == ctx.get_node_id()), {})
-    total = node.get("CPU", 0.0)
-    return min(1.0, mine / total) if mine > 0 and total > 0 else 1.0 / world
-
-
 class Worker:
     """One rank's part of a run: built from the plan, restored from the latest checkpoint, then
     stepped and reported by :func:`train_loop_per_worker`."""
@@ -210,6 +192,7 @@ class Worker:
         _quiet_ray_train_logs()
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.local_world = ctx.get_local_world_size()  # this run's workers on this node
         record_placement(plan, self.rank)
         if self.rank == 0:
             note_phase(plan, f"{self.world} worker(s) up; loading the data")
@@ -320,6 +303,11 @@ class Worker:
                     mib = fitted["per_example_bytes"] / 2**20
                     self.tracker.tag("physical_batch_size.per_example_mib", f"{mib:.3f}")
                     self.tracker.tag("physical_batch_size.budget_mib", f"{fitted['budget_bytes'] / 2**20:.0f}")
+                if fitted.get("over_budget"):  # auto: even one example measured over the budget; run at 1
+                    self.tracker.tag("physical_batch_size.over_budget", "true")
+                    note_phase(
+                        plan, "warning: one example's gradients measure over the auto memory budget; physical batch 1"
+                    )
 
     def _fit_physical_batch(self, rank_state) -> dict | None:
         """The physical batch size (memory, not privacy): the one the checkpoint recorded, so that
@@ -333,14 +321,16 @@ class Worker:
         budget = cfg.memory_budget()
         if budget == 0:
             return None
-        if budget == "auto":
-            budget_bytes = dpcore.memory.auto_budget_bytes(self.device, node_share(self.world))
+        if budget == "auto":  # this worker's share: the run's share of the node, over its workers there
+            budget_bytes = dpcore.memory.auto_budget_bytes(self.device, self.plan.memory_share / self.local_world)
             if budget_bytes is None:
                 return None
         else:
             budget_bytes = int(budget * 2**20)
         probe = torch.arange(min(len(self.train), cfg.physical_batch_size))  # each rank fits its own
-        return opt.fit_physical_batch_size(self.train.batch(probe), self.train.y[probe], budget_bytes)
+        return opt.fit_physical_batch_size(
+            self.train.batch(probe), self.train.y[probe], budget_bytes, at_least_one=budget == "auto"
+        )
 
     def _gradient_canaries(self, checkpoint) -> dict | None:
         """White-box canaries live in rank 0's shard: their scores so far, and how they join lots."""

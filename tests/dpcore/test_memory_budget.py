@@ -135,18 +135,55 @@ def test_the_auto_budget_is_half_of_a_workers_share_of_the_node(monkeypatch):
         memory.auto_budget_bytes(torch.device("cpu"), 0.0)
 
 
-def test_a_ray_workers_share_is_its_cpus_over_its_nodes(ray_cluster):
-    """Two 1-CPU tasks on the tests' 2-CPU cluster each get half of the node (concurrent trials
-    of a sweep are then counted); without a cluster, 1/world."""
-    import ray
+def test_a_restored_worker_sums_in_its_checkpoints_pieces_else_fits_its_share(monkeypatch):
+    """The worker's choice of the physical batch size: a restored worker takes its checkpoint's
+    (a seeded run resumed sums its lots in the same pieces), without probing; else auto fits
+    half of the run's share of the node over its workers there, and where not even one example
+    fits that, runs at 1 instead of failing; 0 leaves the configured size."""
+    from types import SimpleNamespace
 
-    from pipelines.train.worker import node_share
+    from pipelines.config import TrainConfig
+    from pipelines.train.worker import Worker
 
-    @ray.remote(num_cpus=1)
-    def share():
-        return node_share(4)
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(64, 1, 28, 28, generator=g), torch.randint(0, 10, (64,), generator=g)
 
-    assert ray.get([share.remote(), share.remote()]) == [0.5, 0.5]
+    class Shard:
+        def __init__(self):
+            self.y = y
+
+        def __len__(self):
+            return len(y)
+
+        def batch(self, idx):
+            return x[idx]
+
+    def worker(budget, share=0.5, local_world=2):
+        return SimpleNamespace(
+            cfg=TrainConfig(memory_budget_mb=budget),
+            private=SimpleNamespace(optimizer=_opt()),
+            train=Shard(),
+            device=torch.device("cpu"),
+            plan=SimpleNamespace(memory_share=share),
+            local_world=local_world,
+        )
+
+    w = worker("auto")
+    got = Worker._fit_physical_batch(w, {"physical_batch_size": 8})
+    assert w.private.optimizer.physical_batch_size == 8 and not got["measured"]
+    asked = []
+    real = memory.auto_budget_bytes
+    monkeypatch.setattr(memory, "auto_budget_bytes", lambda device, share: asked.append(share) or real(device, share))
+    w = worker("auto")
+    got = Worker._fit_physical_batch(w, None)
+    assert asked == [0.25] and got["measured"] and got["budget_bytes"] == real(torch.device("cpu"), 0.25)
+    assert w.private.optimizer.physical_batch_size == 256  # the CNN fits a quarter of this machine at 256
+    monkeypatch.setattr(memory, "auto_budget_bytes", lambda device, share: 1024)  # 1 KiB: not one example
+    w = worker("auto")
+    got = Worker._fit_physical_batch(w, None)
+    assert got["over_budget"] and w.private.optimizer.physical_batch_size == 1
+    w = worker(0)
+    assert Worker._fit_physical_batch(w, None) is None and w.private.optimizer.physical_batch_size == 256
 
 
 def test_probes_never_see_the_training_data():

@@ -174,7 +174,7 @@ def test_a_trial_whose_process_died_is_failed_and_retried(e2e):
     assert len(numbers) == len(set(numbers)) == 4  # 3 complete + the failed one; nothing lost or doubled
 
 
-def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path):
+def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path, capsys):
     base = _base(tmp_path, lot_size=256, registered_model="dp-private-selection", epochs=1)
     sweep = SweepConfig(
         study="private",
@@ -214,6 +214,13 @@ def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path):
     assert "best_val_accuracy" not in parent.data.metrics and "best_test_accuracy" not in parent.data.metrics
     if out["best"] is not None:
         assert parent.data.metrics["best_value"] == pytest.approx(out["best"]["value"])
+    assert not client.list_artifacts(out["parent_run_id"], "plots")  # they would show every trial's score
+    from tuning.cli import print_summary
+
+    capsys.readouterr()
+    print_summary(out)
+    printed = capsys.readouterr().out
+    assert "noisy validation score" in printed and " test " not in printed
     study = optuna.load_study(study_name="private", storage=sweep.storage)
     assert out["n_trials"] == study.user_attrs["selection_k"] == len(study.trials)
     assert reference > 2.0  # selection is not free
