@@ -182,7 +182,7 @@ def opacus_train(
     module = trained_module(cfg, spec, seed)
     gsm = GradSampleModule(module)
     opt = DPOptimizer(
-        make_optimizer(cfg, [p for p in module.parameters() if p.requires_grad]),  # LoRA: adapters and head
+        make_optimizer(cfg, module),  # its trainable parameters (LoRA: adapters and head)
         noise_multiplier=sigma,
         max_grad_norm=cfg.clip_norm,
         expected_batch_size=int(round(q * n)),
@@ -342,7 +342,7 @@ def speed_child(mode: str, config: Path, workdir: Path) -> dict:
     g = torch.Generator().manual_seed(0)
     lots = [torch.nonzero(torch.rand(n, generator=g) < q).flatten() for _ in range(epoch + 1)]
     if mode == "non-private":
-        opt = make_optimizer(cfg, module.parameters())
+        opt = make_optimizer(cfg, module)
 
         def step(idx):
             opt.zero_grad(set_to_none=True)
@@ -354,7 +354,7 @@ def speed_child(mode: str, config: Path, workdir: Path) -> dict:
 
         gsm = GradSampleModule(module)
         opt = DPOptimizer(
-            make_optimizer(cfg, module.parameters()),
+            make_optimizer(cfg, module),
             noise_multiplier=spec.noise_multiplier,
             max_grad_norm=cfg.clip_norm,
             expected_batch_size=int(round(q * n)),
@@ -373,7 +373,7 @@ def speed_child(mode: str, config: Path, workdir: Path) -> dict:
         )  # as the workers do
         private = dpcore.build_private(
             module,
-            make_optimizer(cfg, module.parameters()),
+            make_optimizer(cfg, module),
             F.cross_entropy,
             noise_multiplier=spec.noise_multiplier,
             sample_rate=q,

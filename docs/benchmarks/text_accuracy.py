@@ -87,7 +87,7 @@ def non_private(cfg, spec, data, seed: int, lr: float) -> dict:
 
     (xtr, ytr), (xva, yva), (xte, yte) = data["train"], data["val"], data["test"]
     module = trained_module(cfg, spec, seed)
-    opt = make_optimizer(cfg, [p for p in module.parameters() if p.requires_grad])
+    opt = make_optimizer(cfg, module)
     batch = int(round(spec.sample_rate * len(ytr)))
     g = torch.Generator().manual_seed(20_000 + seed)
     t0, done = time.time(), 0
@@ -212,20 +212,28 @@ def cmd_select_lr(a) -> None:
     work.mkdir(parents=True, exist_ok=True)
     flags = ["--data-dir", str(Path(a.corpus).expanduser().resolve()), "--model", f"hf:{Path(a.model).resolve()}"]
     config = config_path(a.kind, a.eps)
+    head = ["--head-lr", f"{a.head_lr:g}"] if a.head_lr is not None else []
+    here = (a.kind, "ours-lr", a.eps)
     for lr in a.lrs:
         if any(
-            r["kind"] == a.kind and r["impl"] == "ours-lr" and r["epsilon_target"] == a.eps and r["lr"] == lr
+            (r["kind"], r["impl"], r["epsilon_target"], r["lr"], r.get("head_lr")) == (*here, lr, a.head_lr)
             for r in rows
         ):
             continue
-        r = ours_cli(config, 0, work, [*flags, "--lr", f"{lr:g}"])
-        rows.append({"kind": a.kind, "impl": "ours-lr", "epsilon_target": a.eps, "seed": 0, "lr": lr, **r})
+        r = ours_cli(config, 0, work, [*flags, "--lr", f"{lr:g}", *head])
+        rows.append(
+            {"kind": a.kind, "impl": "ours-lr", "epsilon_target": a.eps, "seed": 0, "lr": lr, "head_lr": a.head_lr, **r}
+        )
         save(results)
-        print(f"{a.kind} lr={lr:g}: validation {r['val_accuracy']:.4f}, {r['wall_s']:.0f}s", flush=True)
-    tried = [r for r in rows if r["kind"] == a.kind and r["impl"] == "ours-lr" and r["epsilon_target"] == a.eps]
+        print(
+            f"{a.kind} lr={lr:g} head_lr={a.head_lr}: validation {r['val_accuracy']:.4f}, {r['wall_s']:.0f}s",
+            flush=True,
+        )
+    tried = [r for r in rows if (r["kind"], r["impl"], r["epsilon_target"]) == here]
     best = max(tried, key=lambda r: r["val_accuracy"])
     print(
-        f"chosen: lr={best['lr']:g} (validation {best['val_accuracy']:.4f}); put it in configs/spamassassin-{a.kind}-eps*.yaml"
+        f"chosen: lr={best['lr']:g} head_lr={best.get('head_lr')} (validation {best['val_accuracy']:.4f}); "
+        f"put them in configs/spamassassin-{a.kind}-eps*.yaml"
     )
 
 
@@ -233,11 +241,17 @@ def _lr_run(rows: list, kind: str, eps: float, seed: int, config: Path) -> dict 
     """The select-lr run that is this (kind, ε, seed) run at the config's learning rate, if any."""
     import yaml
 
-    lr = float(yaml.safe_load(config.read_text())["lr"])
+    values = yaml.safe_load(config.read_text())
+    rates = (float(values["lr"]), None if values.get("head_lr") is None else float(values["head_lr"]))
     for r in rows:
-        if (r["kind"], r["impl"], r["epsilon_target"], r["seed"]) == (kind, "ours-lr", eps, seed) and r["lr"] == lr:
-            return r
+        if (r["kind"], r["impl"], r["epsilon_target"], r["seed"]) == (kind, "ours-lr", eps, seed):
+            if (r["lr"], r.get("head_lr")) == rates:
+                return r
     return None
+
+
+def _lrs(r: dict) -> str:
+    return f"{r['lr']:g}" + (f" (head {r['head_lr']:g})" if r.get("head_lr") else "")
 
 
 def _mean_std(values: list[float]) -> str:
@@ -263,7 +277,7 @@ def cmd_report(a) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     kinds = sorted({r["kind"] for r in rows}, reverse=True)
     for kind in kinds:
-        for eps in sorted({r["epsilon_target"] for r in rows if r["kind"] == kind and r["epsilon_target"]}):
+        for eps in sorted({r["epsilon_target"] for r in rows if r["kind"] == kind and r["impl"] in ("ours", "opacus")}):
             ours = [r for r in rows if r["kind"] == kind and r["impl"] == "ours" and r["epsilon_target"] == eps]
             opa = [r for r in rows if r["kind"] == kind and r["impl"] == "opacus" and r["epsilon_target"] == eps]
 
@@ -288,7 +302,7 @@ def cmd_report(a) -> None:
             if tried:
                 print(
                     f"{kind}, {what} learning rate chosen on validation (seed 0): "
-                    + ", ".join(f"{r['lr']:g} → val {100 * r['val_accuracy']:.2f}" for r in tried)
+                    + ", ".join(f"{_lrs(r)} → val {100 * r['val_accuracy']:.2f}" for r in tried)
                 )
     if results.get("test_majority"):
         print(
@@ -357,6 +371,7 @@ def main() -> None:
     sel.add_argument("--kind", default="full")
     sel.add_argument("--eps", type=float, default=3.0)
     sel.add_argument("--lrs", nargs="+", type=float, default=list(FULL_LRS))
+    sel.add_argument("--head-lr", type=float, default=None, help="the head's learning rate (default: lr)")
     sel.add_argument("--workdir", default="/tmp/text-accuracy")
     sub.add_parser("report")
     a = ap.parse_args()

@@ -55,6 +55,11 @@ class ModelConfig(Section):
     )
     optimizer: str = option("adam", f"optimizer applied to the noised gradient: {', '.join(OPTIMIZERS)}")
     lr: float = option(0.02, "learning rate")
+    head_lr: float | None = option(
+        None,
+        "hf: models: learning rate of the new classification head (default: lr); full fine-tuning under DP often needs "
+        "a small lr for the pretrained weights and a large one for the head, which starts from random",
+    )
     momentum: float = option(0.9, "momentum (sgd only)")
     init_seed: int = option(0, "seed of the model's initial weights (public, identical on every worker)")
     lora_rank: int = option(0, "hf: models: LoRA rank r (0: full fine-tuning); only the adapters and the head train")
@@ -76,6 +81,10 @@ class ModelConfig(Section):
             )
         check_choice(self, "optimizer", OPTIMIZERS)
         check_positive_number(self, "lr")
+        if self.head_lr is not None:
+            if not self.model.startswith("hf:"):
+                raise dpcore.DPConfigError(f"head_lr applies to hf: models, not model={self.model!r}.")
+            check_positive_number(self, "head_lr")
         if not (0 <= self.momentum < 1):
             raise dpcore.DPConfigError(f"momentum={self.momentum!r} is invalid: it must lie in [0, 1).")
         check_count(self, "init_seed")

@@ -137,6 +137,16 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
+HEAD_NAMES = ("classifier", "pre_classifier", "score")  # Hugging Face's sequence-classification heads
+
+
+def is_head(name: str) -> bool:
+    """Whether parameter ``name`` belongs to the classification head the classifier adds
+    (``classifier`` for BERT-like encoders, ``pre_classifier`` too for DistilBERT, ``score``
+    for decoder models), with or without peft's wrapping."""
+    return any(part in HEAD_NAMES for part in name.split("."))
+
+
 def load_classifier(name: str, num_labels: int, lora: LoraOptions = LoraOptions()) -> tuple[HFClassifier, object]:
     """(the classifier, its tokenizer) for ``hf:<folder or hub name>``; see the module doc."""
     from transformers import AutoConfig, AutoModelForSequenceClassification

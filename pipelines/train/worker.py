@@ -93,12 +93,29 @@ def load_pca(plan: RunPlan):
     return torch.load(plan.pca_path, map_location="cpu")["components"]
 
 
-def make_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
+def make_optimizer(cfg: TrainConfig, module: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer of ``module``'s trainable parameters: one group at ``lr``, or with
+    ``head_lr`` (hf: models) the new classification head in a group of its own."""
+    params = param_groups(cfg, module)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=cfg.lr)
     return torch.optim.NAdam(params, lr=cfg.lr)
+
+
+def param_groups(cfg: TrainConfig, module: torch.nn.Module) -> list:
+    """The trainable parameters, as the optimizer's groups (the head's, with ``head_lr``, last)."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if getattr(cfg, "head_lr", None) is None:
+        return [p for _, p in named]
+    from ..text.hf import is_head
+
+    head = [p for n, p in named if is_head(n)]
+    if not head:
+        raise dpcore.DPConfigError(f"head_lr: no classification head among the trainable parameters of {cfg.model}.")
+    body = [p for n, p in named if not is_head(n)]
+    return ([{"params": body}] if body else []) + [{"params": head, "lr": cfg.head_lr}]
 
 
 def allreduce_sum(tensors: list[torch.Tensor]) -> None:
@@ -215,7 +232,7 @@ class Worker:
         self.held_out = {k: open_split(data_dir, k) for k in ("val", "test")} if self.rank == 0 else None
         if self.rank == 0:
             note_phase(plan, f"data loaded ({len(self.train)} training examples on rank 0); the first step")
-        self.optimizer = make_optimizer(cfg, [p for p in self.model.parameters() if p.requires_grad])
+        self.optimizer = make_optimizer(cfg, self.model)
         self.replay_log = None  # rank 0's writer of the released updates, opened by restore()
         self.peak_anon = 0.0  # the largest anonymous resident set seen at a report (Linux keeps no peak of it)
 

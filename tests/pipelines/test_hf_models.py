@@ -64,6 +64,31 @@ def test_lora_trains_only_its_adapters_and_the_head(minilm):
     assert sorted(per_example) == sorted(trainable)
 
 
+@pytest.mark.parametrize("rank", [0, 8], ids=["full", "lora"])
+def test_head_lr_puts_the_new_head_in_a_group_of_its_own(minilm, rank):
+    """``head_lr``: the classification head (the 384→2 layer the classifier adds; peft-wrapped
+    with LoRA) trains at its own rate, every other trainable weight at ``lr``; refused for a
+    model that is not hf:."""
+    import dpcore
+    from pipelines.config import TrainConfig
+    from pipelines.train.worker import make_optimizer
+
+    model, _ = _load(minilm, rank=rank)
+    from pipelines.config.train import ModelConfig
+
+    cfg = TrainConfig(dataset="spamassassin", model=f"hf:{minilm}", lr=1e-4, head_lr=0.01, lora_rank=rank)
+    cfg.section(ModelConfig).check()
+    body, head = make_optimizer(cfg, model).param_groups
+    assert body["lr"] == 1e-4 and head["lr"] == 0.01
+    assert sum(p.numel() for p in head["params"]) == 384 * 2 + 2
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assert {id(p) for p in body["params"] + head["params"]} == trainable
+    plain = TrainConfig(dataset="spamassassin", model=f"hf:{minilm}", lr=1e-4, lora_rank=rank)
+    assert len(make_optimizer(plain, model).param_groups) == 1
+    with pytest.raises(dpcore.DPConfigError, match="head_lr applies to hf: models"):
+        TrainConfig(model="cnn", head_lr=0.01).validate()
+
+
 @pytest.mark.parametrize("rank", [8, 0], ids=["lora", "full"])
 def test_book_keeping_equals_vmap_on_minilm_in_float64(minilm, rank):
     model, tok = _load(minilm, rank=rank)
