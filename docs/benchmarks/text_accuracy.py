@@ -216,7 +216,7 @@ def cmd_select_lr(a) -> None:
     here = (a.kind, "ours-lr", a.eps)
     for lr in a.lrs:
         if any(
-            (r["kind"], r["impl"], r["epsilon_target"], r["lr"], r.get("head_lr")) == (*here, lr, a.head_lr)
+            (r["kind"], r["impl"], r["epsilon_target"], r.get("lr"), r.get("head_lr")) == (*here, lr, a.head_lr)
             for r in rows
         ):
             continue
