@@ -66,13 +66,18 @@ def _start_mlflow(state: dict, admin: dict, root: Path) -> int:
         raise
 
 
+USER_SETUP_TIMEOUT_S = 60.0
+
+
 def _ensure_jobs_user(state: dict, admin: dict, creds: dict) -> None:
     """The MLflow user that jobs log as (not the admin); its password is set to the one in credentials.env."""
     url = f"http://{state['host']}:{state['ports']['mlflow']}/api/2.0/mlflow/users"
     auth = ("admin", admin["MLFLOW_ADMIN_PASSWORD"])
     user = {"username": JOBS_USER, "password": creds["MLFLOW_TRACKING_PASSWORD"]}
-    code, body = _http(f"{url}/create", auth=auth, data=user)
+    # The server's first authenticated requests hash passwords and write its auth database: on a
+    # loaded 2-core machine they took over the 5 s default (a CI run beside a training job).
+    code, body = _http(f"{url}/create", auth=auth, data=user, timeout=USER_SETUP_TIMEOUT_S)
     if code != 200 and "RESOURCE_ALREADY_EXISTS" in body:
-        code, body = _http(f"{url}/update-password", auth=auth, data=user, method="PATCH")
+        code, body = _http(f"{url}/update-password", auth=auth, data=user, method="PATCH", timeout=USER_SETUP_TIMEOUT_S)
     if code != 200:
         raise StackError(f"could not set up the MLflow user {JOBS_USER} (HTTP {code}): {body[:500]}")
