@@ -366,7 +366,7 @@ def build_run_model(cfg, input_shape: tuple[int, ...], num_classes: int, pca_com
     if cfg.model.startswith("hf:"):
         from .text.hf import load_classifier
 
-        return load_classifier(cfg.model, num_classes, cfg.lora())[0]
+        return load_classifier(cfg.model, num_classes, cfg.lora(), getattr(cfg, "pooling", "auto"))[0]
     options = {k: getattr(cfg, k, None) for k in ("activation", "groupnorm", "weight_standardization")}
     options = {k: v for k, v in options.items() if v is not None}
     if not getattr(cfg, "pca_components", 0):

@@ -213,28 +213,52 @@ def cmd_select_lr(a) -> None:
     flags = ["--data-dir", str(Path(a.corpus).expanduser().resolve()), "--model", f"hf:{Path(a.model).resolve()}"]
     config = config_path(a.kind, a.eps)
     head = ["--head-lr", f"{a.head_lr:g}"] if a.head_lr is not None else []
+    pooling = _pooling(config)
     here = (a.kind, "ours-lr", a.eps)
     for lr in a.lrs:
         if any(
-            (r["kind"], r["impl"], r["epsilon_target"], r.get("lr"), r.get("head_lr")) == (*here, lr, a.head_lr)
+            (r["kind"], r["impl"], r["epsilon_target"], r.get("lr"), r.get("head_lr"), _row_pooling(r))
+            == (*here, lr, a.head_lr, pooling)
             for r in rows
         ):
             continue
         r = ours_cli(config, 0, work, [*flags, "--lr", f"{lr:g}", *head])
         rows.append(
-            {"kind": a.kind, "impl": "ours-lr", "epsilon_target": a.eps, "seed": 0, "lr": lr, "head_lr": a.head_lr, **r}
+            {
+                "kind": a.kind,
+                "impl": "ours-lr",
+                "epsilon_target": a.eps,
+                "seed": 0,
+                "lr": lr,
+                "head_lr": a.head_lr,
+                "pooling": pooling,
+                **r,
+            }
         )
         save(results)
         print(
-            f"{a.kind} lr={lr:g} head_lr={a.head_lr}: validation {r['val_accuracy']:.4f}, {r['wall_s']:.0f}s",
+            f"{a.kind} pooling={pooling} lr={lr:g} head_lr={a.head_lr}: validation {r['val_accuracy']:.4f}, "
+            f"{r['wall_s']:.0f}s",
             flush=True,
         )
-    tried = [r for r in rows if (r["kind"], r["impl"], r["epsilon_target"]) == here]
+    tried = [r for r in rows if (r["kind"], r["impl"], r["epsilon_target"]) == here and _row_pooling(r) == pooling]
     best = max(tried, key=lambda r: r["val_accuracy"])
     print(
-        f"chosen: lr={best['lr']:g} head_lr={best.get('head_lr')} (validation {best['val_accuracy']:.4f}); "
-        f"put them in configs/spamassassin-{a.kind}-eps*.yaml"
+        f"chosen (pooling={pooling}): lr={best['lr']:g} head_lr={best.get('head_lr')} "
+        f"(validation {best['val_accuracy']:.4f}); put them in configs/spamassassin-{a.kind}-eps*.yaml"
     )
+
+
+def _pooling(config: Path) -> str:
+    """The pooling a config names (``pooling:``; hf: models' default ``auto``)."""
+    import yaml
+
+    return str(yaml.safe_load(config.read_text()).get("pooling", "auto"))
+
+
+def _row_pooling(r: dict) -> str:
+    """A result row's pooling: rows from before pooling was an option used the model's own head."""
+    return r.get("pooling", "cls")
 
 
 def _lr_run(rows: list, kind: str, eps: float, seed: int, config: Path) -> dict | None:
@@ -245,7 +269,7 @@ def _lr_run(rows: list, kind: str, eps: float, seed: int, config: Path) -> dict 
     rates = (float(values["lr"]), None if values.get("head_lr") is None else float(values["head_lr"]))
     for r in rows:
         if (r["kind"], r["impl"], r["epsilon_target"], r["seed"]) == (kind, "ours-lr", eps, seed):
-            if (r["lr"], r.get("head_lr")) == rates:
+            if (r["lr"], r.get("head_lr"), _row_pooling(r)) == (*rates, _pooling(config)):
                 return r
     return None
 

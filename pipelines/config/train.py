@@ -67,6 +67,12 @@ class ModelConfig(Section):
     lora_targets: str = option(
         "query,value", "hf: models: comma-separated names of the Linear layers that get LoRA adapters"
     )
+    pooling: str = option(
+        "auto",
+        "hf: models: how a text's token vectors become one for the head: cls (the model's own classifier, e.g. "
+        "BERT's [CLS] pooler), mean (over the text's tokens), auto (what a sentence-transformers folder declares, "
+        "else cls)",
+    )
 
     def check(self) -> None:
         check_model(self)
@@ -79,6 +85,11 @@ class ModelConfig(Section):
             raise dpcore.DPConfigError(
                 "lora_targets is empty: name the Linear layers that get adapters (e.g. query,value)."
             )
+        from ..text.hf import POOLINGS
+
+        check_choice(self, "pooling", POOLINGS)
+        if self.pooling != "auto" and not self.model.startswith("hf:"):
+            raise dpcore.DPConfigError(f"pooling applies to hf: models, not model={self.model!r}.")
         check_choice(self, "optimizer", OPTIMIZERS)
         check_positive_number(self, "lr")
         if self.head_lr is not None:

@@ -7,8 +7,8 @@ What the model folder holds (``text_model/`` among the MLflow model's artifacts)
   base model's name (``hf:<folder or hub name>``, in ``text.json``); the base weights are public
   and are loaded from that name again;
 * with full fine-tuning, every weight (``save_pretrained``);
-* the tokenizer, and ``text.json``: the base model, the LoRA options, ``max_length``, the e-mail
-  view and the class names, so that a text is prepared exactly as at ingest.
+* the tokenizer, and ``text.json``: the base model, the LoRA options, the pooling (as
+  resolved), ``max_length``, the e-mail view and the class names, so that a text is prepared exactly as at ingest.
 
 ``mlflow.pyfunc.load_model(uri).predict(["Subject: ...", ...])`` (or a one-column DataFrame of
 texts) returns each text's label and the probability of every class. The model is logged from
@@ -48,16 +48,17 @@ def load_text_model(folder: str | Path):
 
     folder = Path(folder)
     meta = json.loads((folder / META).read_text())
+    pooling = meta.get("pooling", "cls")  # models logged before pooling was an option used the model's own head
     tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
     with _Quiet():
         if meta["lora_rank"]:
             from peft import PeftModel
 
-            base, _ = load_classifier(meta["base_model"], len(meta["classes"]), LoraOptions(0))
+            base, _ = load_classifier(meta["base_model"], len(meta["classes"]), LoraOptions(0), pooling)
             model = PeftModel.from_pretrained(base.model, folder / "adapter")
         else:
             model = AutoModelForSequenceClassification.from_pretrained(folder / "model", dtype=torch.float32)
-    clf = HFClassifier(model, tokenizer.pad_token_id, model.config.model_type, meta["base_model"])
+    clf = HFClassifier(model, tokenizer.pad_token_id, model.config.model_type, meta["base_model"], pooling)
     return clf.eval(), tokenizer, meta
 
 
@@ -125,6 +126,7 @@ def log_text_model(clf, meta: dict, tags: dict):
     from .hf import load_tokenizer
 
     tokenizer = load_tokenizer(meta["base_model"])
+    meta = {**meta, "pooling": clf.pooling}  # as resolved ('auto' names no pooling)
     example = list(PUBLIC_EXAMPLE)
     was_training = clf.training
     clf.eval()

@@ -42,10 +42,10 @@ def minilm(minilm_folder):
     return minilm_folder
 
 
-def _load(folder, rank=0, **kw):
+def _load(folder, rank=0, pooling="auto", **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers' own deprecations
-        return load_classifier(f"hf:{folder}", 2, LoraOptions(rank, **kw))
+        return load_classifier(f"hf:{folder}", 2, LoraOptions(rank, **kw), pooling)
 
 
 def _batch(tokenizer, length=24):
@@ -89,9 +89,12 @@ def test_head_lr_puts_the_new_head_in_a_group_of_its_own(minilm, rank):
         TrainConfig(model="cnn", head_lr=0.01).validate()
 
 
-@pytest.mark.parametrize("rank", [8, 0], ids=["lora", "full"])
-def test_book_keeping_equals_vmap_on_minilm_in_float64(minilm, rank):
-    model, tok = _load(minilm, rank=rank)
+@pytest.mark.parametrize(
+    "rank, pooling", [(8, "auto"), (0, "auto"), (0, "cls")], ids=["lora-mean", "full-mean", "full-cls"]
+)
+def test_book_keeping_equals_vmap_on_minilm_in_float64(minilm, rank, pooling):
+    model, tok = _load(minilm, rank=rank, pooling=pooling)
+    assert model.pooling == ("cls" if pooling == "cls" else "mean")
     model = model.double()
     x = _batch(tok)
     assert (x == tok.pad_token_id).any(), "some texts are padded"
@@ -106,6 +109,67 @@ def test_book_keeping_equals_vmap_on_minilm_in_float64(minilm, rank):
         scale = max(float(v.abs().max()) for v in want.values())
         for k, w in want.items():
             assert float((got[k] - w).abs().max()) <= 1e-10 * scale, k
+
+
+def test_pooling_follows_what_the_sentence_transformers_folder_declares(minilm, tmp_path):
+    """all-MiniLM-L6-v2 declares mean pooling (its 1_Pooling/config.json): ``auto`` takes it; a
+    folder that declares nothing, or [CLS] pooling, gets the model's own head."""
+    from pipelines.text.hf import declared_pooling
+
+    assert declared_pooling(str(minilm)) == "mean"
+    assert _load(minilm)[0].pooling == "mean"
+    assert _load(minilm, pooling="cls")[0].pooling == "cls"
+    bare = tmp_path / "bare"
+    shutil.copytree(minilm, bare)
+    (bare / "modules.json").unlink()
+    assert declared_pooling(str(bare)) is None and _load(bare)[0].pooling == "cls"
+    assert _load(bare, pooling="mean")[0].pooling == "mean"  # asked for: given
+    cls_folder = tmp_path / "cls"
+    shutil.copytree(minilm, cls_folder)
+    config = cls_folder / "1_Pooling" / "config.json"
+    config.write_text(
+        config.read_text()
+        .replace('"pooling_mode_mean_tokens": true', '"pooling_mode_mean_tokens": false')
+        .replace('"pooling_mode_cls_token": false', '"pooling_mode_cls_token": true')
+    )
+    assert declared_pooling(str(cls_folder)) == "cls" and _load(cls_folder)[0].pooling == "cls"
+
+
+def test_mean_pooling_reads_each_text_s_own_tokens_only(minilm):
+    """The pooled vector is the mean of the last layer over the text's tokens (padding excluded)
+    fed to the head; more padding changes no logit, and the unused pooler is frozen."""
+    model, tok = _load(minilm, rank=0, pooling="mean")
+    model = model.double().eval()
+    assert not any(p.requires_grad for n, p in model.named_parameters() if ".pooler." in n)
+    assert all(p.requires_grad for n, p in model.named_parameters() if ".pooler." not in n)
+    short, long = _batch(tok, 24), _batch(tok, 40)
+    with torch.no_grad():
+        logits = model(short)
+        torch.testing.assert_close(model(long), logits, rtol=1e-9, atol=1e-9)
+        keep = (short != tok.pad_token_id).double()
+        states = model.model.bert(input_ids=short, attention_mask=keep.long())[0]
+        mean = (states * keep[..., None]).sum(1) / keep.sum(1, keepdim=True)
+        torch.testing.assert_close(logits, model.model.classifier(mean), rtol=1e-9, atol=1e-9)
+        assert not torch.allclose(logits, _load(minilm, pooling="cls")[0].double().eval()(short))
+
+
+def test_mean_pooling_is_refused_for_a_head_that_is_not_one_linear_layer(minilm, tmp_path):
+    """DistilBERT's head is two layers on the first token: ``mean`` would leave one unused, so it
+    is refused (and ``auto`` keeps the model's own head)."""
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    folder = tmp_path / "tiny-distilbert"
+    config = DistilBertConfig(vocab_size=30522, dim=32, hidden_dim=64, n_layers=1, n_heads=2, num_labels=2)
+    torch.manual_seed(0)
+    DistilBertForSequenceClassification(config).save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "modules.json"):
+        shutil.copy(minilm / f, folder / f)
+    shutil.copytree(minilm / "1_Pooling", folder / "1_Pooling")  # declares mean
+    with pytest.raises(
+        dpcore.DPConfigError, match="one Linear layer on the hidden vectors.*head is pre_classifier and classifier"
+    ):
+        _load(folder, pooling="mean")
+    assert _load(folder)[0].pooling == "cls"
 
 
 def test_a_private_lora_step_stays_on_book_keeping_and_leaves_the_base_frozen(minilm):
@@ -189,3 +253,12 @@ def test_a_relative_model_folder_is_made_absolute_for_the_workers(minilm, tmp_pa
     cfg = with_absolute_model(TrainConfig(dataset="spamassassin", model="hf:models/minilm"))
     assert cfg.model == f"hf:{tmp_path.resolve()}/models/minilm"
     assert with_absolute_model(TrainConfig()).model == "mlp"
+
+
+def test_pooling_is_checked_in_the_config():
+    from pipelines.config import TrainConfig
+
+    with pytest.raises(dpcore.DPConfigError, match="pooling applies to hf: models"):
+        TrainConfig(model="cnn", pooling="mean").validate()
+    with pytest.raises(dpcore.DPConfigError, match="pooling.*max"):
+        TrainConfig(dataset="spamassassin", data_dir="/nonexistent", model="hf:models/x", pooling="max").validate()

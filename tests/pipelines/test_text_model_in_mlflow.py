@@ -26,11 +26,11 @@ MAIL = [
 ]
 
 
-def _trained(folder, rank):
+def _trained(folder, rank, pooling):
     """A classifier whose trainable weights are moved off their initial values (as training would)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        clf, tokenizer = load_classifier(f"hf:{folder}", 2, LoraOptions(rank))
+        clf, tokenizer = load_classifier(f"hf:{folder}", 2, LoraOptions(rank), pooling)
     g = torch.Generator().manual_seed(rank)
     with torch.no_grad():
         for p in clf.parameters():
@@ -39,9 +39,11 @@ def _trained(folder, rank):
     return clf, tokenizer
 
 
-@pytest.mark.parametrize("rank", [4, 0], ids=["lora", "full"])
-def test_a_text_classifier_is_logged_registered_and_loads_back(minilm_folder, tmp_path, rank):
-    clf, tokenizer = _trained(minilm_folder, rank)
+@pytest.mark.parametrize("rank, pooling", [(4, "cls"), (0, "auto")], ids=["lora-cls", "full-mean"])
+def test_a_text_classifier_is_logged_registered_and_loads_back(minilm_folder, tmp_path, rank, pooling):
+    """Loaded back, it pools as it was trained to (the pooling, resolved, is in ``text.json``)."""
+    clf, tokenizer = _trained(minilm_folder, rank, pooling)
+    assert clf.pooling == ("cls" if rank else "mean")
     meta = {
         "base_model": f"hf:{minilm_folder}",
         "lora_rank": rank,
@@ -82,5 +84,6 @@ def test_a_text_classifier_is_logged_registered_and_loads_back(minilm_folder, tm
     assert "artifacts/text_model/tokenizer/tokenizer.json" in files
     saved = json.loads((local / "artifacts/text_model/text.json").read_text())
     assert saved["base_model"] == f"hf:{minilm_folder}" and saved["classes"] == ["ham", "spam"]
+    assert saved["pooling"] == clf.pooling
     example = json.loads((local / "input_example.json").read_text())
     assert example == PUBLIC_EXAMPLE and not any(m in example or email_text(m, "subject-body") in example for m in MAIL)
