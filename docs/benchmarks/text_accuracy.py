@@ -4,7 +4,7 @@ beside the non-private fine-tune and Opacus 1.6 with the same model, LoRA set-up
 and hyperparameters. Every number in docs/text.md comes from this script.
 
     python docs/benchmarks/text_accuracy.py run --corpus ~/spam --model models/all-MiniLM-L6-v2
-    python docs/benchmarks/text_accuracy.py select-lr --kind full   # full fine-tuning's lr, on validation
+    python docs/benchmarks/text_accuracy.py select-lr --kind full --head-lr 0.0153  # full fine-tuning's lr, on validation
     python docs/benchmarks/text_accuracy.py report
 
 ``run`` resumes where it stopped (results in docs/results/text-accuracy.json). Options:
@@ -206,7 +206,7 @@ def cmd_run(a) -> None:
     cmd_report(a)
 
 
-FULL_LRS = (3e-5, 1e-4, 3e-4)  # full fine-tuning's learning rates tried (Adam, lot 512)
+FULL_LRS = (3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2)  # full fine-tuning: the pretrained weights' rates tried (Adam, lot 512)
 OPACUS_FULL_PHYSICAL = 16  # Opacus clips a full fine-tuning lot in pieces of this many texts
 
 
@@ -410,7 +410,9 @@ def main() -> None:
     sel.add_argument("--kind", default="full")
     sel.add_argument("--eps", type=float, default=3.0)
     sel.add_argument("--lrs", nargs="+", type=float, default=list(FULL_LRS))
-    sel.add_argument("--head-lr", type=float, default=None, help="the head's learning rate (default: lr)")
+    sel.add_argument(
+        "--head-lr", type=float, default=None, help="the head's learning rate (default: lr; the configs: 0.0153)"
+    )
     sel.add_argument("--workdir", default="/tmp/text-accuracy")
     sub.add_parser("report")
     a = ap.parse_args()
