@@ -26,6 +26,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -87,11 +88,27 @@ def ours_cli(config: Path, seed: int, workdir: Path, extra: list[str] = ()) -> d
     """Run `dp-platform train CONFIG --init-seed SEED` and read its summary."""
     cmd = CLI + ["train", str(config), "--init-seed", str(seed), "--quiet", "--registered-model", "none", *extra]
     t0 = time.time()
-    out = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
+    child = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = child.communicate()
+    except BaseException:  # interrupted (Ctrl-C, or SIGTERM through stop_on_sigterm): no orphan run
+        child.terminate()  # the CLI stops its run and its Ray cluster on SIGTERM
+        child.wait()
+        raise
     wall = time.time() - t0
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-    return {**summary_row(out.stdout), "wall_s": wall, "command": " ".join(["dp-platform"] + cmd[1:])}
+    if child.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{stdout[-2000:]}\n{stderr[-3000:]}")
+    return {**summary_row(stdout), "wall_s": wall, "command": " ".join(["dp-platform"] + cmd[1:])}
+
+
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM (``kill``, ``pkill``) into SystemExit, so a benchmark stopped that way stops
+    the training run it started instead of leaving it running."""
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def summary_row(text: str) -> dict:
@@ -853,6 +870,7 @@ def main(argv=None) -> int:
             help="where runs, caches and mlflow.db go",
         )
     a = p.parse_args(argv)
+    stop_on_sigterm()
     if a.cmd == "speed-child":
         print(json.dumps(speed_child(a.mode, config_path(3), Path(a.workdir))))
         return 0

@@ -49,6 +49,7 @@ from fashion_mnist import (  # noqa: E402
     ours_cli,
     plan_and_data,
     save_results,
+    stop_on_sigterm,
     trained_module,
 )
 
@@ -416,6 +417,7 @@ def main() -> None:
     sel.add_argument("--workdir", default="/tmp/text-accuracy")
     sub.add_parser("report")
     a = ap.parse_args()
+    stop_on_sigterm()
     {"run": cmd_run, "select-lr": cmd_select_lr, "report": cmd_report}[a.cmd](a)
 
 
