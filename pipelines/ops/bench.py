@@ -33,15 +33,17 @@ def _data(shape, batch):
     return torch.randn((batch,) + shape, generator=g), torch.randint(0, 10, (batch,), generator=g)
 
 
-def _non_private(make, x, y, autocast: str = "none"):
+def _non_private(make, x, y, autocast: str = "none", pieces: int = 1):
+    """One step: ``pieces`` forward/backward passes of (x, y), gradients summed, one update."""
     model = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def step():
         opt.zero_grad(set_to_none=True)
-        with dpcore.precision.forward_autocast(autocast, x):
-            loss = F.cross_entropy(model(x), y)
-        loss.backward()
+        for _ in range(pieces):
+            with dpcore.precision.forward_autocast(autocast, x):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
         opt.step()
 
     return step
@@ -65,18 +67,21 @@ def _our_optimizer(model, lot: int, physical: int, **kw) -> dpcore.DPOptimizer:
     )
 
 
-def _ours(make, x, y, clipping, autocast: str = "none"):
+def _ours(make, x, y, clipping, autocast: str = "none", pieces: int = 1):
+    """One step: a lot of ``pieces`` copies of (x, y), clipped in physical batches of len(x),
+    then one release (one noise draw) and one update."""
     model = make()
-    opt = _our_optimizer(model, x.shape[0], x.shape[0], clipping=clipping, autocast=autocast)
+    opt = _our_optimizer(model, pieces * x.shape[0], x.shape[0], clipping=clipping, autocast=autocast)
 
     def step():
-        opt.accumulate(x, y)
+        for _ in range(pieces):
+            opt.accumulate(x, y)
         opt.step()
 
     return step, opt
 
 
-def _opacus(make, x, y, mode):
+def _opacus(make, x, y, mode, pieces: int = 1):
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -104,8 +109,13 @@ def _opacus(make, x, y, mode):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        criterion(model(x), y).backward()
-        opt.step()
+        for i in range(pieces):  # as Opacus's BatchMemoryManager: clip each piece, noise at the last
+            criterion(model(x), y).backward()
+            if pieces > 1:
+                opt.signal_skip_step(do_skip=i < pieces - 1)
+            opt.step()
+            if i < pieces - 1:
+                opt.zero_grad(set_to_none=True)  # the per-sample gradients; the clipped sum stays
 
     return step
 
