@@ -203,6 +203,9 @@ def plan_run(cfg: TrainConfig, on_checked: Callable[[], None] | None = None) -> 
             f"inputs of shape {input_shape}."
         )
     model = build_run_model(cfg, input_shape, manifest["num_classes"])
+    if cfg.model.startswith("hf:") and model.pooling != cfg.pooling:  # 'auto' resolved once, here, from the
+        # public model folder: every worker, a resume and the logged model then build the same head
+        cfg = dataclasses.replace(cfg, pooling=model.pooling)
     dpcore.validate_model(model)
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if cfg.audit_canaries and cfg.audit_kind == "input" and cfg.audit_canaries > n:

@@ -175,7 +175,8 @@ def _unwrapped(model: nn.Module) -> nn.Module:
 def declared_pooling(where: str) -> str | None:
     """The pooling a sentence-transformers model declares (``1_Pooling/config.json``, found
     through its ``modules.json``): ``mean``, ``cls``, another mode's name, or None (no declaration,
-    or a hub model that cannot be reached)."""
+    or the hub model has no such file). A hub model that cannot be reached is an error: its
+    declaration is unknown, and guessing would train a head the logged model may not match."""
     import json
 
     def read(file: str) -> str | None:
@@ -184,12 +185,19 @@ def declared_pooling(where: str) -> str | None:
             return path.read_text()
         if Path(where).exists():
             return None
-        try:  # a hub name
-            from huggingface_hub import hf_hub_download
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import RemoteEntryNotFoundError
 
+        try:  # a hub name
             return Path(hf_hub_download(where, file)).read_text()
-        except Exception:  # no network, or no such file: nothing declared
+        except RemoteEntryNotFoundError:  # the hub says the model has no such file: nothing declared
             return None
+        except Exception as e:  # no network, offline and not cached, …
+            raise DPConfigError(
+                f"pooling='auto' reads the pooling that the hub model {where!r} declares ({file}), and it could not "
+                f"be fetched ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Set pooling to 'cls' "
+                f"or 'mean'."
+            ) from None
 
     modules = read("modules.json")
     folder = next(
@@ -215,14 +223,23 @@ def _pooling(model: nn.Module, requested: str, where: str, name: str) -> str:
         pooling = "mean" if declared_pooling(where) == "mean" else "cls"
     if pooling == "mean":
         head = getattr(model, "classifier", None)
-        linear = isinstance(head, nn.Linear) and head.in_features == getattr(model.config, "hidden_size", None)
+        hidden = getattr(model.config, "hidden_size", None)
+        linear = isinstance(head, nn.Linear) and head.in_features == hidden
         if not linear or hasattr(model, "pre_classifier"):  # DistilBERT: a two-layer head on the first token
             if requested == "auto":
                 return "cls"
-            shape = "pre_classifier and classifier" if linear else type(head).__name__
+            if head is None:
+                found = next((h for h in HEAD_NAMES if hasattr(model, h)), None)
+                shape = "no 'classifier' layer" + (f" (its head is {found!r})" if found else "")
+            elif isinstance(head, nn.Linear) and not linear:
+                shape = f"a classifier Linear({head.in_features}, …) that does not read the hidden size {hidden}"
+            elif linear:
+                shape = "a two-layer head (pre_classifier and classifier)"
+            else:
+                shape = f"a {type(head).__name__} classifier"
             raise DPConfigError(
                 f"pooling='mean' needs a classification head that is one Linear layer on the hidden vectors "
-                f"(BERT-family models); {name}'s head is {shape}. Use pooling='cls'."
+                f"(BERT-family models); {name} has {shape}. Use pooling='cls'."
             )
     return pooling
 
@@ -249,13 +266,13 @@ def load_classifier(
         if isinstance(m, nn.Dropout):
             m.p = 0.0
     pooling = _pooling(model, pooling, where, name)
-    if pooling == "mean":  # the pooler is not used: frozen, it gets no gradient and costs no noise
-        pooler = getattr(getattr(model, model.base_model_prefix), "pooler", None)
-        for p in pooler.parameters() if pooler is not None else ():
+    unused = unused_poolers(model) if pooling == "mean" else []
+    for module in unused:  # frozen: it gets no gradient and costs no noise
+        for p in model.get_submodule(module).parameters():
             p.requires_grad_(False)
     if lora.rank:
         with _Quiet():
-            model = add_lora(model, lora, name)
+            model = add_lora(model, lora, name, exclude=unused)
     model.train()  # from_pretrained leaves it in eval mode; a new torch module is in train mode (dropout is off)
     return HFClassifier(model, tokenizer.pad_token_id, config.model_type, name, pooling), tokenizer
 
@@ -283,21 +300,39 @@ class _Quiet:
             self.hf.enable_progress_bar()
 
 
-def add_lora(model: nn.Module, lora: LoraOptions, name: str) -> nn.Module:
-    """peft's LoRA adapters on ``lora.targets``; the base model frozen, the head trainable."""
+def unused_poolers(model: nn.Module) -> list[str]:
+    """The names of the model's pooler modules (BERT's ``bert.pooler``, DeBERTa's ``pooler``),
+    which mean pooling does not use."""
+    return [n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] == "pooler"]
+
+
+def add_lora(model: nn.Module, lora: LoraOptions, name: str, exclude: list[str] = ()) -> nn.Module:
+    """peft's LoRA adapters on ``lora.targets``, none inside the modules ``exclude`` (an unused
+    pooler: an adapter there would train on noise alone); the base model frozen, the head
+    trainable."""
     from peft import LoraConfig, TaskType, get_peft_model
 
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+    inside = tuple(f"{e}." for e in exclude)
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linear = sorted({n.rsplit(".", 1)[-1] for n in linears})
     unknown = [t for t in lora.targets if t not in linear]
     if unknown:
         raise DPConfigError(
             f"lora target modules {unknown} match no Linear layer of {name}; its Linear layers are named: "
             f"{', '.join(linear)}."
         )
+    only_unused = [t for t in lora.targets if all(n.startswith(inside) for n in linears if n.rsplit(".", 1)[-1] == t)]
+    if inside and only_unused:
+        raise DPConfigError(
+            f"lora target modules {only_unused} of {name} are only in its pooler ({', '.join(exclude)}), which "
+            f"pooling='mean' does not use. Target other layers, or use pooling='cls'."
+        )
+    skipped = [n for n in linears if n.startswith(inside)] if inside else []
     config = LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha if lora.alpha is not None else 2 * lora.rank,
         target_modules=list(lora.targets),
+        exclude_modules=skipped or None,
         lora_dropout=0.0,
         task_type=TaskType.SEQ_CLS,
     )

@@ -314,7 +314,7 @@ class Worker:
             # (Whether the first-batch check later fell back to vmap depends on the private data,
             # so it is not logged here: only the workers' warning says so.)
             self.tracker.tag("clipping.chosen", self.private.optimizer.clipping)
-            if hasattr(self.model, "pooling"):  # hf: models; 'auto' resolved from the model folder (public)
+            if self.cfg.model.startswith("hf:"):  # 'auto' was resolved by the plan, from the model folder (public)
                 self.tracker.tag("text.pooling", self.model.pooling)
             if fitted is not None:
                 self.tracker.tag("physical_batch_size.fitted", str(fitted["physical_batch_size"]))

@@ -166,10 +166,50 @@ def test_mean_pooling_is_refused_for_a_head_that_is_not_one_linear_layer(minilm,
         shutil.copy(minilm / f, folder / f)
     shutil.copytree(minilm / "1_Pooling", folder / "1_Pooling")  # declares mean
     with pytest.raises(
-        dpcore.DPConfigError, match="one Linear layer on the hidden vectors.*head is pre_classifier and classifier"
+        dpcore.DPConfigError, match=r"one Linear layer on the hidden vectors.*two-layer head \(pre_classifier and"
     ):
         _load(folder, pooling="mean")
     assert _load(folder)[0].pooling == "cls"
+
+
+def test_lora_under_mean_pooling_puts_no_adapter_in_the_unused_pooler(minilm):
+    """With ``dense`` among the targets (a name the pooler shares with the encoder's layers),
+    mean pooling leaves the pooler without adapters: one there would get only noise. Under
+    [CLS] pooling, which uses the pooler, it gets them."""
+    mean, _ = _load(minilm, rank=4, pooling="mean", targets=("query", "value", "dense"))
+    trainable = [n for n, p in mean.named_parameters() if p.requires_grad]
+    assert not [n for n, _ in mean.named_parameters() if ".pooler." in n and "lora_" in n]
+    assert any(".attention.output.dense.lora_A" in n for n in trainable)  # the encoder's dense layers have them
+    cls, _ = _load(minilm, rank=4, pooling="cls", targets=("query", "value", "dense"))
+    assert [n for n, p in cls.named_parameters() if p.requires_grad and ".pooler." in n] == [
+        "model.base_model.model.bert.pooler.dense.lora_A.default.weight",
+        "model.base_model.model.bert.pooler.dense.lora_B.default.weight",
+    ]
+
+
+def test_lora_targets_found_only_in_an_unused_pooler_are_refused():
+    from torch import nn
+
+    from pipelines.text.hf import add_lora
+
+    model = nn.Module()
+    model.encoder, model.pooler = nn.Module(), nn.Module()
+    model.encoder.query, model.pooler.proj = nn.Linear(4, 4), nn.Linear(4, 4)
+    with pytest.raises(dpcore.DPConfigError, match=r"\['proj'\] of toy are only in its pooler \(pooler\)"):
+        add_lora(model, LoraOptions(2, targets=("query", "proj")), "toy", exclude=["pooler"])
+
+
+def test_auto_pooling_of_a_hub_model_out_of_reach_is_an_error_not_a_guess(monkeypatch, tmp_path):
+    """Offline, the declaration of a hub model cannot be read: ``auto`` says so and asks for an
+    explicit pooling, instead of falling back to [CLS] in one process and not in another."""
+    from huggingface_hub import constants
+
+    from pipelines.text.hf import declared_pooling
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # nothing cached
+    with pytest.raises(dpcore.DPConfigError, match="could not be fetched.*Set pooling to 'cls' or 'mean'"):
+        declared_pooling("sentence-transformers/all-MiniLM-L6-v2")
 
 
 def test_a_private_lora_step_stays_on_book_keeping_and_leaves_the_base_frozen(minilm):

@@ -164,3 +164,27 @@ def test_the_email_view_is_an_ingest_option_recorded_in_the_source(minilm, tmp_p
     assert not torch.equal(ds.train.x, whole.train.x)
     with pytest.raises(dpcore.DPConfigError, match="email_view='body' is unknown"):
         load_text_dataset("spamassassin", str(root), minilm, email_view="body")
+
+
+def test_the_plan_resolves_auto_pooling_once_for_the_workers_a_resume_and_the_logged_model(minilm, tmp_path):
+    """``pooling: auto`` is decided on the driver from the model folder (all-MiniLM-L6-v2
+    declares mean pooling) and the plan carries the answer, so no worker, resume or logged model
+    decides it again (a hub model out of reach could otherwise give a different head)."""
+    from pipelines.config import TrainConfig
+    from pipelines.plan import plan_run
+
+    base = dict(
+        dataset="spamassassin",
+        data_dir=str(_spam_tree(tmp_path / "corpus")),
+        model=minilm,
+        max_length=16,
+        lot_size=4,
+        epochs=1,
+        target_epsilon=8.0,
+        num_workers=1,
+        storage_path=str(tmp_path / "runs"),
+        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+        quiet=True,
+    )
+    assert plan_run(TrainConfig(**base)).config["pooling"] == "mean"
+    assert plan_run(TrainConfig(pooling="cls", **base)).config["pooling"] == "cls"

@@ -39,11 +39,13 @@ def _trained(folder, rank, pooling):
     return clf, tokenizer
 
 
-@pytest.mark.parametrize("rank, pooling", [(4, "cls"), (0, "auto")], ids=["lora-cls", "full-mean"])
+@pytest.mark.parametrize(
+    "rank, pooling", [(4, "cls"), (4, "mean"), (0, "auto")], ids=["lora-cls", "lora-mean", "full-mean"]
+)
 def test_a_text_classifier_is_logged_registered_and_loads_back(minilm_folder, tmp_path, rank, pooling):
     """Loaded back, it pools as it was trained to (the pooling, resolved, is in ``text.json``)."""
     clf, tokenizer = _trained(minilm_folder, rank, pooling)
-    assert clf.pooling == ("cls" if rank else "mean")
+    assert clf.pooling == ("mean" if pooling in ("auto", "mean") else "cls")
     meta = {
         "base_model": f"hf:{minilm_folder}",
         "lora_rank": rank,
