@@ -358,8 +358,8 @@ def _plot(rows, majority: float | None) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for kind in sorted({r["kind"] for r in rows}, reverse=True):
-        for impl, style in (("ours", "o-"), ("opacus", "s--")):
+    for k, kind in enumerate(sorted({r["kind"] for r in rows}, reverse=True)):
+        for impl, style, color in (("ours", "o-", f"C{2 * k}"), ("opacus", "s--", f"C{2 * k + 1}")):
             pts = {}
             for r in rows:
                 if r["kind"] == kind and r["impl"] == impl and r["epsilon_target"]:
@@ -373,12 +373,13 @@ def _plot(rows, majority: float | None) -> None:
                     [float(a.mean()) for a in acc],
                     yerr=std,
                     fmt=style,
+                    color=color,
                     capsize=3,
                     label=f"{kind}, {'this platform' if impl == 'ours' else 'Opacus 1.6'} (mean ± std over seeds)",
                 )
         npv = [r["test_accuracy"] for r in rows if r["kind"] == kind and r["impl"] == "non-private"]
         if npv:
-            ax.axhline(100 * sum(npv) / len(npv), ls=":", color="gray", label=f"{kind}, non-private")
+            ax.axhline(100 * sum(npv) / len(npv), ls=":", color=f"C{2 * k}", label=f"{kind}, non-private")
     if majority:
         ax.axhline(100 * majority, ls="-.", color="lightgray", label="always 'ham' (its share of the test split)")
     ax.set_xscale("log")
