@@ -179,12 +179,15 @@ def opacus_train(
     stop_at: float | None = None,
     finish=None,
     physical: int | None = None,
+    mode: str = "hooks",
 ) -> dict:
     """Opacus's Poisson sampler, GradSampleModule (hooks) and DPOptimizer at our σ, q and step
     count. ``finish(module, ema)``, if given, returns more results from the trained module.
     ``physical``: each lot is clipped in pieces of at most that many examples and noised once,
     as Opacus's BatchMemoryManager does (skipped steps accumulate the clipped sum); None: each
-    lot in one piece."""
+    lot in one piece. ``mode``: ``hooks`` (GradSampleModule: per-sample gradients) or ``ghost``
+    (Opacus's ghost clipping: per-sample norms without per-sample gradients, and a second
+    backward pass for the clipped sum); the same mechanism either way."""
     from opacus import GradSampleModule
     from opacus.accountants import PRVAccountant
     from opacus.optimizers import DPOptimizer
@@ -197,14 +200,33 @@ def opacus_train(
     n, q, sigma = len(ytr), spec.sample_rate, spec.noise_multiplier
     steps = steps or spec.steps
     module = trained_module(cfg, spec, seed)
-    gsm = GradSampleModule(module)
-    opt = DPOptimizer(
-        make_optimizer(cfg, module),  # its trainable parameters (LoRA: adapters and head)
-        noise_multiplier=sigma,
-        max_grad_norm=cfg.clip_norm,
-        expected_batch_size=int(round(q * n)),
-        loss_reduction="mean",
-    )
+    if mode == "ghost":
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping
+        from opacus.optimizers import DPOptimizerFastGradientClipping
+        from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+        gsm = GradSampleModuleFastGradientClipping(module, max_grad_norm=cfg.clip_norm, use_ghost_clipping=True)
+        opt = DPOptimizerFastGradientClipping(
+            make_optimizer(cfg, module),
+            noise_multiplier=sigma,
+            max_grad_norm=cfg.clip_norm,
+            expected_batch_size=int(round(q * n)),
+            loss_reduction="mean",
+        )
+        ghost_loss = DPLossFastGradientClipping(gsm, opt, torch.nn.CrossEntropyLoss(), loss_reduction="mean")
+        loss_of = ghost_loss  # its backward: norms, then the clipped sum into .grad
+    elif mode == "hooks":
+        gsm = GradSampleModule(module)
+        opt = DPOptimizer(
+            make_optimizer(cfg, module),  # its trainable parameters (LoRA: adapters and head)
+            noise_multiplier=sigma,
+            max_grad_norm=cfg.clip_norm,
+            expected_batch_size=int(round(q * n)),
+            loss_reduction="mean",
+        )
+        loss_of = F.cross_entropy
+    else:
+        raise ValueError(f"mode={mode!r}: 'hooks' or 'ghost'")
     ema = dpcore.ParameterEMA(module, cfg.ema_decay) if cfg.ema_decay is not None else None
     g = torch.Generator().manual_seed(10_000 + seed)
     sampler = UniformWithReplacementSampler(num_samples=n, sample_rate=q, generator=g)
@@ -217,7 +239,7 @@ def opacus_train(
             opt.zero_grad(set_to_none=True)
             pieces = idx.split(physical) if physical and len(idx) > physical else (idx,)
             for i, part in enumerate(pieces):
-                F.cross_entropy(gsm(xtr[part]), ytr[part]).backward()
+                loss_of(gsm(xtr[part]), ytr[part]).backward()
                 last = i == len(pieces) - 1
                 opt.signal_skip_step(do_skip=not last)  # clip and accumulate; noise once, at the last piece
                 opt.step()

@@ -86,7 +86,8 @@ class HFClassifier(nn.Module):
         mask = torch.zeros(ids.shape, dtype=dtype, device=ids.device).masked_fill(padding, torch.finfo(dtype).min)
         extra = {}
         if self.positions:
-            extra["position_ids"] = torch.arange(length, device=ids.device).expand(batch, length)
+            # contiguous (not an expanded view): Opacus's ghost clipping reshapes the ids with view()
+            extra["position_ids"] = torch.arange(length, device=ids.device).repeat(batch, 1)
         if self.token_types:
             extra["token_type_ids"] = torch.zeros_like(ids)
         extra["attention_mask"] = mask[:, None, None, :]
