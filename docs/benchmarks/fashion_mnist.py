@@ -213,8 +213,8 @@ def opacus_train(
             expected_batch_size=int(round(q * n)),
             loss_reduction="mean",
         )
-        ghost_loss = DPLossFastGradientClipping(gsm, opt, torch.nn.CrossEntropyLoss(), loss_reduction="mean")
-        loss_of = ghost_loss  # its backward: norms, then the clipped sum into .grad
+        # its backward: the norms, then the clipped sum into .grad
+        loss_of = DPLossFastGradientClipping(gsm, opt, torch.nn.CrossEntropyLoss(), loss_reduction="mean")
     elif mode == "hooks":
         gsm = GradSampleModule(module)
         opt = DPOptimizer(
