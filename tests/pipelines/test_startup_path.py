@@ -109,8 +109,13 @@ def test_a_plan_that_fails_after_the_cluster_began_stops_it_and_says_why(tmp_pat
             run(cfg)
         except dpcore.DPConfigError as e:
             error = str(e)
-        children = [p for p in os.listdir("/proc") if p.isdigit() and
-                    open(f"/proc/{{p}}/stat").read().rsplit(")", 1)[1].split()[1] == str(os.getpid())]
+        def parent(pid):  # None once the process has exited (it is then not a child left running)
+            try:
+                with open(f"/proc/{{pid}}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[1]
+            except (FileNotFoundError, ProcessLookupError):
+                return None
+        children = [p for p in os.listdir("/proc") if p.isdigit() and parent(p) == str(os.getpid())]
         print(json.dumps({{"began": began, "error": error, "initialized": ray.is_initialized(), "children": children}}))
         """
     )
