@@ -33,12 +33,34 @@ class Context:
 DropBad = Callable[[torch.Tensor | None], torch.Tensor | None]
 
 
+@dataclass
+class RowUpdate:
+    """A clipped sum that is non-zero only in some rows of a large parameter (a token table):
+    ``rows[k]`` is added into row ``index[k]`` (an index may repeat; its rows add up). Added
+    into a running sum directly, it never forms a tensor of the parameter's full size."""
+
+    index: torch.Tensor  # [P] long
+    rows: torch.Tensor  # [P, ...] in the parameter's dtype
+    shape: torch.Size
+
+    def add_to(self, total: torch.Tensor) -> None:
+        total.index_add_(0, self.index, self.rows.to(total.dtype))
+
+    def dense(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.rows.dtype, device=self.rows.device).index_add_(
+            0, self.index, self.rows
+        )
+
+
 class Part:
     """One layer's per-example data, kept between the norms and the clipped sum."""
 
-    def contributions(self, factors: torch.Tensor, wide: bool, drop_bad: DropBad) -> list[tuple[str, torch.Tensor]]:
+    def contributions(
+        self, factors: torch.Tensor, wide: bool, drop_bad: DropBad
+    ) -> list[tuple[str, torch.Tensor | RowUpdate]]:
         """(parameter name within the layer, Σ_i f_i·grad_i) for each trainable parameter, in
-        the parameter's dtype; summed in float64 when ``wide``."""
+        the parameter's dtype (a :class:`RowUpdate` where only some rows are non-zero); summed
+        in float64 when ``wide``."""
         raise NotImplementedError
 
 

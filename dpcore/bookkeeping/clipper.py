@@ -10,7 +10,7 @@ from torch import nn
 from ..clipping import clip_factors
 from ..grad_sample import LossFn
 from ..precision import check_autocast, forward_autocast, widen
-from .base import Context, Unsupported
+from .base import Context, RowUpdate, Unsupported
 from .registry import form_for
 
 
@@ -160,9 +160,14 @@ class BookKeepingClipper:
             return 0
         sq, parts = self.measure(x, y, clip_norm)
         factors, finite = clip_factors(sq.sqrt(), clip_norm)
-        contributions = self.contributions(parts, factors, finite)
+        contributions = self.contributions(parts, factors, finite, rows=True)
         for key, value in contributions:  # all computed first: nothing is added if anything above fails
-            if key in out:
+            if isinstance(value, RowUpdate):
+                if key in out:
+                    value.add_to(out[key])
+                else:
+                    out[key] = value.dense()
+            elif key in out:
                 out[key].add_(value.to(out[key].dtype))
             else:
                 out[key] = value
@@ -196,9 +201,13 @@ class BookKeepingClipper:
             parts.append((name, form.per_example(m, widen(a, pdtype), g, sq, ctx)))
         return sq, parts
 
-    def contributions(self, parts: list, factors: torch.Tensor, finite: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def contributions(
+        self, parts: list, factors: torch.Tensor, finite: torch.Tensor, rows: bool = False
+    ) -> list[tuple[str, torch.Tensor | RowUpdate]]:
         """(parameter name, Σ_i f_i·grad_i) for every trainable parameter; the rows where
-        ``finite`` is false contribute exactly zero."""
+        ``finite`` is false contribute exactly zero. With ``rows``, a parameter whose sum is
+        non-zero only in some rows (a token table) comes as a :class:`RowUpdate` to add into a
+        running sum; else every sum is a dense tensor."""
         n_bad = int((~finite).sum())
         # A factor below the dtype's smallest normal number loses precision when cast (a gradient
         # of norm ≳1e32·C in float32): then this batch is summed in float64, as the reference does.
@@ -212,7 +221,7 @@ class BookKeepingClipper:
             return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype))
 
         return [
-            (f"{name}.{pname}" if name else pname, value)
+            (f"{name}.{pname}" if name else pname, value if rows or not isinstance(value, RowUpdate) else value.dense())
             for name, part in parts
             for pname, value in part.contributions(factors, wide, drop_bad)
         ]

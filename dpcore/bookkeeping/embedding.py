@@ -4,8 +4,11 @@ Example i's gradient is W_i = Σ_t e_{x_t} g_tᵀ: its output gradients g_t adde
 its tokens x_t. Only the rows of the tokens it holds are non-zero, so the form keeps, for each
 (example, distinct token) pair, the sum S of that token's output gradients in the example
 (float64). ‖W_i‖² is the sum of ‖S‖² over the example's pairs: exact, and O(B·T·D) whatever
-the vocabulary. The clipped sum adds f_i·S into each pair's row, in float64, so each example's
-share is the very vector whose norm was measured. Positions holding ``padding_idx`` get no
+the vocabulary. Each pair's share f_i·S is formed in float64 (the very vector whose norm was
+measured, rounded once to the table's dtype) and added into its token's row of the running sum
+(:class:`~dpcore.bookkeeping.base.RowUpdate`): no tensor of the table's size is formed per
+batch. Rows of one token from several examples add up in the table's dtype, as the examples of
+any layer do. Positions holding ``padding_idx`` get no
 gradient, as in ``nn.Embedding``.
 
 Refused: ``max_norm`` (the forward renormalises rows of the table in place), ``sparse=True``,
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import Context, LayerForm, Part, Unsupported, dtypes
+from .base import Context, LayerForm, Part, RowUpdate, Unsupported, dtypes
 
 
 @dataclass
@@ -36,8 +39,7 @@ class EmbeddingPart(Part):
         # exactly zero (never 0·NaN). Its finite rows add 0·S = 0.
         S = torch.where(torch.isfinite(self.S), self.S, torch.zeros((), dtype=self.S.dtype))
         rows = S * factors.to(torch.float64)[self.example].unsqueeze(1)
-        w = torch.zeros(self.m.weight.shape, dtype=torch.float64, device=S.device).index_add_(0, self.token, rows)
-        return [("weight", w.to(pdtype))]
+        return [("weight", RowUpdate(self.token, rows.to(pdtype), self.m.weight.shape))]
 
 
 class EmbeddingForm(LayerForm):

@@ -60,6 +60,27 @@ def test_text_layers_equal_the_vmap_clipped_sum(padding_idx, clip):
         assert torch.equal(got["emb.weight"][padding_idx], torch.zeros(12))
 
 
+def test_the_token_tables_rows_add_into_a_running_sum_like_the_reference():
+    """A lot of several physical batches: the table's clipped rows go straight into the sum
+    already there (no table-sized tensor per batch), and the lot's sum equals the reference's
+    sum of the batches; a dense sum is still what contributions() gives by default."""
+    torch.manual_seed(2)
+    model = TinyText()
+    clipper = BookKeepingClipper(model, F.cross_entropy)
+    sums = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    want = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for seed in range(3):
+        x, y = _tokens(seed=seed)
+        clipper.clipped_sum(x, y, 0.5, sums)
+        for k, v in _reference(model, x, y, 0.5)[0].items():
+            want[k] += v
+    for k in want:
+        torch.testing.assert_close(sums[k], want[k], rtol=1e-5, atol=1e-6)
+    sq, parts = clipper.measure(*_tokens(), 0.5)
+    dense = dict(clipper.contributions(parts, torch.ones_like(sq), torch.ones_like(sq, dtype=torch.bool)))
+    assert all(isinstance(v, torch.Tensor) and v.shape == sums[k].shape for k, v in dense.items())
+
+
 def test_embedding_norms_are_exact_in_float64_with_repeated_tokens():
     """Each example's squared norm, repeated tokens summed before squaring, to 1e-12 in float64."""
     torch.manual_seed(2)
