@@ -5,8 +5,10 @@
 tokenizer's pad id) to logits [B, num_labels], and the tokenizer. Three choices make it fit
 per-example clipping:
 
-* **Every input has the batch on dim 0.** The attention mask is built from the padding as an
-  additive [B, 1, 1, T] mask, and BERT-family models get explicit position ids [B, T]. (Their
+* **Every input has the batch on dim 0.** The attention mask is built from the padding as a
+  [B, 1, 1, T] mask (additive; DeBERTa's multiplicative, as it expects: an additive one would
+  turn its embeddings into NaN), and BERT-family (DistilBERT too) and DeBERTa models get explicit position ids
+  [B, T]. (Their
   default is one [1, T] row broadcast over the batch: the position table's output would then
   carry the whole batch's gradient, and book-keeping could not tell the examples apart.) The
   mask also keeps the forward free of data-dependent branches, so the vmap reference runs.
@@ -46,7 +48,10 @@ from dpcore import DPConfigError
 
 PREFIX = "hf:"
 # Model types whose default position ids are 0..T-1 (so passing them explicitly changes nothing).
-ZERO_BASED_POSITIONS = ("bert", "electra", "albert")
+ZERO_BASED_POSITIONS = ("bert", "distilbert", "electra", "albert", "deberta", "deberta-v2")
+# Model types that multiply by their attention mask (1: the text's token, 0: padding) where the
+# others add it (0, or the dtype's minimum): DeBERTa zeroes its padded embeddings with it.
+KEEP_MASKS = ("deberta", "deberta-v2")
 WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -76,6 +81,7 @@ class HFClassifier(nn.Module):
         self.pooling = pooling
         self.pad_token_id = int(pad_token_id)
         self.positions = model_type in ZERO_BASED_POSITIONS
+        self.keep_mask = model_type in KEEP_MASKS
         self.token_types = bool(getattr(model.config, "type_vocab_size", 0))
         self.source = source
 
@@ -83,7 +89,10 @@ class HFClassifier(nn.Module):
         batch, length = ids.shape
         dtype = next(p for p in self.model.parameters()).dtype
         padding = ids == self.pad_token_id
-        mask = torch.zeros(ids.shape, dtype=dtype, device=ids.device).masked_fill(padding, torch.finfo(dtype).min)
+        if self.keep_mask:
+            mask = (~padding).to(dtype)
+        else:
+            mask = torch.zeros(ids.shape, dtype=dtype, device=ids.device).masked_fill(padding, torch.finfo(dtype).min)
         extra = {}
         if self.positions:
             # contiguous (not an expanded view): Opacus's ghost clipping reshapes the ids with view()

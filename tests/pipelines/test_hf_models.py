@@ -302,3 +302,69 @@ def test_pooling_is_checked_in_the_config():
         TrainConfig(model="cnn", pooling="mean").validate()
     with pytest.raises(dpcore.DPConfigError, match="pooling.*max"):
         TrainConfig(dataset="spamassassin", data_dir="/nonexistent", model="hf:models/x", pooling="max").validate()
+
+
+SMALL = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+# (config class, its extra options, the clipping path a private step keeps: book-keeping, or
+# vmap where the architecture has what book-keeping refuses, and the warning's reason)
+ARCHITECTURES = {
+    "bert": ("BertConfig", {}, "bookkeeping"),
+    "roberta": ("RobertaConfig", {}, "bookkeeping"),
+    "electra": ("ElectraConfig", {"embedding_size": 32}, "bookkeeping"),
+    "deberta-v2": ("DebertaV2Config", {}, "bookkeeping"),
+    "distilbert": ("DistilBertConfig", {}, "bookkeeping"),
+    "albert": ("AlbertConfig", {"embedding_size": 16}, "ran 2 times in one forward"),  # one layer, shared by depth
+    "deberta": ("DebertaConfig", {}, "q_bias"),  # its own LayerNorm type, and q_bias/v_bias outside any Linear
+}
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_each_architecture_computes_what_hugging_face_computes_and_clips_privately(minilm, tmp_path, arch):
+    """Random tiny models of each family, with all-MiniLM-L6-v2's tokenizer: the classifier's
+    logits on padded texts of different lengths equal the Hugging Face model's own (a [B, T]
+    0/1 mask, its default positions), so the batch-shaped mask and position ids change nothing
+    (DeBERTa multiplies by its mask: an additive one gave NaN); and a private step keeps
+    book-keeping after its first-batch check, or says why it takes the vmap path."""
+    import transformers
+
+    name, extra, clipping = ARCHITECTURES[arch]
+    if arch == "distilbert":
+        config = transformers.DistilBertConfig(vocab_size=30522, dim=32, hidden_dim=64, n_layers=2, n_heads=2)
+    else:
+        config = getattr(transformers, name)(**SMALL, **extra)
+    config.pad_token_id, config.num_labels = 0, 2
+    assert config.model_type == arch
+    torch.manual_seed(0)
+    transformers.AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / arch)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(minilm / f, tmp_path / arch / f)
+    model, tokenizer = _load(tmp_path / arch, pooling="cls")
+    ids = _batch(tokenizer, length=20)
+    assert (ids == tokenizer.pad_token_id).any(1).all()  # every text is padded
+    with torch.no_grad():
+        ours = model(ids)
+        theirs = model.model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits
+    assert torch.isfinite(ours).all()
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    opt = dpcore.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model=model,
+        loss_fn=F.cross_entropy,
+        noise_multiplier=1.0,
+        clip_norm=1.0,
+        sample_rate=0.1,
+        dataset_size=60,
+        randomness=dpcore.SeededRandomness(0),
+        ledger=dpcore.PrivacyLedger(None, 1e-5),
+        clipping="auto",
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.accumulate(ids, LABELS)
+        opt.step()
+    if clipping == "bookkeeping":
+        assert opt.clipping == "bookkeeping", [str(w.message) for w in caught]
+    else:  # refused at the first batch (with a warning), or before it ("auto": the parameters it cannot handle)
+        assert opt.clipping == "vmap"
+        reasons = [str(w.message) for w in caught] + unsupported_parameters(model)
+        assert any(clipping in r for r in reasons), reasons
