@@ -15,7 +15,9 @@ Modes: ``non-private`` (forward, backward, SGD step), ``ours`` (dpcore's DPOptim
 clipping after its first-batch check, secure noise), each also with the forward under bf16
 autocast (``-bf16``: the × column is then against ``non-private-bf16``), and Opacus 1.6: ``ghost`` (ghost clipping)
 for full fine-tuning, ``hooks`` for LoRA (as the issue asks; the other Opacus mode is run too
-where it works). Each (case, mode) runs in a fresh process, so that its peak resident memory
+where it works). Each (case, mode) runs in a fresh process, with glibc's malloc set to keep freed
+memory as the training workers do (:mod:`pipelines.allocator`; ``--malloc-defaults`` to compare),
+so that its peak resident memory
 (the model included) is its own: the peak during the timed steps (Linux's VmHWM, reset after the
 warm-up), and the peak of the warm-up step (ours: the step that runs the first-batch check, on a
 float64 copy of the model). The step time is the median of ``--steps`` steps after the warm-up.
@@ -40,7 +42,15 @@ MODES = {
 
 
 def child(
-    folder: str, kind: str, length: int, mode: str, batch: int, steps: int, threads: int, pieces: int = 1
+    folder: str,
+    kind: str,
+    length: int,
+    mode: str,
+    batch: int,
+    steps: int,
+    threads: int,
+    pieces: int = 1,
+    malloc_tune: bool = True,
 ) -> dict:
     import resource
     import statistics
@@ -49,6 +59,10 @@ def child(
 
     import torch
 
+    from pipelines.allocator import keep_freed_memory
+
+    if malloc_tune:
+        keep_freed_memory()  # as the training workers do, for every mode alike
     torch.set_num_threads(threads)
     from pipelines.ops.bench import _non_private, _opacus, _ours
     from pipelines.text.hf import LoraOptions, load_classifier
@@ -103,6 +117,12 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="+", default=["full", "lora"], choices=["full", "lora"])
     ap.add_argument("--lengths", nargs="+", type=int, default=[128, 256])
     ap.add_argument("--modes", nargs="+", help="only these modes (default: all of each kind's)")
+    ap.add_argument(
+        "--malloc-defaults",
+        action="store_true",
+        help="keep glibc's malloc defaults (by default freed memory is kept for reuse, as the training workers do, "
+        "for every mode alike)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -132,6 +152,7 @@ def main() -> None:
                     steps=a.steps,
                     threads=a.threads,
                     pieces=a.pieces,
+                    malloc_tune=not a.malloc_defaults,
                 )
                 print(f"  {kind} T={length} {mode} …", file=sys.stderr, flush=True)
                 res = subprocess.run(
@@ -158,7 +179,8 @@ def main() -> None:
     lot = f"lots of {a.pieces} × {a.batch} texts (one update each)" if a.pieces > 1 else f"batch {a.batch}"
     print(
         f"Text fine-tuning step: all-MiniLM-L6-v2, {lot}, median of {a.steps} steps after one warm-up, "
-        f"{a.threads} thread(s), torch {torch.__version__}, {platform.machine()}"
+        f"{a.threads} thread(s), torch {torch.__version__}, {platform.machine()}, "
+        f"{'malloc defaults' if a.malloc_defaults else 'freed memory kept (pipelines/allocator.py, as the workers)'}"
     )
     print(
         "| fine-tuning | T | mode | ms/step | × non-private | throughput ÷ Opacus best | peak RSS, steps (MiB) "
