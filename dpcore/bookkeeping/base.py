@@ -182,7 +182,8 @@ def row_sq_norms(W: torch.Tensor, clip_norm: float) -> torch.Tensor:
     if W.dtype != torch.float32 or clip_norm < F32_MIN_CLIP or n < 2 * F32_CHUNK:
         return torch.linalg.vector_norm(W, dim=1, dtype=torch.float64).square()
     head = n - n % F32_CHUNK
-    sq = torch.linalg.vector_norm(W[:, :head].reshape(rows, -1, F32_CHUNK), dim=2).double().square().sum(1)
+    chunks = torch.linalg.vector_norm(W[:, :head].reshape(rows, -1, F32_CHUNK), dim=2)  # float32
+    sq = torch.linalg.vector_norm(chunks, dim=1, dtype=torch.float64).square()  # the chunks summed in float64
     if head < n:
         sq += torch.linalg.vector_norm(W[:, head:], dim=1, dtype=torch.float64).square()
     if not bool(torch.isfinite(sq).all()):
