@@ -312,6 +312,13 @@ ARCHITECTURES = {
     "roberta": ("RobertaConfig", {}, "bookkeeping"),
     "electra": ("ElectraConfig", {"embedding_size": 32}, "bookkeeping"),
     "deberta-v2": ("DebertaV2Config", {}, "bookkeeping"),
+    # DeBERTa-v3's settings: relative attention, whose position keys go through query_proj too
+    "deberta-v2:relative": (
+        "DebertaV2Config",
+        {"relative_attention": True, "position_biased_input": False, "pos_att_type": ["p2c", "c2p"]}
+        | {"position_buckets": 16, "norm_rel_ebd": "layer_norm", "share_att_key": True},
+        "query_proj ran 2 times in one forward",
+    ),
     "distilbert": ("DistilBertConfig", {}, "bookkeeping"),
     "albert": ("AlbertConfig", {"embedding_size": 16}, "ran 2 times in one forward"),  # one layer, shared by depth
     "deberta": ("DebertaConfig", {}, "q_bias"),  # its own LayerNorm type, and q_bias/v_bias outside any Linear
@@ -333,12 +340,13 @@ def test_each_architecture_computes_what_hugging_face_computes_and_clips_private
     else:
         config = getattr(transformers, name)(**SMALL, **extra)
     config.pad_token_id, config.num_labels = 0, 2
-    assert config.model_type == arch
+    assert config.model_type == arch.split(":")[0]
     torch.manual_seed(0)
-    transformers.AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / arch)
+    folder = tmp_path / arch.replace(":", "-")
+    transformers.AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(minilm / f, tmp_path / arch / f)
-    model, tokenizer = _load(tmp_path / arch, pooling="cls")
+        shutil.copy(minilm / f, folder / f)
+    model, tokenizer = _load(folder, pooling="cls")
     ids = _batch(tokenizer, length=20)
     assert (ids == tokenizer.pad_token_id).any(1).all()  # every text is padded
     with torch.no_grad():
