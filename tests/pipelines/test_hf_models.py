@@ -48,6 +48,22 @@ def _load(folder, rank=0, pooling="auto", **kw):
         return load_classifier(f"hf:{folder}", 2, LoraOptions(rank, **kw), pooling)
 
 
+def _private_optimizer(model, lr: float) -> dpcore.DPOptimizer:
+    """SGD on the trainable weights, σ = C = 1, seeded noise, book-keeping where it applies."""
+    return dpcore.DPOptimizer(
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr),
+        model=model,
+        loss_fn=F.cross_entropy,
+        noise_multiplier=1.0,
+        clip_norm=1.0,
+        sample_rate=0.01,
+        dataset_size=600,
+        randomness=dpcore.SeededRandomness(0),
+        ledger=dpcore.PrivacyLedger(None, 1e-5),
+        clipping="auto",
+    )
+
+
 def _batch(tokenizer, length=24):
     return tokenizer(TEXTS, padding="max_length", truncation=True, max_length=length, return_tensors="pt")["input_ids"]
 
@@ -217,18 +233,7 @@ def test_a_private_lora_step_stays_on_book_keeping_and_leaves_the_base_frozen(mi
     model, tok = _load(minilm, rank=4)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    opt = dpcore.DPOptimizer(
-        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5),
-        model=model,
-        loss_fn=F.cross_entropy,
-        noise_multiplier=1.0,
-        clip_norm=1.0,
-        sample_rate=0.01,
-        dataset_size=600,
-        randomness=dpcore.SeededRandomness(0),
-        ledger=dpcore.PrivacyLedger(None, 1e-5),
-        clipping="auto",
-    )
+    opt = _private_optimizer(model, lr=0.5)
     assert opt.clipping == "bookkeeping"
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no fall-back to vmap
@@ -354,18 +359,7 @@ def test_each_architecture_computes_what_hugging_face_computes_and_clips_private
         theirs = model.model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits
     assert torch.isfinite(ours).all()
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
-    opt = dpcore.DPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        model=model,
-        loss_fn=F.cross_entropy,
-        noise_multiplier=1.0,
-        clip_norm=1.0,
-        sample_rate=0.1,
-        dataset_size=60,
-        randomness=dpcore.SeededRandomness(0),
-        ledger=dpcore.PrivacyLedger(None, 1e-5),
-        clipping="auto",
-    )
+    opt = _private_optimizer(model, lr=0.1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt.accumulate(ids, LABELS)
