@@ -8,8 +8,7 @@ the vocabulary. Each pair's share f_i·S is formed in float64 (the very vector w
 measured, rounded once to the table's dtype) and added into its token's row of the running sum
 (:class:`~dpcore.bookkeeping.base.RowUpdate`): no tensor of the table's size is formed per
 batch. Rows of one token from several examples add up in the table's dtype, as the examples of
-any layer do. Positions holding ``padding_idx`` get no
-gradient, as in ``nn.Embedding``.
+any layer do. Positions holding ``padding_idx`` get no gradient, as in ``nn.Embedding``.
 
 Refused: ``max_norm`` (the forward renormalises rows of the table in place), ``sparse=True``,
 and ``scale_grad_by_freq`` (it scales each token's gradient by its count in the whole batch,

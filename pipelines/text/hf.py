@@ -7,11 +7,11 @@ per-example clipping:
 
 * **Every input has the batch on dim 0.** The attention mask is built from the padding as a
   [B, 1, 1, T] mask (additive; DeBERTa's multiplicative, as it expects: an additive one would
-  turn its embeddings into NaN), and BERT-family (DistilBERT too) and DeBERTa models get explicit position ids
-  [B, T]. (Their
-  default is one [1, T] row broadcast over the batch: the position table's output would then
-  carry the whole batch's gradient, and book-keeping could not tell the examples apart.) The
-  mask also keeps the forward free of data-dependent branches, so the vmap reference runs.
+  turn its embeddings into NaN), and BERT-family (DistilBERT too) and DeBERTa models get
+  explicit position ids [B, T]. (Their default is one [1, T] row broadcast over the batch: the
+  position table's output would then carry the whole batch's gradient, and book-keeping could
+  not tell the examples apart.) The mask also keeps the forward free of data-dependent
+  branches, so the vmap reference runs.
 * **No dropout.** A dropout mask is random per call: the batched pass and the per-example
   reference would see different masks, and the first-batch check of book-keeping would
   (rightly) refuse it. It is common in DP fine-tuning to train without it.
