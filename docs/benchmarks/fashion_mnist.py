@@ -604,21 +604,25 @@ def cmd_warm(a) -> None:
 
 
 def cmd_startup(a) -> None:
-    """Launch to the first training step, by phase (DP_TRACE), for one Ray worker and in-process,
-    each run ``--repeats`` times, with the ingested data and the ScatterNet features already
-    cached (by ``speed`` or ``accuracy``, which share the work folder): the start-up of every
-    run after a dataset's first."""
+    """Launch to the first training step, by phase (DP_TRACE), for one Ray worker (Ray Train's
+    controller in the driver, as the platform runs it on a cluster of its own, and as Ray's own
+    controller actor, for comparison) and in-process, ``--repeats`` rounds of the three in turn
+    (so that a machine's drift falls on each alike), with the ingested data and the ScatterNet
+    features already cached (by ``speed`` or ``accuracy``, which share the work folder): the
+    start-up of every run after a dataset's first."""
     results = load_results()
     work = Path(a.workdir).resolve()
     rows = []
-    for label, extra in (
-        ("1 Ray worker", ["--num-workers", "1"]),
-        ("in-process", ["--num-workers", "1", "--in-process"]),
-    ):
-        for attempt in range(a.repeats):
+    settings = (
+        ("1 Ray worker", ["--num-workers", "1"], {}),
+        ("1 Ray worker, Ray's controller actor", ["--num-workers", "1"], {"DP_TRAIN_CONTROLLER_ACTOR": "1"}),
+        ("in-process", ["--num-workers", "1", "--in-process"], {}),
+    )
+    for attempt in range(a.repeats):
+        for label, extra, env_extra in settings:
             trace = work / f"trace-{len(rows)}.txt"
             trace.unlink(missing_ok=True)
-            env = {**os.environ, "DP_TRACE": str(trace)}
+            env = {**os.environ, "DP_TRACE": str(trace), **env_extra}
             cmd = CLI + [
                 "train",
                 str(config_path(3)),
@@ -641,7 +645,7 @@ def cmd_startup(a) -> None:
                 {"setting": label, "attempt": attempt, "phases": phases, "first_step_s": phases.get("first step done")}
             )
             print(rows[-1]["setting"], attempt, f"{rows[-1]['first_step_s']:.1f}s", flush=True)
-    results["startup"] = {"config": str(config_path(3).relative_to(ROOT)), "rows": rows}
+    results["startup"] = {"config": str(config_path(3).relative_to(ROOT)), "machine": machine(), "rows": rows}
     save_results(results)
     cmd_report(a)
 
@@ -792,9 +796,12 @@ def cmd_report(a=None) -> None:
             )
     st = r.get("startup")
     if st:
+        m = st.get("machine")
+        if m:
+            print(f"\nstart-up, {m['date']}, {m['cores']} cores ({m['cpu']}):")
         print("\n| setting | attempt | launch → first step s | phases (s since launch) |")
         print("|---|---|---|---|")
-        for row in st["rows"]:
+        for row in sorted(st["rows"], key=lambda row: row["setting"]):
             ph = ", ".join(f"{k} {v:.1f}" for k, v in row["phases"].items())
             print(f"| {row['setting']} | {row['attempt']} | {row['first_step_s']:.1f} | {ph} |")
     sc = r.get("scale")

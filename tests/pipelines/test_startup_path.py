@@ -126,3 +126,44 @@ def test_a_plan_that_fails_after_the_cluster_began_stops_it_and_says_why(tmp_pat
     assert "(DP-PCA) alone spend" in out["error"], out["error"]
     assert not out["initialized"] and out["children"] == []
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("ledger.journal.jsonl"))
+
+
+@pytest.mark.slow
+def test_on_its_own_cluster_the_controller_runs_in_the_driver_and_a_killed_worker_still_resumes(tmp_path):
+    """On a cluster the run starts itself, Ray Train's controller loop runs in the driver (no
+    controller actor: its process cost about 4 s of start-up), and keeps its work: rank 0 is
+    killed after step 5, and the worker group is restarted from the step-3 checkpoint, with the
+    releases after it rolled back in the ledger."""
+    code = textwrap.dedent(
+        f"""
+        import json, ray
+        from ray.util.state import list_actors
+        from pipelines.config import TrainConfig
+        from pipelines.faults import FaultInjection
+        from pipelines.train import lean, run
+        seen = {{}}
+        real = lean.run_controller_here
+        def here(**kwargs):
+            result = real(**kwargs)
+            actors = list_actors(detail=True)
+            seen["classes"] = sorted(a.class_name for a in actors)
+            seen["workers"] = sorted(a.state for a in actors if a.class_name == "RayTrainWorker")
+            return result
+        lean.run_controller_here = here
+        cfg = TrainConfig(epochs=5, target_epsilon=3.0, checkpoint_every=3, max_failures=1, num_workers=1,
+                          replay_log=False, quiet=True, registered_model="none", log_model=False,
+                          storage_path={str(tmp_path / "runs")!r}, tracking_uri="sqlite:///{tmp_path}/mlflow.db")
+        assert not ray.is_initialized()
+        out = run(cfg, faults=FaultInjection(at_step=5, rank=0))
+        statuses = [(e.step, e.status) for e in out["ledger"].entries]
+        print(json.dumps({{**seen, "statuses": statuses, "steps": out["spec"].steps}}))
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert "TrainController" not in out["classes"] and "RayTrainWorker" in out["classes"], out["classes"]
+    assert out["workers"] == ["DEAD", "DEAD"]  # the killed worker, and its replacement, ended with the fit
+    committed = [s for s, status in out["statuses"] if status == "committed"]
+    rolled = [s for s, status in out["statuses"] if status == "rolled_back"]
+    assert committed == list(range(1, len(committed) + 1)) and rolled[:2] == [4, 5]
