@@ -61,9 +61,16 @@ def _fit(plan: RunPlan, cfg: TrainConfig, pruner=None, faults=None, own_cluster:
         scaling = ScalingConfig(
             num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=None if cfg.use_gpu else {"CPU": 1}
         )
+    from .run_ledger import plds_for_workers
+
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"plan": plan, "pruner": pruner, "faults": faults},  # pruner, faults: not the run's record
+        train_loop_config={  # pruner, faults, plds: not the run's record
+            "plan": plan,
+            "pruner": pruner,
+            "faults": faults,
+            "plds": [] if cfg.in_process else plds_for_workers(plan),  # in-process: this process has them
+        },
         scaling_config=scaling,
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         run_config=RunConfig(

@@ -9,10 +9,14 @@ import :mod:`pipelines.train.worker` when they run it.
 
 def train_loop_per_worker(config: dict) -> None:
     """``config`` = {"plan": the run's :class:`pipelines.plan.RunPlan`, "pruner": a callable or None,
-    "faults": a test's :class:`pipelines.faults.FaultInjection` or None}."""
+    "faults": a test's :class:`pipelines.faults.FaultInjection` or None, "plds": the PLDs the
+    driver built for the run's events (:func:`pipelines.train.run_ledger.plds_for_workers`)}."""
+    from dpcore.accountants.pld import import_base_plds
+
     from .run_ledger import unlock_journal
     from .worker import train_loop_per_worker as run
 
+    import_base_plds(config.get("plds", ()))
     plan = config["plan"]
     try:
         run(plan, config.get("pruner"), config.get("faults"))

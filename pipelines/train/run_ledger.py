@@ -61,6 +61,22 @@ def journal_is_locked(journal: str) -> bool:
         return False
 
 
+def prior_groups(plan: RunPlan) -> list:
+    """The releases of a run before its first step: DP-PCA's, if the run has one."""
+    cfg = plan.config
+    return [(dpcore.pca.pca_event(cfg["pca_noise_multiplier"], cfg["pca_sample_rate"]), 1)] if plan.pca_path else []
+
+
+def plds_for_workers(plan: RunPlan) -> list:
+    """The PLDs of the run's events that the driver built while planning, for its workers'
+    ledgers (:func:`dpcore.accountants.pld.import_base_plds`); empty for other accountants."""
+    if plan.config["accountant"] != "pld":
+        return []
+    from dpcore.accountants.pld import export_base_plds
+
+    return export_base_plds([event for event, _ in prior_groups(plan)] + [plan.step_event()])
+
+
 def open_ledger(
     plan: RunPlan, checkpoint_meta: dict | None, checkpoint_ledger: dict | None, rank: int, world: int, layout: list
 ) -> tuple[dpcore.PrivacyLedger, int, int, object]:
@@ -107,12 +123,7 @@ def open_ledger(
                 "Refusing to train on a projection that is not accounted for."
             )
         if plan.max_releases is not None:  # the driver's plan: the budget check need not search again
-            prior = (
-                [(dpcore.pca.pca_event(cfg["pca_noise_multiplier"], cfg["pca_sample_rate"]), 1)]
-                if plan.pca_path
-                else []
-            )
-            ledger.prime_allowance(plan.step_event(), prior, plan.max_releases)
+            ledger.prime_allowance(plan.step_event(), prior_groups(plan), plan.max_releases)
         after = checkpoint_meta["step"] if checkpoint_meta is not None else 0
         segment, upto = replay.replayable(plan, ledger, after, layout)
         if upto > after:
