@@ -74,6 +74,7 @@ def _start_local(cfg, prestart: bool = True) -> None:
     if not prestart:
         os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     ray.init(
+        address="local",  # a cluster of its own, even beside one that `ray start` left running here
         log_to_driver=False,
         num_cpus=max(os.cpu_count() or 1, cfg.num_workers),
         num_gpus=None if cfg.use_gpu else 0,

@@ -6,9 +6,15 @@ checked, and it is stopped when the plan then fails."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -133,7 +139,37 @@ def test_on_its_own_cluster_the_controller_runs_in_the_driver_and_a_killed_worke
     """On a cluster the run starts itself, Ray Train's controller loop runs in the driver (no
     controller actor: its process cost about 4 s of start-up), and keeps its work: rank 0 is
     killed after step 5, and the worker group is restarted from the step-3 checkpoint, with the
-    releases after it rolled back in the ledger."""
+    releases after it rolled back in the ledger. A cluster that `ray start` left running on the
+    machine is not joined (plain ``ray.init()`` would, and fail on ``num_cpus``): the run starts
+    its own beside it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray_tmp = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths live under it
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp}
+    other = subprocess.Popen(
+        [str(Path(sys.executable).with_name("ray")), "start", "--head", "--port", str(port), "--num-cpus", "1"]
+        + ["--include-dashboard", "false", "--block"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        _own_cluster_beside(tmp_path, env, Path(ray_tmp) / "ray" / "ray_current_cluster")
+    finally:
+        os.killpg(other.pid, signal.SIGTERM)
+        other.wait(timeout=60)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _own_cluster_beside(tmp_path, env, address_file):
+    deadline = time.monotonic() + 60
+    while not address_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert address_file.exists(), "ray start did not come up"
     code = textwrap.dedent(
         f"""
         import json, ray
@@ -145,7 +181,7 @@ def test_on_its_own_cluster_the_controller_runs_in_the_driver_and_a_killed_worke
         real = lean.run_controller_here
         def here(**kwargs):
             result = real(**kwargs)
-            actors = list_actors(detail=True)
+            actors = list_actors(address=ray.get_runtime_context().gcs_address, detail=True)  # (not the tests' cluster)
             seen["classes"] = sorted(a.class_name for a in actors)
             seen["workers"] = sorted(a.state for a in actors if a.class_name == "RayTrainWorker")
             return result
@@ -159,7 +195,9 @@ def test_on_its_own_cluster_the_controller_runs_in_the_driver_and_a_killed_worke
         print(json.dumps({{**seen, "statuses": statuses, "steps": out["spec"].steps}}))
         """
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert "TrainController" not in out["classes"] and "RayTrainWorker" in out["classes"], out["classes"]
