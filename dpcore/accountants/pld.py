@@ -52,7 +52,8 @@ def export_base_plds(events, vdi: float = VALUE_DISCRETIZATION) -> list:
     (:func:`import_base_plds`). The driver hands its workers the PLDs it built while planning,
     so that a worker's first release does not wait for the same construction (1.4–1.6 s of one
     core for the Fashion-MNIST step's PLD, measured 2026-11-26)."""
-    return [(e, float(vdi), base_pld(e, vdi)) for e in events if base_pld(e, vdi) is not None]
+    built = [(e, float(vdi), base_pld(e, vdi)) for e in events]
+    return [item for item in built if item[2] is not None]
 
 
 def import_base_plds(items) -> None:

@@ -35,6 +35,7 @@ from .cluster import EarlyCluster, cluster_address, ray_cluster
 from .metrics_relay import MetricsForwarder
 from .progress import JournalProgress
 from .resume import resume_plan
+from .run_ledger import plds_for_workers
 
 
 def _fit(plan: RunPlan, cfg: TrainConfig, pruner=None, faults=None, own_cluster: bool = False):
@@ -61,8 +62,6 @@ def _fit(plan: RunPlan, cfg: TrainConfig, pruner=None, faults=None, own_cluster:
         scaling = ScalingConfig(
             num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=None if cfg.use_gpu else {"CPU": 1}
         )
-    from .run_ledger import plds_for_workers
-
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={  # pruner, faults, plds: not the run's record

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -142,8 +143,6 @@ def test_on_its_own_cluster_the_controller_runs_in_the_driver_and_a_killed_worke
     releases after it rolled back in the ledger. A cluster that `ray start` left running on the
     machine is not joined (plain ``ray.init()`` would, and fail on ``num_cpus``): the run starts
     its own beside it."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
