@@ -168,9 +168,13 @@ def tokenize(texts: list[str], tokenizer, max_length: int) -> tuple[np.ndarray, 
     limit = getattr(tokenizer, "model_max_length", None)
     if limit and limit < 10**6 and max_length > limit:
         raise DPConfigError(f"max_length={max_length} exceeds the model's maximum of {limit} tokens.")
-    full = tokenizer(texts, truncation=False, add_special_tokens=True, verbose=False)["input_ids"]
-    truncated = sum(len(ids) > max_length for ids in full)
     enc = tokenizer(texts, truncation=True, max_length=max_length, padding="max_length", return_tensors="np")
+    encodings = enc.encodings  # a fast tokenizer's: each keeps the tokens that truncation cut off
+    if encodings is not None and len(encodings) == len(texts):
+        truncated = sum(bool(e.overflowing) for e in encodings)
+    else:  # a slow (Python) tokenizer: count on a second, untruncated pass
+        full = tokenizer(texts, truncation=False, add_special_tokens=True, verbose=False)["input_ids"]
+        truncated = sum(len(ids) > max_length for ids in full)
     return enc["input_ids"].astype(np.int32), int(truncated)
 
 

@@ -188,3 +188,23 @@ def test_the_plan_resolves_auto_pooling_once_for_the_workers_a_resume_and_the_lo
     )
     assert plan_run(TrainConfig(**base)).config["pooling"] == "mean"
     assert plan_run(TrainConfig(pooling="cls", **base)).config["pooling"] == "cls"
+
+
+def test_truncation_is_counted_in_one_pass_as_the_untruncated_lengths_count_it(minilm_folder):
+    """Ingest tokenizes once: a fast tokenizer's encodings keep what truncation cut off, and
+    that count equals the one from untruncated lengths, at the boundary too (a text of exactly
+    max_length tokens is not truncated). A slow tokenizer, which has no such encodings, counts on
+    a second pass. The ids are the tokenizer's own truncated and padded ones."""
+    import numpy as np
+    from transformers import AutoTokenizer, BertTokenizer
+
+    from pipelines.text.sources import tokenize
+
+    texts = ["one", *(" ".join(["word"] * n) for n in range(26, 36)), "x" * 500, "naïve café " * 20]
+    for tok in (AutoTokenizer.from_pretrained(minilm_folder), BertTokenizer.from_pretrained(minilm_folder)):
+        lengths = [len(ids) for ids in tok(texts, truncation=False)["input_ids"]]
+        assert 32 in lengths and 33 in lengths and min(lengths) < 32  # both sides of the boundary
+        ids, truncated = tokenize(texts, tok, 32)
+        assert truncated == sum(n > 32 for n in lengths) >= 5, type(tok).__name__
+        reference = tok(texts, truncation=True, max_length=32, padding="max_length", return_tensors="np")["input_ids"]
+        assert ids.dtype == np.int32 and np.array_equal(ids, reference)
