@@ -44,8 +44,18 @@ def minilm(minilm_folder) -> str:
     return f"hf:{minilm_folder}"
 
 
-def _small_run(corpus, minilm, tmp_path, **options) -> TrainConfig:
-    """A short LoRA run on a subset of the real corpus: lots of 64, lr 0.01, one worker."""
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """The storage folder of every run here: the tokenized corpus (256 e-mails at 32 tokens,
+    about 20 s to tokenize) is ingested once, by the first run, and re-used by the others."""
+    return tmp_path_factory.mktemp("runs")
+
+
+def _small_run(corpus, minilm, tmp_path, runs, **options) -> TrainConfig:
+    """A short LoRA run on 256 e-mails of the real corpus at 32 tokens (one ingest for the
+    module): lots of 64, lr 0.01, one worker; its own MLflow store. The test split is evaluated
+    at the end only (each evaluation of its 1,209 e-mails takes seconds of these tests' CPU)."""
+    options.setdefault("test_every_report", False)
     return TrainConfig(
         dataset="spamassassin",
         data_dir=str(corpus),
@@ -53,27 +63,27 @@ def _small_run(corpus, minilm, tmp_path, **options) -> TrainConfig:
         lot_size=64,
         lr=0.01,
         num_workers=1,
-        storage_path=str(tmp_path / "runs"),
+        max_length=32,
+        train_subset=256,
+        storage_path=str(runs),
         tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
         quiet=True,
         **options,
     )
 
 
-def test_lora_on_the_real_corpus_on_a_ray_worker(corpus, minilm, tmp_path, ray_cluster):
+def test_lora_on_the_real_corpus_on_a_ray_worker(corpus, minilm, tmp_path, runs, ray_cluster):
     import mlflow
 
     from pipelines.train import run
 
-    cfg = _small_run(
-        corpus, minilm, tmp_path, lora_rank=4, max_length=32, train_subset=256, epochs=1, target_epsilon=3.0
-    )
+    cfg = _small_run(corpus, minilm, tmp_path, runs, lora_rank=4, epochs=1, target_epsilon=3.0)
     out = run(cfg)
     assert out["dataset"] == "spamassassin" and out["train_examples"] == 256
     assert out["epsilon"] <= 3.0 and out["steps"] == out["planned_steps"] == 4
     assert 0.0 <= out["test_accuracy"] <= 1.0
     # the run's folder sits right under the storage path (the model's path is not in its name)
-    assert Path(out["spec"].run_dir).parent == tmp_path / "runs"
+    assert Path(out["spec"].run_dir).parent == runs
     assert out["spec"].run_name.startswith("spamassassin-hf_all-MiniLM-L6-v2-")
     # the shards hold the tokenized corpus: 6,046 e-mails, most longer than 32 tokens (counted)
     manifest = json.loads((Path(out["spec"].data_dir) / "manifest.json").read_text())
@@ -89,10 +99,10 @@ def test_lora_on_the_real_corpus_on_a_ray_worker(corpus, minilm, tmp_path, ray_c
 
 
 @pytest.mark.parametrize("kind", ["gradient", "input"])
-def test_the_one_run_audit_runs_on_a_text_model(corpus, minilm, tmp_path, kind):
+def test_the_one_run_audit_runs_on_a_text_model(corpus, minilm, tmp_path, runs, kind):
     """Issue J, must-show 7: the audit on text. White-box gradient canaries (coordinates of the
     LoRA adapters and the head), or black-box input canaries (random token texts with random
-    labels), scored at the end; ε_lb never exceeds the ledger's ε. In-process, a small subset."""
+    labels), scored at the end; ε_lb never exceeds the ledger's ε. In-process."""
     import torch
 
     from pipelines.train import run
@@ -101,12 +111,12 @@ def test_the_one_run_audit_runs_on_a_text_model(corpus, minilm, tmp_path, kind):
         corpus,
         minilm,
         tmp_path,
+        runs,
         lora_rank=2,
-        max_length=16,
-        train_subset=128,
-        epochs=2,
+        epochs=1,
         target_epsilon=8.0,
         in_process=True,
+        checkpoint_every=4,  # one report, at the end: the audit is scored there
         audit_canaries=60,
         audit_kind=kind,
         log_model=False,
@@ -118,11 +128,13 @@ def test_the_one_run_audit_runs_on_a_text_model(corpus, minilm, tmp_path, kind):
     canaries = torch.load(out["spec"].audit_path)
     if kind == "input":  # token texts of the model's length, ids in its vocabulary
         x = canaries["x"]
-        assert x.dtype == torch.int64 and tuple(x.shape) == (60, 16)
+        assert x.dtype == torch.int64 and tuple(x.shape) == (60, 32)
         assert int(x.min()) >= 0 and int(x.max()) < 30522
 
 
-def test_a_lora_run_whose_worker_dies_resumes_from_its_checkpoint_bit_identical(corpus, minilm, tmp_path, ray_cluster):
+def test_a_lora_run_whose_worker_dies_resumes_from_its_checkpoint_bit_identical(
+    corpus, minilm, tmp_path, runs, ray_cluster
+):
     """Issue J, must-show 7 (resume, on text): a seeded LoRA run on the real corpus whose worker
     dies hard after step 3 (checkpoint at step 2) is restarted by Ray Train from the checkpoint
     (the adapters, the head, Adam's state, the sampler and the noise stream), replays step 3 from
@@ -136,8 +148,6 @@ def test_a_lora_run_whose_worker_dies_resumes_from_its_checkpoint_bit_identical(
 
     settings = dict(
         lora_rank=4,
-        max_length=32,
-        train_subset=256,
         epochs=2,  # 8 steps at q = 0.25
         target_epsilon=8.0,
         seed=5,  # research mode: the sampler's and the noise's streams are seeded
@@ -152,8 +162,8 @@ def test_a_lora_run_whose_worker_dies_resumes_from_its_checkpoint_bit_identical(
         assert step == out["steps"] == 8
         return torch.load(Path(path) / MODEL_FILE)
 
-    reference = run(_small_run(corpus, minilm, tmp_path, **settings))  # the second run reuses its ingest
-    crashed = run(_small_run(corpus, minilm, tmp_path, **settings), faults=FaultInjection(at_step=3, rank=0))
+    reference = run(_small_run(corpus, minilm, tmp_path, runs, **settings))
+    crashed = run(_small_run(corpus, minilm, tmp_path, runs, **settings), faults=FaultInjection(at_step=3, rank=0))
     assert (Path(crashed["spec"].run_dir) / "fault-injected").exists()  # the worker did die
     assert crashed["replayed"] == 1 and crashed["rolled_back"] == 0 and reference["replayed"] == 0
     mine, theirs = final(crashed), final(reference)
