@@ -11,6 +11,8 @@ from pathlib import Path
 
 import dpcore
 
+from .._trace import trace
+
 
 @contextlib.contextmanager
 def ray_cluster(cfg, early: EarlyCluster | None = None):
@@ -120,6 +122,7 @@ class EarlyCluster:
             # SystemExit, so that the run's clean-up (MLflow status, the cluster) still runs.
             signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
         self._thread = threading.Thread(target=self._run, args=(cfg,), name="ray-cluster-start", daemon=True)
+        trace("checked: cluster start begun")
         self._thread.start()
 
     def _run(self, cfg) -> None:
@@ -129,6 +132,7 @@ class EarlyCluster:
         logging.getLogger("ray._private.worker").addFilter(lambda r: "SIGTERM handler" not in r.getMessage())
         try:
             _start_local(cfg, prestart=False)
+            trace("cluster up (background)")
         except BaseException as e:  # raised on the driver's thread by wait()
             self._error = e
         finally:
