@@ -3,7 +3,7 @@ start-up and scale. Every number in docs/fashion-mnist.md comes from this script
 
     python docs/benchmarks/fashion_mnist.py accuracy            # ours (the configs, via the CLI) and Opacus, ε ∈ {1,2,3,8}, 3 seeds
     python docs/benchmarks/fashion_mnist.py speed               # examples/s over one epoch, time to 85 %, peak memory, ingest
-    python docs/benchmarks/fashion_mnist.py startup             # launch to the first step, by phase
+    python docs/benchmarks/fashion_mnist.py startup             # launch to the first step, by phase and CPU per process
     python docs/benchmarks/fashion_mnist.py scale               # 1,000,000 generated 3×32×32 uint8 images: ingest, worker memory
     python docs/benchmarks/fashion_mnist.py report              # the tables and the plot from the saved results
 
@@ -603,6 +603,68 @@ def cmd_warm(a) -> None:
     plan_and_data(config_path(3))
 
 
+CPU_GROUPS = ("driver", "Ray Train worker", "Ray Train sync actor", "Ray's own processes")
+
+
+def _process_table() -> dict[int, tuple[int, str, float]]:
+    """pid -> (parent pid, name, CPU seconds so far: user + system), from Linux's /proc."""
+    hz = os.sysconf("SC_CLK_TCK")
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()  # from field 3 (state) on
+        table[int(entry)] = (int(fields[1]), name, (int(fields[11]) + int(fields[12])) / hz)
+    return table
+
+
+def _cpu_group(pid: int, root: int, name: str) -> str:
+    if pid == root:
+        return "driver"
+    if name.startswith("ray::RayTrainWo"):
+        return "Ray Train worker"
+    if name.startswith("ray::Synchroniz"):
+        return "Ray Train sync actor"
+    return "Ray's own processes"  # GCS, raylet, dashboard and its agents, monitors
+
+
+def cpu_until_first_step(proc: subprocess.Popen, trace: Path) -> dict:
+    """CPU seconds that the run's processes (the driver and every process under it: Ray's
+    cluster, its workers) used from launch until the trace records the first step, by group,
+    sampled every 0.1 s from /proc (a process that ends between samples loses its last 0.1 s).
+    Waits for the run to end. Empty where /proc is not there."""
+    if not Path("/proc/self/stat").exists():
+        proc.wait()
+        return {}
+    seen: dict[int, tuple[str, float]] = {}
+    while proc.poll() is None:
+        table = _process_table()
+        below, frontier = {proc.pid}, [proc.pid]
+        while frontier:
+            parent = frontier.pop()
+            kids = [pid for pid, (ppid, _, _) in table.items() if ppid == parent and pid not in below]
+            below.update(kids)
+            frontier.extend(kids)
+        for pid in below & table.keys():
+            _, name, cpu = table[pid]
+            seen[pid] = (_cpu_group(pid, proc.pid, name), max(cpu, seen.get(pid, ("", 0.0))[1]))
+        if trace.exists() and "first step done" in trace.read_text():
+            break
+        time.sleep(0.1)
+    proc.wait()
+    by_group = {group: 0.0 for group in CPU_GROUPS}
+    for group, cpu in seen.values():
+        by_group[group] += cpu
+    by_group["total"] = sum(by_group.values())
+    by_group["cores"] = os.cpu_count()
+    return by_group
+
+
 def cmd_startup(a) -> None:
     """Launch to the first training step, by phase (DP_TRACE), for one Ray worker (Ray Train's
     controller in the driver, as the platform runs it on a cluster of its own, and as Ray's own
@@ -636,15 +698,34 @@ def cmd_startup(a) -> None:
             ]
             work.mkdir(parents=True, exist_ok=True)
             t0 = time.time()
-            subprocess.run(cmd, cwd=work, env=env, check=True, capture_output=True)
+            stderr = work / f"stderr-{len(rows)}.txt"
+            with (
+                stderr.open("wb") as err,
+                subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=err) as proc,
+            ):
+                cpu = cpu_until_first_step(proc, trace)
+            if proc.returncode != 0:
+                raise SystemExit(f"{label}: the run failed ({proc.returncode}): {stderr.read_text()[-2000:]}")
             phases = {}
             for line in trace.read_text().splitlines():
                 t, _, label_ = line.split(" ", 2)
                 phases.setdefault(label_, float(t) - t0)
             rows.append(
-                {"setting": label, "attempt": attempt, "phases": phases, "first_step_s": phases.get("first step done")}
+                {
+                    "setting": label,
+                    "attempt": attempt,
+                    "phases": phases,
+                    "first_step_s": phases.get("first step done"),
+                    "cpu_s": cpu,
+                }
             )
-            print(rows[-1]["setting"], attempt, f"{rows[-1]['first_step_s']:.1f}s", flush=True)
+            print(
+                rows[-1]["setting"],
+                attempt,
+                f"{rows[-1]['first_step_s']:.1f}s",
+                f"CPU {cpu.get('total', float('nan')):.1f}s" if cpu else "",
+                flush=True,
+            )
     results["startup"] = {"config": str(config_path(3).relative_to(ROOT)), "machine": machine(), "rows": rows}
     save_results(results)
     cmd_report(a)
@@ -804,6 +885,18 @@ def cmd_report(a=None) -> None:
         for row in sorted(st["rows"], key=lambda row: row["setting"]):
             ph = ", ".join(f"{k} {v:.1f}" for k, v in row["phases"].items())
             print(f"| {row['setting']} | {row['attempt']} | {row['first_step_s']:.1f} | {ph} |")
+        cpu_rows = [row for row in st["rows"] if row.get("cpu_s")]
+        if cpu_rows:
+            print("\nCPU seconds from launch to the first step, by process (sampled from /proc every 0.1 s):\n")
+            print(f"| setting | attempt | {' | '.join(CPU_GROUPS)} | total | total / cores | launch → first step s |")
+            print("|---|---|" + "---|" * (len(CPU_GROUPS) + 3))
+            for row in sorted(cpu_rows, key=lambda row: row["setting"]):
+                c = row["cpu_s"]
+                cells = " | ".join(f"{c[g]:.1f}" for g in CPU_GROUPS)
+                print(
+                    f"| {row['setting']} | {row['attempt']} | {cells} | {c['total']:.1f} | "
+                    f"{c['total'] / c['cores']:.1f} | {row['first_step_s']:.1f} |"
+                )
     sc = r.get("scale")
     if sc:
         m = sc["worker_memory_mib"]
