@@ -644,12 +644,14 @@ def cpu_until_first_step(proc: subprocess.Popen, trace: Path) -> dict:
     seen: dict[int, tuple[str, float]] = {}
     while proc.poll() is None:
         table = _process_table()
-        below, frontier = {proc.pid}, [proc.pid]
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _, _) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        below, frontier = set(), [proc.pid]
         while frontier:
-            parent = frontier.pop()
-            kids = [pid for pid, (ppid, _, _) in table.items() if ppid == parent and pid not in below]
-            below.update(kids)
-            frontier.extend(kids)
+            pid = frontier.pop()
+            below.add(pid)
+            frontier.extend(children.get(pid, ()))
         for pid in below & table.keys():
             _, name, cpu = table[pid]
             seen[pid] = (_cpu_group(pid, proc.pid, name), max(cpu, seen.get(pid, ("", 0.0))[1]))
