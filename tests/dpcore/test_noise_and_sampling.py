@@ -292,6 +292,52 @@ def test_secure_normals_are_box_muller_of_the_keystream_chunk_by_chunk(monkeypat
         assert empty.shape == shape and empty.dtype == torch.float64
 
 
+_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_secure_normals_for_a_gpu_are_box_muller_there_of_host_keystream_pieces(monkeypatch, device):
+    """A draw for a CUDA device: pieces of ``_CUDA_PIECE_PAIRS`` pairs (here 3; the last short),
+    each the keystream of its own fresh OS key made on the host, then 53-bit uniforms and
+    (r cos θ, r sin θ)·std computed on the device. The pieces are made on several threads; with
+    a serial map here they take their keys in order, so openssl's keystreams say what each holds.
+    On "cpu" the same function runs without pinned memory (it is reached from ``normal`` only
+    for CUDA)."""
+    from dpcore import randomness as rnd
+
+    taken, fake_urandom, keystream = _fake_os_entropy(bytes((5 * i + 1) % 256 for i in range(1024)))
+    monkeypatch.setattr(rnd, "_CUDA_PIECE_PAIRS", 3)
+    monkeypatch.setattr(rnd, "_CUDA_POOL", type("Serial", (), {"map": staticmethod(map)})())
+    monkeypatch.setattr(rnd.os, "urandom", fake_urandom)
+    if device == "cuda":
+        got = dpcore.SecureRandomness().normal((3, 5), 2.5, dtype=torch.float64, device="cuda")
+        assert got.device.type == "cuda" and got.shape == (3, 5)
+    else:
+        got = rnd._normal_on_cuda(15, 2.5, torch.float64, torch.device("cpu"))
+    assert taken == [32, 16] * 3  # 8 pairs (15 normals): pieces of 3, 3 and 2 pairs, a key each
+
+    expected = []
+    for i, m in enumerate((3, 3, 2)):
+        words = np.frombuffer(keystream(i, 16 * m), dtype="<u8")
+        u = (words >> np.uint64(11)).astype(np.float64) * 2.0**-53
+        r = np.sqrt(-2.0 * np.log(1.0 - u[:m]))
+        theta = 2.0 * np.pi * u[m:]
+        expected.extend(np.concatenate([r * np.cos(theta), r * np.sin(theta)]) * 2.5)
+    np.testing.assert_allclose(got.flatten().cpu().numpy(), np.array(expected[:15]), rtol=1e-12, atol=0)
+    monkeypatch.undo()
+    # with the real piece size and threads: several pieces and an odd remainder are N(0, std²) in float32
+    n = 3 * 2 * rnd._CUDA_PIECE_PAIRS + 12345
+    if device == "cuda":
+        z = dpcore.SecureRandomness().normal((n,), 1.5, device="cuda")
+    else:
+        z = rnd._normal_on_cuda(n, 1.5, torch.float32, torch.device("cpu"))
+    assert z.shape == (n,) and z.dtype == torch.float32 and z.device.type == device
+    z = z.double().cpu() / 1.5
+    assert_unseeded_draw_fits(z, "norm")
+    heads = z[: 3 * 2 * rnd._CUDA_PIECE_PAIRS].reshape(3, -1)[:, :8]
+    assert len({tuple(h.tolist()) for h in heads}) == 3  # no piece repeats another's stream
+
+
 def test_the_threaded_os_entropy_fallback_fills_every_part():
     """Without ``cryptography`` the bits come from os.urandom, fetched by several threads above
     4 MiB: every part must be filled and no chunk repeated."""
