@@ -4,11 +4,18 @@ Twister, not secure; what Opacus draws by default), for the parameter counts of 
 benchmarks train: the MNIST CNN, ResNet-9, WRN-16-4 and all-MiniLM-L6-v2 (full fine-tuning).
 
     python docs/benchmarks/secure_noise.py --repeats 7
+    python docs/benchmarks/secure_noise.py --device cuda
+
+``--device cuda``: a draw for the GPU, timed to the end of its queued work: the secure normal as
+dpcore draws it for a CUDA device (keystream on the host, Box–Muller on the GPU), beside the
+same host draw copied over (how every device was served before 2026-11-27) and torch.randn on
+the GPU (Philox, not secure).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -43,9 +50,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     secure = dpcore.SecureRandomness()
+    if a.device != "cpu":
+        device_table(secure, torch.device(a.device), a.repeats, a.threads)
+        return
     print(
         f"One noise draw, median of {a.repeats}; torch {torch.__version__}, {a.threads} thread(s), "
         f"{platform.machine()}, {time.strftime('%Y-%m-%d')}"
@@ -56,6 +67,30 @@ def main() -> None:
         s = median_ms(lambda n=n: secure.normal((n,), 1.0), a.repeats)
         r = median_ms(lambda n=n: torch.randn(n), a.repeats)
         print(f"| {name} | {n:,} | {s:.1f} | {r:.1f} | {s / r:.2f} |")
+
+
+def device_table(secure, device: torch.device, repeats: int, threads: int) -> None:
+    def synced(fn):
+        def run():
+            fn()
+            torch.cuda.synchronize(device)
+
+        return run
+
+    print(
+        f"One noise draw for {torch.cuda.get_device_name(device)}, median of {repeats}, to the end of its GPU work; "
+        f"torch {torch.__version__}, {threads} thread(s), host {platform.machine()} with {os.cpu_count()} CPUs, "
+        f"{time.strftime('%Y-%m-%d')}"
+    )
+    print(
+        "| model | parameters | secure, for the GPU (ms) | secure on the host, copied (ms) | torch.randn on the GPU (ms) |"
+    )
+    print("|---|---|---|---|---|")
+    for name, n in SIZES.items():
+        gpu = median_ms(synced(lambda n=n: secure.normal((n,), 1.0, device=device)), repeats)
+        host = median_ms(synced(lambda n=n: secure.normal((n,), 1.0).to(device)), repeats)
+        r = median_ms(synced(lambda n=n: torch.randn(n, device=device)), repeats)
+        print(f"| {name} | {n:,} | {gpu:.1f} | {host:.1f} | {r:.2f} |")
 
 
 if __name__ == "__main__":

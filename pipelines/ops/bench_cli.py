@@ -44,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rounds", type=int, default=15, help="interleaved timed rounds (after 3 warm-up rounds)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (the same for every mode)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the steps run: cpu, or cuda (timed from a synchronised start to the end of the queued work)",
+    )
     p.add_argument("--memory", action="store_true", help="also measure peak RSS for lot 128 and 4096 (mnist_cnn)")
     p.add_argument("--accounting", action="store_true", help="also time σ calibration against a plain PLD bisection")
     p.add_argument("--no-opacus", action="store_true", help="skip Opacus even if installed")
@@ -83,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     step_rows = []
     for name in a.models:
         print(f"timing {name} …", file=sys.stderr, flush=True)
-        step_rows += time_steps(name, a.rounds, opacus=have_opacus)
+        step_rows += time_steps(name, a.rounds, opacus=have_opacus, device=a.device)
     mem_rows = memory_rows("mnist_cnn", threads=a.threads) if a.memory else []
     acc_rows = accounting_rows() if a.accounting else None
-    print_tables(step_rows, mem_rows, a.threads, a.rounds, acc_rows)
+    print_tables(step_rows, mem_rows, a.threads, a.rounds, acc_rows, device=a.device)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"steps": step_rows, "memory": mem_rows, "accounting": acc_rows}, f, indent=2)
