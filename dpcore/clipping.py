@@ -79,7 +79,7 @@ def clipped_sum(
     extreme_by_dtype: dict[torch.dtype, tuple[torch.Tensor, bool]] = {}
     for name, g in per_sample.items():
         if n_bad:
-            g = torch.where(finite.view(-1, *([1] * (g.dim() - 1))), g, torch.zeros((), dtype=g.dtype))
+            g = torch.where(finite.view(-1, *([1] * (g.dim() - 1))), g, g.new_zeros(()))
         if g.dtype not in extreme_by_dtype:
             mask = factors < torch.finfo(g.dtype).tiny * 2.0**24
             extreme_by_dtype[g.dtype] = (mask, bool(mask.any()))

@@ -51,7 +51,7 @@ def normalized_rows(x: torch.Tensor) -> torch.Tensor:
     it then contributes nothing, which keeps the sensitivity at 1."""
     a = x.reshape(x.shape[0], -1).to(torch.float64)
     finite = torch.isfinite(a).all(dim=1, keepdim=True)
-    a = torch.where(finite, a, torch.zeros((), dtype=a.dtype))
+    a = torch.where(finite, a, a.new_zeros(()))
     norms = a.norm(dim=1, keepdim=True)
     return torch.where(norms > 0, a / norms.clamp_min(1e-300), torch.zeros_like(a))
 

@@ -10,7 +10,7 @@ registered for an exact module type with :func:`dpcore.bookkeeping.register_laye
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -23,10 +23,14 @@ class Unsupported(Exception):
 @dataclass(frozen=True)
 class Context:
     """What a form may need beyond the layer: the clipping bound (for the precision of norms)
-    and how many elements of per-example gradients it may materialise."""
+    and how many elements of per-example gradients it may materialise. ``exact_rows``: row
+    norms in float64 throughout (see :func:`row_sq_norms`), which notes in ``float32_rows``
+    each time it took the float32 path instead."""
 
     clip_norm: float
     max_elements: int
+    exact_rows: bool = False
+    float32_rows: list = field(default_factory=list)
 
 
 # drop_bad(t): the rows of examples with a non-finite gradient set to exactly zero (never NaN·0).
@@ -174,20 +178,22 @@ F32_CHUNK = 16
 F32_MIN_CLIP = 1e-4
 
 
-def row_sq_norms(W: torch.Tensor, clip_norm: float) -> torch.Tensor:
+def row_sq_norms(W: torch.Tensor, ctx: Context) -> torch.Tensor:
     """‖W_i‖² in float64 for each row of a 2-D tensor, with an error well inside the clipping
-    margin (see ``F32_CHUNK``). Non-finite chunks (overflow of float32 squares above ~1e19)
-    are recomputed in float64, so a finite but huge gradient is clipped, not skipped."""
+    margin (see ``F32_CHUNK``). A float32 chunk can overflow (squares above ~1e38): the result
+    is then not finite, and the caller, having noted in ``ctx.float32_rows`` that this path ran,
+    measures the batch again with ``ctx.exact_rows`` (float64 throughout), so that a finite but
+    huge gradient is clipped, not skipped. That check is made once per batch, not per layer:
+    reading a device value makes the host wait for a GPU."""
     rows, n = W.shape
-    if W.dtype != torch.float32 or clip_norm < F32_MIN_CLIP or n < 2 * F32_CHUNK:
+    if W.dtype != torch.float32 or ctx.clip_norm < F32_MIN_CLIP or n < 2 * F32_CHUNK or ctx.exact_rows:
         return torch.linalg.vector_norm(W, dim=1, dtype=torch.float64).square()
+    ctx.float32_rows.append(W.shape)
     head = n - n % F32_CHUNK
     chunks = torch.linalg.vector_norm(W[:, :head].reshape(rows, -1, F32_CHUNK), dim=2)  # float32
     sq = torch.linalg.vector_norm(chunks, dim=1, dtype=torch.float64).square()  # the chunks summed in float64
     if head < n:
         sq += torch.linalg.vector_norm(W[:, head:], dim=1, dtype=torch.float64).square()
-    if not bool(torch.isfinite(sq).all()):
-        return torch.linalg.vector_norm(W, dim=1, dtype=torch.float64).square()
     return sq
 
 
@@ -221,7 +227,7 @@ def weight_sq_norms(A: torch.Tensor, G: torch.Tensor, channels_first: bool, ctx:
     # (Convolutions reach here only when materialising is over budget: the ghost form.)
     if not channels_first and B * c * d <= ctx.max_elements and T * d * c <= 4 * T * T * (d + c):
         W = G.transpose(1, 2) @ A  # [B, c, d]
-        return row_sq_norms(W.reshape(B, -1), ctx.clip_norm), W
+        return row_sq_norms(W.reshape(B, -1), ctx), W
     if channels_first:
         aa = A.transpose(1, 2).double() @ A.double()  # [B, T, T]
         gg = G.transpose(1, 2).double() @ G.double()

@@ -160,7 +160,8 @@ class BookKeepingClipper:
             return 0
         sq, parts = self.measure(x, y, clip_norm)
         factors, finite = clip_factors(sq.sqrt(), clip_norm)
-        contributions = self.contributions(parts, factors, finite, rows=True)
+        flags = self.flags(factors, finite)
+        contributions = self.contributions(parts, factors, finite, rows=True, flags=flags)
         for key, value in contributions:  # all computed first: nothing is added if anything above fails
             if isinstance(value, RowUpdate):
                 if key in out:
@@ -171,7 +172,7 @@ class BookKeepingClipper:
                 out[key].add_(value.to(out[key].dtype))
             else:
                 out[key] = value
-        return int((~finite).sum())
+        return flags[0]
 
     def measure(self, x: torch.Tensor, y: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, list]:
         """(each example's squared gradient norm, float64 [B]; each layer's part). The parts give
@@ -192,7 +193,14 @@ class BookKeepingClipper:
         # Each layer's form adds its examples' squared norms into sq and keeps what it needs for
         # the clipped sum (per-example gradients, or the activations of a ghost form).
         ctx = Context(clip_norm=clip_norm, max_elements=self.MAX_PER_EXAMPLE_ELEMENTS)
-        sq = torch.zeros(batch, dtype=torch.float64, device=x.device)
+        sq, parts = self._forms(rec, grads, x, ctx)
+        if ctx.float32_rows and not bool(torch.isfinite(sq).all()):  # one read of the device per batch
+            # A float32 square overflowed (or a gradient is not finite): all row norms in float64.
+            sq, parts = self._forms(rec, grads, x, Context(clip_norm, ctx.max_elements, exact_rows=True))
+        return sq, parts
+
+    def _forms(self, rec: dict, grads, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, list]:
+        sq = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
         parts = []
         for (name, m, form), g in zip(self.layers, grads):
             a, z = rec[name]
@@ -201,24 +209,28 @@ class BookKeepingClipper:
             parts.append((name, form.per_example(m, widen(a, pdtype), g, sq, ctx)))
         return sq, parts
 
+    def flags(self, factors: torch.Tensor, finite: torch.Tensor) -> tuple[int, bool]:
+        """(how many examples are not finite, whether a factor is below the parameters' dtype's
+        smallest normal number: a gradient of norm ≳1e32·C in float32, whose batch is then summed
+        in float64 as the reference does), in one read of the device."""
+        tiny = max(torch.finfo(next(m.parameters()).dtype).tiny for _, m, _ in self.layers) * 2.0**24
+        n_bad, n_tiny = torch.stack([(~finite).sum(), ((factors < tiny) & finite).sum()]).tolist()
+        return int(n_bad), n_tiny > 0
+
     def contributions(
-        self, parts: list, factors: torch.Tensor, finite: torch.Tensor, rows: bool = False
+        self, parts: list, factors: torch.Tensor, finite: torch.Tensor, rows: bool = False, flags=None
     ) -> list[tuple[str, torch.Tensor | RowUpdate]]:
         """(parameter name, Σ_i f_i·grad_i) for every trainable parameter; the rows where
         ``finite`` is false contribute exactly zero. With ``rows``, a parameter whose sum is
         non-zero only in some rows (a token table) comes as a :class:`RowUpdate` to add into a
         running sum; else every sum is a dense tensor."""
-        n_bad = int((~finite).sum())
-        # A factor below the dtype's smallest normal number loses precision when cast (a gradient
-        # of norm ≳1e32·C in float32): then this batch is summed in float64, as the reference does.
-        tiny = max(torch.finfo(next(m.parameters()).dtype).tiny for _, m, _ in self.layers) * 2.0**24
-        wide = bool(((factors < tiny) & finite).any())
+        n_bad, wide = flags if flags is not None else self.flags(factors, finite)
         keep = finite.view(-1, 1)
 
         def drop_bad(t):  # skip-and-count: those rows contribute exactly zero (never NaN·0)
             if t is None or not n_bad:
                 return t
-            return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype))
+            return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t, t.new_zeros(()))
 
         return [
             (f"{name}.{pname}" if name else pname, value if rows or not isinstance(value, RowUpdate) else value.dense())

@@ -80,7 +80,7 @@ class ConvForm(LayerForm):
         G = g.reshape(batch, g.shape[1], -1)  # [B, c, T]
         if batch * m.weight.numel() <= ctx.max_elements:
             W, w_sq = self.weight_per_example(m, a, g)  # [B, out, in·kh·kw]
-            sq += w_sq if w_sq is not None else row_sq_norms(W.reshape(batch, -1), ctx.clip_norm)
+            sq += w_sq if w_sq is not None else row_sq_norms(W.reshape(batch, -1), ctx)
             return MaterialisedPart(m, W, bias_per_example(m, G.sum(2), sq))
         # Patches [B, d, T] and output gradients [B, c, T]: both in their natural layout.
         A = F.unfold(a, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)

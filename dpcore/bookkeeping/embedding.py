@@ -31,12 +31,13 @@ class EmbeddingPart(Part):
     example: torch.Tensor  # [P] the example of each (example, token) pair
     token: torch.Tensor  # [P] its token
     S: torch.Tensor  # [P, D] float64: that token's output gradients summed over the example's positions
+    # (P is the batch's number of positions: the slots past the distinct pairs hold S = 0.)
 
     def contributions(self, factors, wide, drop_bad):
         pdtype, _ = dtypes(self.m, wide)
         # An example with a non-finite gradient has factor 0; its non-finite rows must add
         # exactly zero (never 0·NaN). Its finite rows add 0·S = 0.
-        S = torch.where(torch.isfinite(self.S), self.S, torch.zeros((), dtype=self.S.dtype))
+        S = torch.where(torch.isfinite(self.S), self.S, self.S.new_zeros(()))
         rows = S * factors.to(torch.float64)[self.example].unsqueeze(1)
         return [("weight", RowUpdate(self.token, rows.to(pdtype), self.m.weight.shape))]
 
@@ -55,12 +56,22 @@ class EmbeddingForm(LayerForm):
             raise Unsupported("an Embedding was called without a batch of token ids")
         batch, dim = a.shape[0], m.embedding_dim
         tokens = a.reshape(batch, -1)
-        grads = g.reshape(batch, -1, dim).double()
-        keep = tokens != m.padding_idx if m.padding_idx is not None else torch.ones_like(tokens, dtype=torch.bool)
+        n = tokens.numel()
+        grads = g.reshape(n, dim).double()
+        if m.padding_idx is not None:  # those positions add nothing (not even a NaN)
+            keep = (tokens != m.padding_idx).reshape(n, 1)
+            grads = torch.where(keep, grads, grads.new_zeros(()))
         example = torch.arange(batch, device=a.device).unsqueeze(1).expand_as(tokens)
-        key = example[keep] * m.num_embeddings + tokens[keep]
-        pairs, which = torch.unique(key, return_inverse=True)
-        S = torch.zeros(pairs.shape[0], dim, dtype=torch.float64, device=a.device).index_add_(0, which, grads[keep])
+        # The (example, token) pairs without torch.unique or a boolean mask, whose sizes depend
+        # on the data (on a GPU, a wait for the device): the keys sorted, a slot per distinct
+        # key, numbered in order; of the n slots the ones past the last pair stay zero.
+        key, order = torch.sort((example * m.num_embeddings + tokens).reshape(n))
+        first = torch.ones(n, dtype=torch.bool, device=a.device)
+        first[1:] = key[1:] != key[:-1]
+        slot = torch.cumsum(first, 0) - 1
+        which = torch.empty_like(slot).scatter_(0, order, slot)  # each position's slot
+        S = torch.zeros(n, dim, dtype=torch.float64, device=a.device).index_add_(0, which, grads)
+        pairs = torch.zeros_like(key).scatter_(0, slot, key)  # each slot's key (a pair's positions agree)
         pair_example = pairs // m.num_embeddings
         sq.index_add_(0, pair_example, S.square().sum(1))
         return EmbeddingPart(m, pair_example, pairs % m.num_embeddings, S)

@@ -23,12 +23,12 @@ ce = F.cross_entropy
 class SeqModel(nn.Module):
     """Linear layers applied to a sequence (T positions per example), then pooled."""
 
-    def __init__(self):
+    def __init__(self, d=6, hidden=12):
         super().__init__()
-        self.a = nn.Linear(6, 12)
-        self.b = nn.Linear(12, 4, bias=False)
+        self.a = nn.Linear(d, hidden)
+        self.b = nn.Linear(hidden, 4, bias=False)
 
-    def forward(self, x):  # x [B, T=5, 6]
+    def forward(self, x):  # x [B, T=5, d]
         return self.b(torch.tanh(self.a(x))).mean(1)
 
 
@@ -161,6 +161,57 @@ def test_each_examples_share_has_norm_at_most_C_even_for_huge_gradients(ghost):
         bk.clipped_sum(x, y, clip, out)
         norm = math.sqrt(sum(float(v.double().square().sum()) for v in out.values()))
         assert norm <= clip, (i, norm)
+
+
+def test_a_gradient_that_overflows_float32_squares_is_clipped_not_skipped():
+    """Per-example gradients of about 1e20 (finite in float32, their squares not): the batch's
+    norms are measured again in float64, once per batch, and every example is clipped as by the
+    reference; none is counted as non-finite."""
+    torch.manual_seed(2)
+    model = SeqModel(d=32, hidden=32)  # a Linear over 5 positions: per-example gradients materialised
+    with torch.no_grad():
+        model.a.weight.mul_(1e-20)  # inputs of 1e20, moderate activations: the first weight's gradients are huge
+    x, y = torch.randn(8, 5, 32) * 1e20, torch.randint(0, 4, (8,))
+    bk = BookKeepingClipper(model, ce)
+    sq, _ = bk.measure(x, y, 1.0)
+    assert torch.isfinite(sq).all() and sq.min() > 1e39
+    got: dict = {}
+    assert bk.clipped_sum(x, y, 1.0, got) == 0
+    want, bad = _reference(model, x, y, 1.0)
+    assert bad == 0
+    for k, w in want.items():
+        torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6)
+
+
+def test_book_keeping_reads_the_device_a_fixed_number_of_times_per_batch(monkeypatch):
+    """On a GPU every read of a device value (a bool, int, float or list of a tensor) makes the
+    host wait for the queued work. A batch's clipped sum reads the device a fixed number of
+    times, whatever the number of layers: the labels' check, the float32 norms' check, the
+    count of non-finite examples. (The counter sees reads from Python; torch.unique and boolean
+    masks, which wait inside torch, are not used on this path.)"""
+    from dpcore.bookkeeping import clipper as clipper_module
+
+    reads = []
+    for name in ("__bool__", "__int__", "__float__", "item", "tolist"):
+        real = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _real=real, _name=name, **k):
+            reads.append(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    for make, shape in [
+        (lambda: resnet9((3, 8, 8), 10, width=16), (3, 8, 8)),
+        (lambda: nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)], nn.Linear(64, 4)), (64,)),
+    ]:
+        torch.manual_seed(0)
+        model = make()
+        bk = BookKeepingClipper(model, ce)
+        x, y = torch.randn(8, *shape), torch.randint(0, 4, (8,))
+        reads.clear()
+        bk.clipped_sum(x, y, 1.0, {})
+        assert len(reads) <= 3, reads
+    assert clipper_module.BookKeepingClipper.flags  # the one read of the counts
 
 
 def test_nonfinite_examples_are_skipped_and_counted_like_the_reference():
@@ -477,8 +528,12 @@ def test_float32_chunked_norms_are_within_the_clipping_margin():
     bound the clipping margin allows, on adversarial rows (many equal values, a wide range of
     magnitudes); huge rows that overflow float32 squares fall back to float64 instead of
     turning into inf (which would skip the example instead of clipping it)."""
-    from dpcore.bookkeeping.base import row_sq_norms as _row_sq_norms
+    from dpcore.bookkeeping.base import Context
+    from dpcore.bookkeeping.base import row_sq_norms as _rsn
     from dpcore.clipping import CLIP_MARGIN
+
+    def _row_sq_norms(w, clip, exact=False):
+        return _rsn(w, Context(clip, 0, exact_rows=exact))
 
     torch.manual_seed(13)
     rows = torch.cat(
@@ -495,7 +550,9 @@ def test_float32_chunked_norms_are_within_the_clipping_margin():
     assert rel < CLIP_MARGIN, rel  # squared norm: the norm's error is half of this
     huge = torch.full((2, 4096), 3e20)
     huge[1, 7] = float("nan")
-    got = _row_sq_norms(huge, 1.0)
+    ctx = Context(1.0, 0)
+    assert not torch.isfinite(_rsn(huge, ctx)).any() and ctx.float32_rows  # overflowed, and says it took that path
+    got = _row_sq_norms(huge, 1.0, exact=True)  # what the batch is measured with then
     assert math.isfinite(got[0].item()) and abs(got[0].item() / huge[0].double().square().sum().item() - 1) < 1e-12
     assert math.isnan(got[1].item())
     # Short rows, float64 rows and tiny clipping bounds take the float64 sum itself.
