@@ -196,6 +196,7 @@ class BookKeepingClipper:
         sq, parts = self._forms(rec, grads, x, ctx)
         if ctx.float32_rows and not bool(torch.isfinite(sq).all()):  # one read of the device per batch
             # A float32 square overflowed (or a gradient is not finite): all row norms in float64.
+            del sq, parts  # the first pass's per-example gradients go before the second's are made
             sq, parts = self._forms(rec, grads, x, Context(clip_norm, ctx.max_elements, exact_rows=True))
         return sq, parts
 
