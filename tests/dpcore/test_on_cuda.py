@@ -35,6 +35,23 @@ def _reference(model, x, y, clip):
 TEXT = ("text", lambda: TinyText(), None, 3)
 
 
+def _secure_optimizer(model, lr, sigma, clip, q, n, budget=None, **kw) -> dpcore.DPOptimizer:
+    """SGD under DPOptimizer with secure noise (drawn for the model's device) and book-keeping."""
+    return dpcore.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=lr),
+        model=model,
+        loss_fn=F.cross_entropy,
+        noise_multiplier=sigma,
+        clip_norm=clip,
+        sample_rate=q,
+        dataset_size=n,
+        randomness=dpcore.SecureRandomness(),
+        ledger=dpcore.PrivacyLedger(budget, 1e-5),
+        clipping="auto",
+        **kw,
+    )
+
+
 @pytest.mark.parametrize("ghost", [False, True], ids=["materialised", "ghost"])
 @pytest.mark.parametrize("name, make, shape, classes", CASES + [TEXT], ids=[c[0] for c in CASES + [TEXT]])
 def test_bookkeeping_equals_vmap_in_float64_on_the_gpu(name, make, shape, classes, ghost):
@@ -70,18 +87,7 @@ def test_a_private_step_on_the_gpu_stays_there_with_noise_of_std_sigma_c_over_qn
     model = build_model("cnn", (1, 28, 28), 10).to(DEVICE)
     before = [p.detach().clone() for p in model.parameters()]
     sigma, clip, q, n, lr = 100.0, 0.5, 0.01, 25_600, 1.0
-    opt = dpcore.DPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=lr),
-        model=model,
-        loss_fn=F.cross_entropy,
-        noise_multiplier=sigma,
-        clip_norm=clip,
-        sample_rate=q,
-        dataset_size=n,
-        randomness=dpcore.SecureRandomness(),
-        ledger=dpcore.PrivacyLedger(None, 1e-5),
-        clipping="auto",
-    )
+    opt = _secure_optimizer(model, lr, sigma, clip, q, n)
     x = torch.randn(64, 1, 28, 28, device=DEVICE)
     y = torch.randint(0, 10, (64,), device=DEVICE)
     opt.accumulate(x, y)
@@ -113,19 +119,7 @@ def test_bf16_autocast_on_the_gpu_keeps_clipping_and_noise_in_float32(monkeypatc
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 50, (24, 12), generator=g).to(DEVICE)
     y = torch.randint(0, 2, (24,), generator=g).to(DEVICE)
-    opt = dpcore.DPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        model=model,
-        loss_fn=F.cross_entropy,
-        noise_multiplier=1.0,
-        clip_norm=0.5,
-        sample_rate=0.1,
-        dataset_size=240,
-        randomness=dpcore.SecureRandomness(),
-        ledger=dpcore.PrivacyLedger(10.0, 1e-5),
-        autocast="bf16",
-        clipping="auto",
-    )
+    opt = _secure_optimizer(model, 0.1, 1.0, 0.5, 0.1, 240, budget=10.0, autocast="bf16")
     model.seen.clear()
     opt.accumulate(x, y)
     assert opt.clipping == "bookkeeping"
