@@ -123,6 +123,7 @@ def log_text_model(clf, meta: dict, tags: dict):
     """Log the classifier as an MLflow pyfunc named ``model`` in the active run; returns its ModelInfo."""
     from mlflow.models import infer_signature
 
+    from ..tracking.models import pinned
     from .hf import load_tokenizer
 
     tokenizer = load_tokenizer(meta["base_model"])
@@ -141,14 +142,8 @@ def log_text_model(clf, meta: dict, tags: dict):
                 artifacts={"text_model": str(folder)},
                 signature=infer_signature(example, output),
                 input_example=example,
-                pip_requirements=_requirements(),
+                pip_requirements=pinned("torch", "transformers", "peft", "pandas"),
                 tags=tags,
             )
     finally:
         clf.train(was_training)
-
-
-def _requirements() -> list[str]:
-    from importlib.metadata import version
-
-    return [f"{p}=={version(p)}" for p in ("torch", "transformers", "peft", "pandas")]

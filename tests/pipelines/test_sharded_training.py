@@ -138,6 +138,12 @@ def test_logged_model_loads_and_predicts_like_the_checkpoint(e2e):
     ours = load_final_model(e2e["spec"], e2e["checkpoint"])
     with torch.no_grad():
         assert torch.allclose(loaded(test.x), ours(test.x), atol=1e-5)
+    # the environment it states is pinned to what trained it, stated rather than inferred (no
+    # incidental imports such as tqdm)
+    from importlib.metadata import version
+
+    stated = Path(mlflow.pyfunc.get_model_dependencies("models:/dp-e2e-test/1")).read_text().split()
+    assert sorted(stated) == sorted(f"{p}=={version(p)}" for p in ("mlflow", "torch", "numpy", "pandas", "cloudpickle"))
     pyfunc = mlflow.pyfunc.load_model(f"runs:/{e2e['run_id']}/model")
     pred = np.asarray(pyfunc.predict(test.x[:7].numpy()))
     assert pred.shape == (7, 10)
