@@ -500,10 +500,14 @@ def test_single_channel_convolutions_equal_the_vmap_clipped_sum(clip):
 
 @pytest.mark.parametrize("native_ok", [True, False], ids=["native", "torch"])
 def test_per_example_conv_gradients_equal_autograd_per_example(native_ok):
-    """Every per-example form (the compiled kernel; forward convolution for one input channel
-    and grouped weight gradient otherwise) against autograd run on each example alone, with
-    sparse and dense output gradients; and the kernel's squared norms against float64."""
+    """Every per-example form (the compiled kernel; forward convolution for one input channel,
+    patches and a batched matrix product for layers with few output positions, grouped weight
+    gradient otherwise) against autograd run on each example alone, with sparse and dense output
+    gradients; and the kernel's squared norms against float64."""
     from dpcore.bookkeeping.conv import conv_per_example as _conv_per_example
+    from dpcore.bookkeeping.conv import patches_first
+
+    forms = set()
 
     torch.manual_seed(12)
     for conv, shape in [
@@ -513,9 +517,12 @@ def test_per_example_conv_gradients_equal_autograd_per_example(native_ok):
         (nn.Conv2d(16, 32, 4, stride=2), (16, 13, 13)),
         (nn.Conv2d(5, 3, (1, 6), stride=(1, 3), padding=(0, 4)), (5, 4, 17)),
         (nn.Conv2d(70, 2, 1), (70, 3, 3)),  # D = 70: a 64-wide block and a tail
+        (nn.Conv2d(8, 3, 3, stride=2, padding=1), (8, 4, 4)),  # 4 output positions, 8 channels: patches
+        (nn.Conv2d(9, 2, (2, 3), stride=(2, 1), padding=(1, 0), dilation=(1, 2)), (9, 3, 6)),
     ]:
         x = torch.randn(6, *shape)
         z = conv(x)
+        forms.add(patches_first(conv, z.shape[2] * z.shape[3]))
         for density in (1.0, 0.25, 0.0):
             g = torch.randn_like(z) * (torch.rand_like(z) < density)
             got, sq = _conv_per_example(conv, x, g, native_ok=native_ok)
@@ -527,6 +534,7 @@ def test_per_example_conv_gradients_equal_autograd_per_example(native_ok):
             if sq is not None:
                 ref = got.double().reshape(6, -1).square().sum(1)
                 assert torch.allclose(sq, ref, rtol=1e-12, atol=0), (conv, density)
+    assert forms == {True, False}  # both torch forms for several input channels were run
 
 
 def test_float32_chunked_norms_are_within_the_clipping_margin():
