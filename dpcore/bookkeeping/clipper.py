@@ -98,6 +98,9 @@ class BookKeepingClipper:
 
     # Materialise per-example weight gradients (B × out × in floats) up to this many elements.
     MAX_PER_EXAMPLE_ELEMENTS = 64 * 2**20
+    # Let ghost forms form their clipped sums in float32, with each example's rounding bound
+    # added to its norm (dpcore.bookkeeping.base.float32_sum_slack); False: in float64.
+    FLOAT32_SUMS = True
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, autocast: str = "none"):
         self.autocast = check_autocast(autocast)
@@ -192,7 +195,7 @@ class BookKeepingClipper:
             grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
         # Each layer's form adds its examples' squared norms into sq and keeps what it needs for
         # the clipped sum (per-example gradients, or the activations of a ghost form).
-        ctx = Context(clip_norm=clip_norm, max_elements=self.MAX_PER_EXAMPLE_ELEMENTS)
+        ctx = Context(clip_norm=clip_norm, max_elements=self.MAX_PER_EXAMPLE_ELEMENTS, float32_sums=self.FLOAT32_SUMS)
         sq, parts = self._forms(rec, grads, x, ctx)
         if ctx.float32_rows and not bool(torch.isfinite(sq).all()):  # one read of the device per batch
             # A float32 square overflowed (or a gradient is not finite): all row norms in float64.
@@ -208,6 +211,8 @@ class BookKeepingClipper:
             pdtype = next(p for p in m.parameters(recurse=False)).dtype
             g = widen(g if g is not None else torch.zeros_like(z), pdtype)
             parts.append((name, form.per_example(m, widen(a, pdtype), g, sq, ctx)))
+        if ctx.slack_sq:  # float32 clipped sums: each factor is computed for ‖g_i‖ + its shares' rounding
+            sq = (sq.sqrt() + torch.stack(ctx.slack_sq).sum(0).sqrt()).square()
         return sq, parts
 
     def flags(self, factors: torch.Tensor, finite: torch.Tensor) -> tuple[int, bool]:

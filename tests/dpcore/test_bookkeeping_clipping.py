@@ -13,7 +13,7 @@ from torch import nn
 import dpcore
 from dpcore import native
 from dpcore.bookkeeping import BookKeepingClipper, Unsupported, supports, unsupported_parameters
-from dpcore.clipping import clipped_sum
+from dpcore.clipping import clip_factors, clipped_sum
 from dpcore.grad_sample import PerSampleGradients
 from pipelines.models import build_model, resnet9
 
@@ -128,6 +128,8 @@ def _reference(model, x, y, clip):
 @pytest.mark.parametrize("clip", [0.01, 1.0, 1e4])
 @pytest.mark.parametrize("name, make, shape, classes", CASES, ids=[c[0] for c in CASES])
 def test_bookkeeping_equals_the_vmap_clipped_sum(name, make, shape, classes, clip, ghost):
+    """The ghost forms with their clipped sums in float64 here (float32 sums clip by a slightly
+    larger norm: next test)."""
     torch.manual_seed(0)
     model = make()
     x = torch.randn(24, *shape, dtype=next(model.parameters()).dtype)
@@ -137,6 +139,7 @@ def test_bookkeeping_equals_the_vmap_clipped_sum(name, make, shape, classes, cli
     bk = BookKeepingClipper(model, ce)
     if ghost:
         bk.MAX_PER_EXAMPLE_ELEMENTS = 0  # force the ghost-norm forms
+        bk.FLOAT32_SUMS = False
     ref, ref_bad = _reference(model, x, y, clip)
     out = {}
     bad = bk.clipped_sum(x, y, clip, out)
@@ -144,6 +147,35 @@ def test_bookkeeping_equals_the_vmap_clipped_sum(name, make, shape, classes, cli
     assert set(out) == set(ref)
     for k in ref:
         assert torch.allclose(out[k], ref[k], atol=1e-5, rtol=1e-5), (k, (out[k] - ref[k]).abs().max())
+
+
+@pytest.mark.parametrize("clip", [0.01, 1.0])
+@pytest.mark.parametrize("name, make, shape, classes", CASES, ids=[c[0] for c in CASES])
+def test_float32_ghost_sums_equal_the_vmap_sum_at_their_own_factors(name, make, shape, classes, clip):
+    """Ghost forms with float32 clipped sums: each example's norm is its gradient's plus a
+    bound on its share's rounding (at most 1 % more here, and never less), and the clipped
+    sum is Σ_i f_i·g_i of the vmap reference's per-example gradients at the factors of those
+    norms."""
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(24, *shape, dtype=next(model.parameters()).dtype)
+    model(x[:1])
+    y = torch.randint(0, classes, (24,))
+    bk = BookKeepingClipper(model, ce)
+    bk.MAX_PER_EXAMPLE_ELEMENTS = 0
+    sq, parts = bk.measure(x, y, clip)
+    float32_sums = [layer for layer, part in parts if getattr(part, "float32_chunk", 0)]
+    # Every case with a layer of several positions in float32 has one (mlp: one position each).
+    assert bool(float32_sums) == (name not in ("mlp", "ws_gn_tiny_weights")), float32_sums
+    per_example = PerSampleGradients(model, ce)(x, y)
+    ref_norms = torch.sqrt(sum(g.reshape(24, -1).double().square().sum(1) for g in per_example.values()))
+    ratio = sq.sqrt() / ref_norms
+    assert float(ratio.min()) > 1 - 1e-5 and float(ratio.max()) < 1.01, (float(ratio.min()), float(ratio.max()))
+    factors, finite = clip_factors(sq.sqrt(), clip)
+    out = dict(bk.contributions(parts, factors, finite))
+    for k, g in per_example.items():
+        ref = torch.einsum("b,b...->...", factors.to(g.dtype), g)
+        assert torch.allclose(out[k], ref, atol=1e-5, rtol=1e-5), (k, (out[k] - ref).abs().max())
 
 
 @pytest.mark.parametrize("ghost", [False, True])
@@ -535,6 +567,50 @@ def test_per_example_conv_gradients_equal_autograd_per_example(native_ok):
                 ref = got.double().reshape(6, -1).square().sum(1)
                 assert torch.allclose(sq, ref, rtol=1e-12, atol=0), (conv, density)
     assert forms == {True, False}  # both torch forms for several input channels were run
+
+
+@pytest.mark.parametrize("cancel", [2.0**-14, 2.0**-22])
+@pytest.mark.parametrize("layer", ["linear", "wsconv"])
+def test_a_float32_ghost_sum_keeps_each_share_within_C_when_positions_cancel(layer, cancel):
+    """An example whose two positions' gradient terms almost cancel (g₂ = −(1 − ``cancel``)·g₁ at
+    the same input): its exact gradient is small, and float32 rounding of the clipped sum,
+    relative to the terms, is not. With the clip factor of the exact norm alone the float32
+    share exceeds C in some of 20 draws (checked, so the case is adversarial); with the factor
+    the form reports (its norm plus the rounding bound of :func:`float32_sum_slack`) every share
+    is at most C. The norm it reports is never below the exact one (float64, from the same
+    numbers), though at 2⁻²² float64 rounding of the ghost norm itself exceeds the margin."""
+    from dpcore.bookkeeping.base import Context, weight_and_bias
+    from dpcore.bookkeeping.wsconv import WSConvForm, WSJacobian
+    from dpcore.layers import WSConv2d
+
+    torch.manual_seed(21)
+    excess = []
+    for _ in range(20):
+        if layer == "linear":
+            m = nn.Linear(64, 32, bias=False)
+            a, g = torch.randn(64) * 100, torch.randn(32) * 100
+            A = torch.stack([a, a]).unsqueeze(0)  # [1, T=2, d]
+            G = torch.stack([g, -(g * (1 - cancel))]).unsqueeze(0)
+            exact = G[0].double().T @ A[0].double()
+        else:
+            m = WSConv2d(4, 8, 3, bias=False)
+            a, g = torch.randn(36) * 100, torch.randn(8) * 100
+            A = torch.stack([a, a], 1).unsqueeze(0)  # [1, d, T=2]
+            G = torch.stack([g, -(g * (1 - cancel))], 1).unsqueeze(0)
+            exact = WSJacobian(m).vjp(G[0].double() @ A[0].double().T)
+        norm = float(exact.norm())
+        C = 0.5 * norm
+        ctx = Context(clip_norm=C, max_elements=0)
+        sq = torch.zeros(1, dtype=torch.float64)
+        part = weight_and_bias(m, A, G, False, sq, ctx) if layer == "linear" else WSConvForm().ghost(m, A, G, sq, ctx)
+        assert part.float32_chunk > 0 and len(ctx.slack_sq) == 1  # the float32 sum was chosen
+        assert float(sq.sqrt()) >= norm
+        factor, _ = clip_factors(sq.sqrt() + ctx.slack_sq[0].sqrt(), C)
+        share = part.contributions(factor, False, lambda t: t)[0][1]
+        assert share.dtype == torch.float32 and float(share.double().norm()) <= C
+        bare, _ = clip_factors(torch.tensor([norm], dtype=torch.float64), C)
+        excess.append(float(part.contributions(bare, False, lambda t: t)[0][1].double().norm()) / C - 1)
+    assert max(excess) > 1e-6, excess
 
 
 def test_float32_chunked_norms_are_within_the_clipping_margin():
