@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from .precision import formulas
+
 CLIP_MARGIN = 1e-6
 
 
@@ -70,6 +72,14 @@ def clipped_sum(
     same float64 norms and relative margin keep ‖clipped g_i‖₁ ≤ C.
     Returns ``(sums, nonfinite_count)``. Examples with a non-finite gradient contribute zero.
     """
+    first = next(iter(per_sample.values()), None)
+    if first is None:
+        return _clipped_sum(per_sample, clip_norm, out, ord)
+    with formulas(first):  # autocast off, whatever region the caller opened
+        return _clipped_sum(per_sample, clip_norm, out, ord)
+
+
+def _clipped_sum(per_sample, clip_norm, out, ord):
     norms = per_sample_norms(per_sample, ord)
     factors, finite = clip_factors(norms, clip_norm)
     n_bad = int((~finite).sum())

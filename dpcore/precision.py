@@ -9,7 +9,9 @@
 * book-keeping's inputs to its formulas: each layer's recorded input and output gradient are
   widened to the layer's parameter dtype before any norm or sum is formed, and the formulas run
   outside autocast (whose matmuls would otherwise be bf16);
-* every clip factor, clipped sum, noise draw, all-reduce and the division by qN.
+* every clip factor, clipped sum, noise draw, all-reduce and the division by qN: the clipping
+  formulas run with autocast switched off (:func:`formulas`), also when the caller opened an
+  autocast region around the step.
 
 So each example's contribution still has norm ≤ C, computed from the very vector that is added:
 bf16 changes how accurate each example's gradient is, not the sensitivity bound or the noise.
@@ -41,6 +43,13 @@ def forward_autocast(mode: str, like: torch.Tensor):
     if mode != "bf16":
         return contextlib.nullcontext()
     return torch.autocast(device_type=like.device.type, dtype=torch.bfloat16)
+
+
+def formulas(like: torch.Tensor):
+    """The context the clipping formulas run in: autocast off on ``like``'s device, whatever
+    region the caller opened (under a bf16 autocast, a clip factor would be multiplied in bf16,
+    and a share could exceed C by a few parts in 10⁴)."""
+    return torch.autocast(device_type=like.device.type, enabled=False)
 
 
 def widen(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

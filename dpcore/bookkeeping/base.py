@@ -31,10 +31,6 @@ class Context:
     max_elements: int
     exact_rows: bool = False
     float32_rows: list = field(default_factory=list)
-    float32_sums: bool = True  # whether a ghost form may sum in float32 (:func:`float32_sum_slack`)
-    # Per layer, each example's bound on the rounding of its share in a float32 clipped sum
-    # ([B] float64, see :class:`GhostPart`); the clip factor is computed for ‖g_i‖ + √Σ slack².
-    slack_sq: list = field(default_factory=list)
 
 
 # drop_bad(t): the rows of examples with a non-finite gradient set to exactly zero (never NaN·0).
@@ -136,17 +132,7 @@ class MaterialisedPart(Part):
 class GhostPart(Part):
     """Inputs ``A`` and output gradients ``G`` whose per-example products are never formed:
     the clipped sum is Σ_i f_i G_iᵀA_i over (example, position). ``post`` (linear) maps the
-    sum to the weight's gradient (a weight standardisation's VJP).
-
-    With several positions, each example's share must keep the norm its factor was computed
-    for, and a float32 sum over (example, position) terms does not by itself: summed in any
-    order, n products come out as Σ_k x_k·y_k·(1 + θ_k) with |θ_k| ≤ γ_n = n·u/(1 − n·u)
-    (u = 2⁻²⁴; Higham, *Accuracy and Stability of Numerical Algorithms*, §3.1), so example i's
-    share is f_i·(G_iᵀA_i + E_i) with ‖E_i‖_F ≤ γ_n·Σ_t ‖g_t‖·‖a_t‖, which can exceed the 1e-6
-    margin when the positions' terms cancel. Where ``float32_chunk`` is set
-    (:func:`float32_sum_slack`, which added that bound to the example's norm for its clip
-    factor), the sum runs in float32, in chunks of that many examples (n ≤
-    :data:`F32_SUM_TERMS` + 2), the chunks added in float64. Otherwise it runs in float64."""
+    sum to the weight's gradient (a weight standardisation's VJP)."""
 
     m: nn.Module
     A: torch.Tensor
@@ -154,27 +140,21 @@ class GhostPart(Part):
     channels_first: bool
     bias_g: torch.Tensor | None
     post: Callable | None = None
-    float32_chunk: int = 0
 
     def contributions(self, factors, wide, drop_bad):
         pdtype, dtype = dtypes(self.m, wide)
         f = factors.to(dtype)
         A, G = drop_bad(self.A), drop_bad(self.G)
+        # With several positions the sum runs in float64, so that each example's share keeps the
+        # norm the factor was computed for (float32 accumulation over many positions could exceed
+        # the 1e-6 clipping margin).
         one_position = A.shape[2 if self.channels_first else 1] == 1
-        if self.float32_chunk and not wide:
-            w = torch.zeros(
-                G.shape[1 if self.channels_first else 2],
-                A.shape[1 if self.channels_first else 2],
-                dtype=torch.float64,
-                device=A.device,
-            )
-            for lo in range(0, A.shape[0], self.float32_chunk):
-                hi = lo + self.float32_chunk
-                w += self._sum(f[lo:hi].float(), G[lo:hi], A[lo:hi], torch.float32).double()
-        else:
-            # One position per example: a float32 sum over the examples, as any clipped sum is.
-            acc = dtype if (one_position and self.post is None) else torch.float64
-            w = self._sum(f, G, A, acc)
+        acc = dtype if (one_position and self.post is None) else torch.float64
+        if self.channels_first:
+            w = torch.einsum("b,bct,bdt->cd", f.to(acc), G.to(acc), A.to(acc))
+        else:  # (f·G) over all (example, position) rows, transposed, times A: one matmul
+            Gf = G.to(acc) * f.to(acc).view(-1, 1, 1)
+            w = Gf.reshape(-1, Gf.shape[2]).t() @ A.to(acc).reshape(-1, A.shape[2])
         if self.post is not None:  # the standardisation's VJP is linear: applied to the sum
             w = self.post(w)
         w = w.to(dtype)
@@ -182,91 +162,6 @@ class GhostPart(Part):
         if self.bias_g is not None:
             out.append(("bias", (f @ drop_bad(self.bias_g).to(dtype)).to(self.m.bias.dtype)))
         return out
-
-    def _sum(self, f, G, A, acc):
-        """Σ over (example, position) of f_i·g·aᵀ in ``acc``: (f·G) times A, one matrix product."""
-        Gf = G.to(acc) * f.to(acc).view(-1, 1, 1)
-        if self.channels_first:  # [B, c, T] and [B, d, T]
-            return torch.einsum("bct,bdt->cd", Gf, A.to(acc))
-        return Gf.reshape(-1, Gf.shape[2]).t() @ A.to(acc).reshape(-1, A.shape[2])
-
-
-# A ghost form's float32 clipped sum adds at most this many (example, position) terms in one
-# product (then the chunks in float64): γ_n ≤ 2.5e-4, the bound on each term's relative rounding.
-F32_SUM_TERMS = 4096
-U32 = 2.0**-24
-
-
-def gamma32(n: int) -> float:
-    """γ_n = n·u/(1 − n·u) for float32: the relative rounding of each term of a sum of n products."""
-    nu = n * U32
-    if nu >= 0.5:
-        raise ValueError(f"gamma32: n = {n} is too large for a float32 error bound")
-    return nu / (1.0 - nu)
-
-
-def exact_float32_matmul(device: torch.device) -> bool:
-    """Whether float32 matrix products on ``device`` are IEEE float32 (not TF32 or bf16, which
-    torch allows through ``set_float32_matmul_precision`` or the backends' ``fp32_precision``):
-    the rounding bound of :func:`gamma32` holds only then. Unknown devices: no."""
-    try:
-        if device.type == "cpu":
-            return torch.backends.mkldnn.matmul.fp32_precision in ("none", "ieee")
-        if device.type == "cuda":
-            mm = torch.backends.cuda.matmul
-            return mm.fp32_precision in ("none", "ieee") and not mm.allow_tf32
-    except Exception:  # a torch without these settings, or with mixed old and new ones
-        return False
-    return False
-
-
-def float32_sum_slack(A: torch.Tensor, G: torch.Tensor, channels_first: bool, ctx: Context, scale=None) -> int:
-    """If the ghost form's clipped sum of this layer can run in float32 (float32 inputs, exact
-    float32 products, a clipping bound where underflow cannot matter, at most
-    :data:`F32_SUM_TERMS` positions), add each example's bound on its share's rounding to
-    ``ctx.slack_sq`` and return the examples per float32 chunk; else 0 (a float64 sum).
-
-    The bound is γ_{n+2}·Σ_t ‖g_t‖·‖a_t‖ with n = chunk × positions (the +2: rounding f_i to
-    float32, and f_i·g). ``scale`` [c] (a weight standardisation's 1/s per output filter, whose
-    VJP is applied to the sum): per output filter, γ·Σ_t |g_to|·‖a_t‖·scale_o, combined in
-    quadrature over the filters."""
-    positions = A.shape[2 if channels_first else 1]
-    if (
-        A.dtype != torch.float32
-        or not ctx.float32_sums
-        or ctx.exact_rows
-        or ctx.clip_norm < F32_MIN_CLIP
-        or positions > F32_SUM_TERMS
-        or not exact_float32_matmul(A.device)
-    ):
-        return 0
-    chunk = min(F32_SUM_TERMS // positions, A.shape[0])
-    g32 = gamma32(chunk * positions + 2)
-    chunks = -(-A.shape[0] // chunk)
-    g32 += (1.0 + g32) * chunks * 2.0**-52  # the chunks added in float64 (γ of float64, doubled)
-    g32 *= 1.0 + 1e-9  # β below is summed in float64: relative error ≪ 1e-9
-    # (Products that underflow to subnormals add at most n·2⁻¹⁴⁹ per entry: ≪ 1e-6·C for C ≥ 1e-4.)
-    dim = 1 if channels_first else 2
-    ctx.float32_rows.append(A.shape)  # the norms below are float32: an overflow is measured again
-    a_norms = float32_norms_above(A, dim)  # [B, T]
-    if scale is None:
-        beta = (a_norms * float32_norms_above(G, dim)).sum(1)
-        ctx.slack_sq.append((g32 * beta).square())
-    else:  # channels first: G [B, c, T]
-        beta = (G.abs().double() * a_norms.unsqueeze(1)).sum(2) * scale.view(1, -1)  # [B, c]
-        ctx.slack_sq.append(g32**2 * beta.square().sum(1))
-    return chunk
-
-
-def float32_norms_above(X: torch.Tensor, dim: int) -> torch.Tensor:
-    """Upper bounds (float64) of the Euclidean norms of float32 ``X`` along ``dim``, computed in
-    float32 (a float64 copy of a layer's patches costs more than the rest of the bound): the
-    sum of n squares, in any order and at least float32 precision, is within γ_n of exact, the
-    square root adds u, and squares that underflow lose at most n·2⁻¹²⁶ of the sum. Not finite
-    if a square overflows."""
-    n = X.shape[dim]
-    norms = torch.linalg.vector_norm(X, dim=dim).double()
-    return norms * ((1.0 + U32) / (1.0 - gamma32(n)) ** 0.5) + n**0.5 * 2.0**-63
 
 
 # -- norms --------------------------------------------------------------------------------------------
@@ -310,11 +205,7 @@ def weight_and_bias(m: nn.Module, A: torch.Tensor, G: torch.Tensor, channels_fir
     s, W = weight_sq_norms(A, G, channels_first, ctx)
     sq += s
     bias_g = bias_per_example(m, G.sum(2 if channels_first else 1), sq)
-    if W is not None:
-        return MaterialisedPart(m, W, bias_g)
-    one_position = A.shape[2 if channels_first else 1] == 1
-    chunk = 0 if one_position else float32_sum_slack(A, G, channels_first, ctx)
-    return GhostPart(m, A, G, channels_first, bias_g, float32_chunk=chunk)
+    return MaterialisedPart(m, W, bias_g) if W is not None else GhostPart(m, A, G, channels_first, bias_g)
 
 
 def weight_sq_norms(A: torch.Tensor, G: torch.Tensor, channels_first: bool, ctx: Context):
@@ -346,11 +237,14 @@ def weight_sq_norms(A: torch.Tensor, G: torch.Tensor, channels_first: bool, ctx:
         gg = G64 @ G64.transpose(1, 2)
     # Summed over s, then over t: each term takes part in at most 2T − 2 additions.
     sq = (aa * gg).sum(2).sum(1)
-    # The positions' terms can cancel (an example's own positions pulling opposite ways), and
-    # then float64 rounding, relative to the terms, is not small relative to the result. Each
-    # Gram entry is within γ_d·‖a_t‖‖a_s‖ (γ_c·‖g_t‖‖g_s‖) of exact and the sums add γ_2T, so
-    # the error is at most about (d + c + 2T)·u·β², β = Σ_t ‖a_t‖·‖g_t‖: added (doubled), so
-    # that the norm is never below the exact one.
+    # An example's positions can pull in opposite directions; its gradient is then small next to
+    # its terms, and float64 rounding, relative to the terms, is not small next to its norm: the
+    # norm could come out below the exact one, and an example whose gradient rounds to zero
+    # would keep the factor 1 however large its terms, whose rounding in the clipped sum could
+    # then swallow another example's share. Each Gram entry is within γ_d·‖a_t‖‖a_s‖
+    # (γ_c·‖g_t‖‖g_s‖) of exact and the sums add γ_2T, so the error is at most about
+    # (d + c + 2T)·u·β², β = Σ_t ‖a_t‖·‖g_t‖: added (doubled), so that the norm is never below
+    # the exact one and f_i·β ≤ C/√(2(d + c + 2T)·u).
     dim = 1 if channels_first else 2
     beta = (torch.linalg.vector_norm(A64, dim=dim) * torch.linalg.vector_norm(G64, dim=dim)).sum(1)
     allowance = 2.0 * (d + c + 2 * T + 4) * torch.finfo(torch.float64).eps / 2 * beta.square()

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..clipping import clip_factors
 from ..grad_sample import LossFn
-from ..precision import check_autocast, forward_autocast, widen
+from ..precision import check_autocast, formulas, forward_autocast, widen
 from .base import Context, RowUpdate, Unsupported
 from .registry import form_for
 
@@ -98,9 +98,6 @@ class BookKeepingClipper:
 
     # Materialise per-example weight gradients (B × out × in floats) up to this many elements.
     MAX_PER_EXAMPLE_ELEMENTS = 64 * 2**20
-    # Let ghost forms form their clipped sums in float32, with each example's rounding bound
-    # added to its norm (dpcore.bookkeeping.base.float32_sum_slack); False: in float64.
-    FLOAT32_SUMS = True
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, autocast: str = "none"):
         self.autocast = check_autocast(autocast)
@@ -195,12 +192,13 @@ class BookKeepingClipper:
             grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
         # Each layer's form adds its examples' squared norms into sq and keeps what it needs for
         # the clipped sum (per-example gradients, or the activations of a ghost form).
-        ctx = Context(clip_norm=clip_norm, max_elements=self.MAX_PER_EXAMPLE_ELEMENTS, float32_sums=self.FLOAT32_SUMS)
-        sq, parts = self._forms(rec, grads, x, ctx)
-        if ctx.float32_rows and not bool(torch.isfinite(sq).all()):  # one read of the device per batch
-            # A float32 square overflowed (or a gradient is not finite): all row norms in float64.
-            del sq, parts  # the first pass's per-example gradients go before the second's are made
-            sq, parts = self._forms(rec, grads, x, Context(clip_norm, ctx.max_elements, exact_rows=True))
+        ctx = Context(clip_norm=clip_norm, max_elements=self.MAX_PER_EXAMPLE_ELEMENTS)
+        with formulas(x):  # autocast off, whatever region the caller opened
+            sq, parts = self._forms(rec, grads, x, ctx)
+            if ctx.float32_rows and not bool(torch.isfinite(sq).all()):  # one read of the device per batch
+                # A float32 square overflowed (or a gradient is not finite): all row norms in float64.
+                del sq, parts  # the first pass's per-example gradients go before the second's are made
+                sq, parts = self._forms(rec, grads, x, Context(clip_norm, ctx.max_elements, exact_rows=True))
         return sq, parts
 
     def _forms(self, rec: dict, grads, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, list]:
@@ -211,8 +209,6 @@ class BookKeepingClipper:
             pdtype = next(p for p in m.parameters(recurse=False)).dtype
             g = widen(g if g is not None else torch.zeros_like(z), pdtype)
             parts.append((name, form.per_example(m, widen(a, pdtype), g, sq, ctx)))
-        if ctx.slack_sq:  # float32 clipped sums: each factor is computed for ‖g_i‖ + its shares' rounding
-            sq = (sq.sqrt() + torch.stack(ctx.slack_sq).sum(0).sqrt()).square()
         return sq, parts
 
     def flags(self, factors: torch.Tensor, finite: torch.Tensor) -> tuple[int, bool]:
@@ -230,6 +226,10 @@ class BookKeepingClipper:
         ``finite`` is false contribute exactly zero. With ``rows``, a parameter whose sum is
         non-zero only in some rows (a token table) comes as a :class:`RowUpdate` to add into a
         running sum; else every sum is a dense tensor."""
+        with formulas(factors):  # autocast off, whatever region the caller opened
+            return self._contributions(parts, factors, finite, rows, flags)
+
+    def _contributions(self, parts, factors, finite, rows, flags):
         n_bad, wide = flags if flags is not None else self.flags(factors, finite)
         keep = finite.view(-1, 1)
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..layers import WS_EPS
-from .base import GhostPart, bias_per_example, float32_sum_slack
+from .base import GhostPart, bias_per_example
 from .conv import ConvForm, conv_per_example
 
 
@@ -77,6 +77,4 @@ class WSConvForm(ConvForm):
         jac = WSJacobian(m)
         sq += jac.ghost_sq_norms(A, G)
         bias_g = bias_per_example(m, G.sum(2), sq)
-        # ‖vjp(E_o)‖ ≤ ‖E_o‖/s_o: the VJP removes two directions and divides by s_o.
-        chunk = float32_sum_slack(A, G, True, ctx, scale=1.0 / jac.s.view(-1))
-        return GhostPart(m, A, G, True, bias_g, post=jac.vjp, float32_chunk=chunk)
+        return GhostPart(m, A, G, True, bias_g, post=jac.vjp)
