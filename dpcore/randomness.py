@@ -180,9 +180,29 @@ _CUDA_PIECE_PAIRS = (1 << 19) - 1
 _CUDA_POOL = None
 
 
+_PIN_FAILED: str | None = None  # why pinned host memory could not be had, once it could not
+
+
 def _keystream_piece(m: int, pin: bool) -> torch.Tensor:
-    """16·m keystream bytes (m pairs' 53-bit words) in a host tensor, pinned if ``pin``."""
-    host = torch.empty(16 * m + 15, dtype=torch.uint8, pin_memory=pin)  # AES's block size − 1 spare
+    """16·m keystream bytes (m pairs' 53-bit words) in a host tensor, pinned if ``pin`` and
+    pinned memory can be had (a container's locked-memory limit can refuse it): else in pageable
+    memory, whose copy to the device is as correct, only not overlapped with the next piece."""
+    global _PIN_FAILED
+    size = 16 * m + 15  # AES's block size − 1 spare
+    host = None
+    if pin and _PIN_FAILED is None:
+        try:
+            host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as e:
+            _PIN_FAILED = f"{type(e).__name__}: {e}"
+            warnings.warn(
+                f"pinned host memory is not available ({_PIN_FAILED}); the secure noise's keystream is copied to the "
+                "device from pageable memory (slower, not less secure)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    if host is None:
+        host = torch.empty(size, dtype=torch.uint8)
     with memoryview(host.numpy()) as view:
         _Keystream().read_into(view, 16 * m)
     return host[: 16 * m]

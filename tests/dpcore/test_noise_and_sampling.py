@@ -4,6 +4,7 @@ their tolerances from the sample size; draws that cannot be seeded (secure mode)
 α = 1e-6 on 400,000 values (``assert_unseeded_draw_fits``)."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -351,3 +352,27 @@ def test_the_threaded_os_entropy_fallback_fills_every_part():
     counts = torch.bincount(raw[: 2**22].long(), minlength=256).double()
     expected = 2**22 / 256
     assert stats.chi2.sf(float(((counts - expected) ** 2 / expected).sum()), 255) > 1e-4
+
+
+def test_a_gpu_draw_falls_back_to_pageable_memory_when_pinned_memory_is_refused(monkeypatch):
+    """Pinned host memory can be refused (a container's locked-memory limit, or no driver): the
+    keystream then goes through pageable memory, with one warning, and the draw is the same
+    Box–Muller of the same kind of pieces."""
+    from dpcore import randomness as rnd
+
+    real_empty = torch.empty
+
+    def refuse_pinned(*a, pin_memory=False, **k):
+        if pin_memory:
+            raise RuntimeError("cannot pin memory (locked-memory limit)")
+        return real_empty(*a, **k)
+
+    monkeypatch.setattr(rnd, "_PIN_FAILED", None, raising=False)
+    monkeypatch.setattr(rnd.torch, "empty", refuse_pinned)
+    with pytest.warns(RuntimeWarning, match="pinned host memory is not available"):
+        first = rnd._keystream_piece(4, pin=True)
+    assert first.shape == (64,) and not first.is_pinned()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: later pieces do not try again, nor warn again
+        second = rnd._keystream_piece(4, pin=True)
+    assert second.shape == (64,) and not torch.equal(first, second)
