@@ -22,6 +22,8 @@ diagnostics call: they are not private.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .precision import formulas
@@ -73,9 +75,7 @@ def clipped_sum(
     Returns ``(sums, nonfinite_count)``. Examples with a non-finite gradient contribute zero.
     """
     first = next(iter(per_sample.values()), None)
-    if first is None:
-        return _clipped_sum(per_sample, clip_norm, out, ord)
-    with formulas(first):  # autocast off, whatever region the caller opened
+    with formulas(first) if first is not None else contextlib.nullcontext():  # autocast off, whatever the caller opened
         return _clipped_sum(per_sample, clip_norm, out, ord)
 
 

@@ -112,8 +112,8 @@ class ClippedLot:
         self.saved = None
 
     def reset(self) -> None:
-        for s in self.sums.values():
-            s.zero_()
+        if self.sums:
+            torch._foreach_zero_(list(self.sums.values()))
         self.examples = self.nonfinite = 0
         self.open = False
         if self.diag is not None:

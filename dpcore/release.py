@@ -50,11 +50,13 @@ def release(
     """
     ledger.check(event)
     if noise is not None:
-        for s, z in zip(sums, noise(), strict=True):
-            s.add_(z)
+        draws = list(noise())
+        if len(draws) != len(sums):
+            raise ValueError(f"noise() gave {len(draws)} tensors for {len(sums)} sums")
+        torch._foreach_add_(sums, draws)  # one multi-tensor kernel on a GPU, not one per tensor
     if reduce_fn is not None:
         reduce_fn(sums)
-    out = [s.div(expected_size) for s in sums]
+    out = list(torch._foreach_div(sums, expected_size)) if sums else []
     ledger.append(event, step=step, clip_norm=clip_norm)  # re-checks: the ledger never holds a release past the budget
     return out
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..layers import WSConv2d
-from .base import Context, LayerForm, Part, Unsupported
+from .base import Context, LayerForm, Part, SquaredNorms, Unsupported
 from .clipper import BookKeepingClipper, supports, unsupported_parameters
 from .conv import ConvForm
 from .embedding import EmbeddingForm
@@ -54,6 +54,7 @@ __all__ = [
     "Context",
     "LayerForm",
     "Part",
+    "SquaredNorms",
     "Unsupported",
     "form_for",
     "register_layer",

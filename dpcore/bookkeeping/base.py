@@ -33,6 +33,47 @@ class Context:
     float32_rows: list = field(default_factory=list)
 
 
+class SquaredNorms:
+    """Each example's squared gradient norm (float64, [B]), as the layers' forms add their terms
+    into it: ``sq += t`` (a float64 [B] tensor), ``sq.index_add_(0, example, t)``, or
+    ``sq.add_rows(v)`` (the squared norm of each example's row of a small [B, k] tensor, such as
+    a bias's per-example gradients). Everything is summed once, by :meth:`total`: the rows of
+    each dtype are joined and measured together (float64 accumulation), and the terms stacked
+    and summed. On a GPU that is a few kernels in place of one to three per layer."""
+
+    def __init__(self, batch: int, device: torch.device):
+        self.batch, self.device = batch, device
+        self.terms: list[torch.Tensor] = []
+        self.rows: dict[torch.dtype, list[torch.Tensor]] = {}
+
+    def add_rows(self, rows: torch.Tensor) -> None:
+        if rows.dim() != 2 or rows.shape[0] != self.batch:
+            raise ValueError(f"add_rows takes a [{self.batch}, k] tensor, not {tuple(rows.shape)}")
+        self.rows.setdefault(rows.dtype, []).append(rows)
+
+    def __iadd__(self, term: torch.Tensor) -> SquaredNorms:
+        if term.shape != (self.batch,) or term.dtype != torch.float64:
+            raise ValueError(
+                f"a squared-norm term must be float64 of shape ({self.batch},), not {term.dtype} {tuple(term.shape)}"
+            )
+        self.terms.append(term)
+        return self
+
+    def index_add_(self, dim: int, index: torch.Tensor, source: torch.Tensor) -> SquaredNorms:
+        """Add ``source[k]`` into example ``index[k]`` (as ``Tensor.index_add_``)."""
+        zeros = torch.zeros(self.batch, dtype=torch.float64, device=self.device)
+        return self.__iadd__(zeros.index_add_(dim, index, source))
+
+    def total(self) -> torch.Tensor:
+        terms = list(self.terms)
+        for rows in self.rows.values():
+            joined = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
+            terms.append(torch.linalg.vector_norm(joined, dim=1, dtype=torch.float64).square())
+        if not terms:
+            return torch.zeros(self.batch, dtype=torch.float64, device=self.device)
+        return terms[0].clone() if len(terms) == 1 else torch.stack(terms).sum(0)
+
+
 # drop_bad(t): the rows of examples with a non-finite gradient set to exactly zero (never NaN·0).
 DropBad = Callable[[torch.Tensor | None], torch.Tensor | None]
 
@@ -56,15 +97,43 @@ class RowUpdate:
         )
 
 
+@dataclass
+class SmallRows:
+    """A parameter's per-example gradients as rows ``rows`` [B, k] (a bias, a norm layer's γ or
+    β), rows of non-finite examples already zeroed: its clipped sum Σ_i f_i·rows_i is formed
+    by the clipper together with every other layer's small rows of the same dtype, in one
+    matrix product (on a GPU one launch in place of one per parameter)."""
+
+    rows: torch.Tensor  # [B, k], in the dtype the sum is formed in
+    shape: torch.Size  # the parameter's
+    dtype: torch.dtype  # the parameter's
+
+
+def small_rows_sums(factors: torch.Tensor, pending: list[SmallRows]) -> list[torch.Tensor]:
+    """Σ_i f_i·rows_i of each of ``pending``, each in its parameter's shape and dtype: the rows
+    of one dtype joined and multiplied by the factors once."""
+    out: list[torch.Tensor | None] = [None] * len(pending)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for k, r in enumerate(pending):
+        by_dtype.setdefault(r.rows.dtype, []).append(k)
+    for dtype, ks in by_dtype.items():
+        joined = torch.cat([pending[k].rows for k in ks], dim=1) if len(ks) > 1 else pending[ks[0]].rows
+        sums = (factors.to(dtype) @ joined).split([pending[k].rows.shape[1] for k in ks])
+        for k, v in zip(ks, sums):
+            out[k] = v.reshape(pending[k].shape).to(pending[k].dtype)
+    return out
+
+
 class Part:
     """One layer's per-example data, kept between the norms and the clipped sum."""
 
     def contributions(
         self, factors: torch.Tensor, wide: bool, drop_bad: DropBad
-    ) -> list[tuple[str, torch.Tensor | RowUpdate]]:
+    ) -> list[tuple[str, torch.Tensor | RowUpdate | SmallRows]]:
         """(parameter name within the layer, Σ_i f_i·grad_i) for each trainable parameter, in
-        the parameter's dtype (a :class:`RowUpdate` where only some rows are non-zero); summed
-        in float64 when ``wide``."""
+        the parameter's dtype (a :class:`RowUpdate` where only some rows are non-zero; or its
+        per-example rows as :class:`SmallRows`, whose sum the clipper forms); summed in float64
+        when ``wide``."""
         raise NotImplementedError
 
 
@@ -79,8 +148,8 @@ class LayerForm:
         """Parameter names (within the layer) with the reason the form refuses them."""
         return []
 
-    def per_example(self, m: nn.Module, a: torch.Tensor, g: torch.Tensor, sq: torch.Tensor, ctx: Context) -> Part:
-        """Add ‖grad_i‖² of this layer's trainable parameters into ``sq`` (float64, [B]) and
+    def per_example(self, m: nn.Module, a: torch.Tensor, g: torch.Tensor, sq: SquaredNorms, ctx: Context) -> Part:
+        """Add ‖grad_i‖² of this layer's trainable parameters into ``sq`` (float64 [B] terms) and
         return the :class:`Part` that forms their clipped sums."""
         raise NotImplementedError
 
@@ -101,11 +170,11 @@ def refuse_frozen_weight(m: nn.Module) -> list[str]:
     return []
 
 
-def bias_per_example(m: nn.Module, per_example_bias: torch.Tensor, sq: torch.Tensor):
+def bias_per_example(m: nn.Module, per_example_bias: torch.Tensor, sq: SquaredNorms):
     """Per-example bias gradients (Σ over positions of G), their norms added into ``sq``."""
     if m.bias is None or not m.bias.requires_grad:
         return None
-    sq += torch.linalg.vector_norm(per_example_bias, dim=1, dtype=torch.float64).square()
+    sq.add_rows(per_example_bias)
     return per_example_bias
 
 
@@ -124,7 +193,7 @@ class MaterialisedPart(Part):
         w = f @ pe.reshape(pe.shape[0], -1)  # Σ_i f_i W_i: one matrix-vector product
         out = [("weight", w.reshape(self.m.weight.shape).to(pdtype))]
         if self.bias_g is not None:
-            out.append(("bias", (f @ drop_bad(self.bias_g).to(dtype)).to(self.m.bias.dtype)))
+            out.append(("bias", SmallRows(drop_bad(self.bias_g).to(dtype), self.m.bias.shape, self.m.bias.dtype)))
         return out
 
 
@@ -160,7 +229,7 @@ class GhostPart(Part):
         w = w.to(dtype)
         out = [("weight", w.reshape(self.m.weight.shape).to(pdtype))]
         if self.bias_g is not None:
-            out.append(("bias", (f @ drop_bad(self.bias_g).to(dtype)).to(self.m.bias.dtype)))
+            out.append(("bias", SmallRows(drop_bad(self.bias_g).to(dtype), self.m.bias.shape, self.m.bias.dtype)))
         return out
 
 
@@ -197,7 +266,9 @@ def row_sq_norms(W: torch.Tensor, ctx: Context) -> torch.Tensor:
     return sq
 
 
-def weight_and_bias(m: nn.Module, A: torch.Tensor, G: torch.Tensor, channels_first: bool, sq, ctx: Context) -> Part:
+def weight_and_bias(
+    m: nn.Module, A: torch.Tensor, G: torch.Tensor, channels_first: bool, sq: SquaredNorms, ctx: Context
+) -> Part:
     """The part of a weight-and-bias layer from its inputs ``A`` and output gradients ``G``
     (channels first: [B, d, T] and [B, c, T]; else [B, T, d] and [B, T, c]), its examples'
     squared norms added into ``sq``: per-example weight gradients where they are the cheaper
@@ -247,7 +318,8 @@ def weight_sq_norms(A: torch.Tensor, G: torch.Tensor, channels_first: bool, ctx:
     # the exact one and f_i·β ≤ C/√(2(d + c + 2T)·u).
     dim = 1 if channels_first else 2
     beta = (torch.linalg.vector_norm(A64, dim=dim) * torch.linalg.vector_norm(G64, dim=dim)).sum(1)
-    allowance = 2.0 * (d + c + 2 * T + 4) * torch.finfo(torch.float64).eps / 2 * beta.square()
+    u = torch.finfo(torch.float64).eps / 2  # the unit roundoff
+    allowance = 2 * (d + c + 2 * T + 4) * u * beta.square()
     return sq + allowance, None
 
 
@@ -264,18 +336,17 @@ class NormPart(Part):
     beta: torch.Tensor | None
 
     @classmethod
-    def measured(cls, m: nn.Module, gamma, beta, sq: torch.Tensor) -> NormPart:
+    def measured(cls, m: nn.Module, gamma, beta, sq: SquaredNorms) -> NormPart:
         """The part, with the squared norms of γ's and β's gradients added into ``sq``."""
         for t in (gamma, beta):
             if t is not None:
-                sq += torch.linalg.vector_norm(t, dim=1, dtype=torch.float64).square()
+                sq.add_rows(t)
         return cls(m, gamma, beta)
 
     def contributions(self, factors, wide, drop_bad):
         pdtype, dtype = dtypes(self.m, wide)
-        f = factors.to(dtype)
         return [
-            (name, (f @ drop_bad(t).to(dtype)).to(pdtype).reshape(getattr(self.m, name).shape))
+            (name, SmallRows(drop_bad(t).to(dtype), getattr(self.m, name).shape, pdtype))
             for name, t in (("weight", self.gamma), ("bias", self.beta))
             if t is not None
         ]

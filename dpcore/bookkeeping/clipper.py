@@ -10,7 +10,7 @@ from torch import nn
 from ..clipping import clip_factors
 from ..grad_sample import LossFn
 from ..precision import check_autocast, formulas, forward_autocast, widen
-from .base import Context, RowUpdate, Unsupported
+from .base import Context, RowUpdate, SmallRows, SquaredNorms, Unsupported, small_rows_sums
 from .registry import form_for
 
 
@@ -162,6 +162,7 @@ class BookKeepingClipper:
         factors, finite = clip_factors(sq.sqrt(), clip_norm)
         flags = self.flags(factors, finite)
         contributions = self.contributions(parts, factors, finite, rows=True, flags=flags)
+        targets, values = [], []  # the dense sums, added by one multi-tensor kernel on a GPU
         for key, value in contributions:  # all computed first: nothing is added if anything above fails
             if isinstance(value, RowUpdate):
                 if key in out:
@@ -169,9 +170,12 @@ class BookKeepingClipper:
                 else:
                     out[key] = value.dense()
             elif key in out:
-                out[key].add_(value.to(out[key].dtype))
+                targets.append(out[key])
+                values.append(value.to(out[key].dtype))
             else:
                 out[key] = value
+        if targets:
+            torch._foreach_add_(targets, values)
         return flags[0]
 
     def measure(self, x: torch.Tensor, y: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, list]:
@@ -202,14 +206,14 @@ class BookKeepingClipper:
         return sq, parts
 
     def _forms(self, rec: dict, grads, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, list]:
-        sq = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
+        sq = SquaredNorms(x.shape[0], x.device)
         parts = []
         for (name, m, form), g in zip(self.layers, grads):
             a, z = rec[name]
             pdtype = next(p for p in m.parameters(recurse=False)).dtype
             g = widen(g if g is not None else torch.zeros_like(z), pdtype)
             parts.append((name, form.per_example(m, widen(a, pdtype), g, sq, ctx)))
-        return sq, parts
+        return sq.total(), parts
 
     def flags(self, factors: torch.Tensor, finite: torch.Tensor) -> tuple[int, bool]:
         """(how many examples are not finite, whether a factor is below the parameters' dtype's
@@ -238,11 +242,15 @@ class BookKeepingClipper:
                 return t
             return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t, t.new_zeros(()))
 
-        return [
+        out = [
             (f"{name}.{pname}" if name else pname, value if rows or not isinstance(value, RowUpdate) else value.dense())
             for name, part in parts
             for pname, value in part.contributions(factors, wide, drop_bad)
         ]
+        small = [k for k, (_, value) in enumerate(out) if isinstance(value, SmallRows)]
+        for k, value in zip(small, small_rows_sums(factors, [out[k][1] for k in small])):
+            out[k] = (out[k][0], value)
+        return out
 
     def _per_example_losses(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """loss_fn(logits[i:i+1], y[i:i+1]) for every i. For plain cross-entropy that is

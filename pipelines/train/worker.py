@@ -123,11 +123,8 @@ def allreduce_sum(tensors: list[torch.Tensor]) -> None:
     The tensors are flattened into one buffer so that it is a single all-reduce."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
-        offset += n
+    parts = flat.split([t.numel() for t in tensors])
+    torch._foreach_copy_(tensors, [p.view_as(t) for p, t in zip(parts, tensors)])
 
 
 class ShardInputs:

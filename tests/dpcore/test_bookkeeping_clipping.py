@@ -565,7 +565,7 @@ def test_an_example_whose_gradient_rounds_to_zero_cannot_swallow_another_example
     one product over all (example, position) rows then swallow example i's share (C·1, rounded
     away next to J: the sum moved by 1.43·C when i was removed, at J = 2⁵³, before the allowance).
     With it, removing i moves the clipped sum by at most C."""
-    from dpcore.bookkeeping.base import Context, weight_and_bias
+    from dpcore.bookkeeping.base import Context, SquaredNorms, weight_and_bias
 
     C = 1.4
     m = nn.Linear(1, 1, bias=False)
@@ -574,9 +574,9 @@ def test_an_example_whose_gradient_rounds_to_zero_cannot_swallow_another_example
 
     def clipped(G):
         ctx = Context(clip_norm=C, max_elements=0)
-        sq = torch.zeros(2, dtype=torch.float64)
+        sq = SquaredNorms(2, A.device)
         part = weight_and_bias(m, A, G, False, sq, ctx)
-        factors, _ = clip_factors(sq.sqrt(), C)
+        factors, _ = clip_factors(sq.total().sqrt(), C)
         return part.contributions(factors, False, lambda t: t)[0][1].double()
 
     without_i = G.clone()
@@ -703,14 +703,14 @@ class UnderNormedLinear(nn.Linear):
 
 
 def test_the_check_compares_norms_so_a_form_that_underestimates_them_is_refused():
-    from dpcore.bookkeeping import LAYERS, register_layer
+    from dpcore.bookkeeping import LAYERS, SquaredNorms, register_layer
     from dpcore.bookkeeping.linear import LinearForm
 
     class Under(LinearForm):
         def per_example(self, m, a, g, sq, ctx):
-            own = torch.zeros_like(sq)
+            own = SquaredNorms(sq.batch, sq.device)
             part = super().per_example(m, a, g, own, ctx)
-            sq += 0.81 * own
+            sq += 0.81 * own.total()
             return part
 
     torch.manual_seed(3)
@@ -866,3 +866,61 @@ def test_a_layer_type_registered_at_run_time_is_clipped_like_vmap():
     assert not supports(model)
     with pytest.raises(TypeError, match="LayerForm"):
         register_layer(Scale, object())
+
+
+def test_squared_norms_sum_every_term_and_row_once():
+    """The layers' squared-norm terms, scattered terms and rows (float32 and float64) add up to
+    each example's squared norm as a direct float64 sum of the same pieces; a term of the
+    wrong shape or dtype is refused, not broadcast."""
+    from dpcore.bookkeeping import SquaredNorms
+
+    g = torch.Generator().manual_seed(0)
+    B = 5
+    terms = [torch.rand(B, generator=g, dtype=torch.float64) for _ in range(3)]
+    rows = [
+        torch.randn(B, k, generator=g, dtype=dt)
+        for k, dt in ((4, torch.float32), (7, torch.float64), (2, torch.float32))
+    ]
+    index, source = torch.tensor([0, 3, 3, 4]), torch.rand(4, generator=g, dtype=torch.float64)
+    sq = SquaredNorms(B, torch.device("cpu"))
+    sq += terms[0]
+    sq.add_rows(rows[0])
+    sq.index_add_(0, index, source)
+    sq += terms[1]
+    sq.add_rows(rows[1])
+    sq.add_rows(rows[2])
+    sq += terms[2]
+    expected = sum(terms) + sum(r.double().square().sum(1) for r in rows)
+    expected = expected.index_add(0, index, source)
+    torch.testing.assert_close(sq.total(), expected, rtol=1e-15, atol=0.0)
+    assert torch.equal(SquaredNorms(B, torch.device("cpu")).total(), torch.zeros(B, dtype=torch.float64))
+    for bad in (torch.ones(B), torch.ones(B + 1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)):
+        with pytest.raises(ValueError):
+            sq += bad
+    with pytest.raises(ValueError):
+        sq.add_rows(torch.ones(B + 1, 3))
+
+
+def test_small_rows_of_several_layers_are_summed_together_as_each_alone():
+    """Biases and norm layers' per-example rows, formed into their clipped sums in one product
+    per dtype: each sum equals its own Σ_i f_i·rows_i, in its parameter's shape and dtype."""
+    from dpcore.bookkeeping.base import SmallRows, small_rows_sums
+
+    g = torch.Generator().manual_seed(1)
+    B = 6
+    factors = torch.rand(B, generator=g, dtype=torch.float64)
+    pending = [
+        SmallRows(torch.randn(B, 4, generator=g), torch.Size([4]), torch.float32),
+        SmallRows(torch.randn(B, 6, generator=g, dtype=torch.float64), torch.Size([2, 3]), torch.float32),
+        SmallRows(torch.randn(B, 1, generator=g), torch.Size([1]), torch.float32),
+        SmallRows(torch.randn(B, 5, generator=g, dtype=torch.float64), torch.Size([5]), torch.float64),
+    ]
+    got = small_rows_sums(factors, pending)
+    for r, v in zip(pending, got, strict=True):
+        alone = (factors.to(r.rows.dtype) @ r.rows).reshape(r.shape).to(r.dtype)
+        assert v.shape == r.shape and v.dtype == r.dtype
+        # any two summation orders of B products agree within 2·B·u·Σ_i |f_i·rows_i| (Higham's bound)
+        bound = (2 * B * torch.finfo(r.rows.dtype).eps * (factors.to(r.rows.dtype).abs() @ r.rows.abs())).reshape(
+            r.shape
+        )
+        assert bool(((v.double() - alone.double()).abs() <= bound.double()).all())

@@ -88,3 +88,52 @@ def test_draw_noise_gives_one_independent_draw_per_tensor_with_the_asked_std(sec
     assert abs(float(flat.std()) - 2.5) < 6 * 2.5 / (2 * n) ** 0.5
     assert abs(float(flat.mean())) < 6 * 2.5 / n**0.5
     assert not torch.equal(zs[0].flatten()[:100], zs[1][:100])  # not the same values twice
+
+
+def _kernel_ops(fn) -> int:
+    """ATen operations that reach a kernel while ``fn`` runs (views and allocations excluded)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    free = {
+        "view",
+        "_unsafe_view",
+        "as_strided",
+        "detach",
+        "alias",
+        "empty",
+        "empty_strided",
+        "split",
+        "split_with_sizes",
+    }
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func._schema.name.split("::")[-1] not in free
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def test_a_release_of_many_tensors_takes_as_many_operations_as_a_release_of_two():
+    """On a GPU each operation is a launch, and launches, not arithmetic, pace a private step at
+    the batch sizes measured (docs/benchmarks/README.md): adding the noise and dividing by the
+    expected size are multi-tensor operations, whatever the number of parameters."""
+    ev = dpcore.PrivacyEvent.dpsgd_step(1.0, 0.1)
+
+    def ops(n):
+        sums = [torch.ones(3 + k) for k in range(n)]
+        noise = [torch.full((3 + k,), 0.5) for k in range(n)]
+        out = []
+        count = _kernel_ops(
+            lambda: out.extend(
+                release(sums, event=ev, ledger=_ledger(), noise=lambda: noise, expected_size=2.0, step=1, clip_norm=1.0)
+            )
+        )
+        assert all(torch.equal(o, torch.full((3 + k,), 0.75)) for k, o in enumerate(out))
+        return count
+
+    assert ops(50) == ops(2) <= 2
