@@ -179,6 +179,9 @@ def _time_steps(model_name: str, rounds: int, warmup: int, opacus: bool, device:
         else:
             notes["ours"] += ", torch conv path (layer shapes outside the native kernel's)"
     med = {k: statistics.median(v) for k, v in times.items()}
+    # Each round runs every mode once, one after another: the ratio within a round compares steps
+    # taken moments apart, so a machine that drifts (other tenants, clock changes) moves both.
+    paired = {k: [t / n for t, n in zip(v, times["non-private"])] for k, v in times.items()}
     opacus_best = min((v for k, v in med.items() if k.startswith("opacus")), default=float("nan"))
     rows = []
     for name in list(steps) + [k for k in notes if k not in steps]:
@@ -194,11 +197,20 @@ def _time_steps(model_name: str, rounds: int, warmup: int, opacus: bool, device:
                 "ms_per_step": med[name] * 1e3,
                 "samples_per_s": batch / med[name],
                 "x_non_private": med[name] / med["non-private"],
+                "x_non_private_paired": _quartiles(paired[name]),
                 "throughput_vs_opacus_best": opacus_best / med[name],
                 "note": notes.get(name, ""),
             }
         )
     return rows
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile); one value gives it three times."""
+    if len(values) < 2:
+        return (values[0],) * 3
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
 
 
 def memory_child(model_name: str, lot: int, physical: int) -> int:
@@ -309,17 +321,25 @@ def print_tables(
         f"\nPrivate step time: {rounds} interleaved rounds, median; torch {torch.__version__}, {threads} thread(s), "
         f"{where}, {allocator.describe()}, {time.strftime('%Y-%m-%d')}"
     )
-    print("| model (batch) | mode | ms/step | samples/s | × non-private | throughput ÷ Opacus best | note |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "(× non-private: the ratio of the medians. Per round: the median of each round's own ratio, "
+        "with its quartiles; a round runs every mode once, moments apart.)"
+    )
+    print(
+        "| model (batch) | mode | ms/step | samples/s | × non-private | × non-private per round (quartiles) "
+        "| throughput ÷ Opacus best | note |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in step_rows:
         if "ms_per_step" not in r:
-            print(f"| {r['model']} | {r['mode']} | – | – | – | – | {r['note']} |")
+            print(f"| {r['model']} | {r['mode']} | – | – | – | – | – | {r['note']} |")
             continue
         vs_opacus = r["throughput_vs_opacus_best"]
         vs_opacus = "–" if vs_opacus != vs_opacus else f"{vs_opacus:.2f}"  # NaN: Opacus was not run
+        q1, q2, q3 = r["x_non_private_paired"]
         print(
             f"| {r['model']} ({r['batch']}) | {r['mode']} | {r['ms_per_step']:.1f} | {r['samples_per_s']:.0f} | "
-            f"{r['x_non_private']:.2f} | {vs_opacus} | {r['note']} |"
+            f"{r['x_non_private']:.2f} | {q2:.2f} ({q1:.2f}–{q3:.2f}) | {vs_opacus} | {r['note']} |"
         )
     if acc_rows:
         print("\nAccountant speed")
