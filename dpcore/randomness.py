@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import threading
 import warnings
 from typing import Any
 
@@ -181,6 +182,7 @@ _CUDA_POOL = None
 
 
 _PIN_FAILED: str | None = None  # why pinned host memory could not be had, once it could not
+_PIN_LOCK = threading.Lock()  # the pieces are made on several threads: one of them finds out and warns
 
 
 def _keystream_piece(m: int, pin: bool) -> torch.Tensor:
@@ -194,13 +196,17 @@ def _keystream_piece(m: int, pin: bool) -> torch.Tensor:
         try:
             host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         except RuntimeError as e:
-            _PIN_FAILED = f"{type(e).__name__}: {e}"
-            warnings.warn(
-                f"pinned host memory is not available ({_PIN_FAILED}); the secure noise's keystream is copied to the "
-                "device from pageable memory (slower, not less secure)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            with _PIN_LOCK:
+                first = _PIN_FAILED is None
+                if first:
+                    _PIN_FAILED = f"{type(e).__name__}: {e}"
+            if first:
+                warnings.warn(
+                    f"pinned host memory is not available ({_PIN_FAILED}); the secure noise's keystream is copied "
+                    "to the device from pageable memory (slower, not less secure)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
     if host is None:
         host = torch.empty(size, dtype=torch.uint8)
     with memoryview(host.numpy()) as view:

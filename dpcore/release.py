@@ -53,7 +53,8 @@ def release(
         draws = list(noise())
         if len(draws) != len(sums):
             raise ValueError(f"noise() gave {len(draws)} tensors for {len(sums)} sums")
-        torch._foreach_add_(sums, draws)  # one multi-tensor kernel on a GPU, not one per tensor
+        if sums:
+            torch._foreach_add_(sums, draws)  # one multi-tensor kernel on a GPU, not one per tensor
     if reduce_fn is not None:
         reduce_fn(sums)
     out = list(torch._foreach_div(sums, expected_size)) if sums else []

@@ -39,7 +39,10 @@ class SquaredNorms:
     ``sq.add_rows(v)`` (the squared norm of each example's row of a small [B, k] tensor, such as
     a bias's per-example gradients). Everything is summed once, by :meth:`total`: the rows of
     each dtype are joined and measured together (float64 accumulation), and the terms stacked
-    and summed. On a GPU that is a few kernels in place of one to three per layer."""
+    and summed. On a GPU that is a few kernels in place of one to three per layer. A term is
+    read only then: a form must not change a tensor after adding it. A term or rows of another
+    shape or dtype raise :class:`Unsupported` (the model then runs on vmap, with a warning that
+    says why)."""
 
     def __init__(self, batch: int, device: torch.device):
         self.batch, self.device = batch, device
@@ -48,13 +51,15 @@ class SquaredNorms:
 
     def add_rows(self, rows: torch.Tensor) -> None:
         if rows.dim() != 2 or rows.shape[0] != self.batch:
-            raise ValueError(f"add_rows takes a [{self.batch}, k] tensor, not {tuple(rows.shape)}")
+            raise Unsupported(
+                f"a layer form added per-example rows of shape {tuple(rows.shape)}, not [{self.batch}, k]"
+            )
         self.rows.setdefault(rows.dtype, []).append(rows)
 
     def __iadd__(self, term: torch.Tensor) -> SquaredNorms:
         if term.shape != (self.batch,) or term.dtype != torch.float64:
-            raise ValueError(
-                f"a squared-norm term must be float64 of shape ({self.batch},), not {term.dtype} {tuple(term.shape)}"
+            raise Unsupported(
+                f"a layer form added a squared-norm term of {term.dtype} {tuple(term.shape)}, not float64 ({self.batch},)"
             )
         self.terms.append(term)
         return self

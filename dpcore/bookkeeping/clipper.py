@@ -162,20 +162,25 @@ class BookKeepingClipper:
         factors, finite = clip_factors(sq.sqrt(), clip_norm)
         flags = self.flags(factors, finite)
         contributions = self.contributions(parts, factors, finite, rows=True, flags=flags)
-        targets, values = [], []  # the dense sums, added by one multi-tensor kernel on a GPU
-        for key, value in contributions:  # all computed first: nothing is added if anything above fails
+        # Everything is computed (and converted) first, so that nothing is added if any of it fails;
+        # the dense sums are then added by one multi-tensor operation (one kernel on a GPU).
+        targets, values, rows, new = [], [], [], {}
+        for key, value in contributions:
             if isinstance(value, RowUpdate):
                 if key in out:
-                    value.add_to(out[key])
+                    rows.append((key, value))
                 else:
-                    out[key] = value.dense()
+                    new[key] = value.dense()
             elif key in out:
                 targets.append(out[key])
                 values.append(value.to(out[key].dtype))
             else:
-                out[key] = value
+                new[key] = value
+        for key, value in rows:
+            value.add_to(out[key])
         if targets:
             torch._foreach_add_(targets, values)
+        out.update(new)
         return flags[0]
 
     def measure(self, x: torch.Tensor, y: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, list]:

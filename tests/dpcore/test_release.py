@@ -137,3 +137,10 @@ def test_a_release_of_many_tensors_takes_as_many_operations_as_a_release_of_two(
         return count
 
     assert ops(50) == ops(2) <= 2
+
+
+def test_a_release_of_no_tensors_records_the_event_and_returns_none():
+    ledger = _ledger()
+    ev = dpcore.PrivacyEvent.dpsgd_step(1.0, 0.1)
+    assert release([], event=ev, ledger=ledger, noise=lambda: [], expected_size=2.0, step=1, clip_norm=1.0) == []
+    assert len(ledger) == 1
