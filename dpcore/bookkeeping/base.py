@@ -110,8 +110,7 @@ class SmallRows:
     matrix product (on a GPU one launch in place of one per parameter)."""
 
     rows: torch.Tensor  # [B, k], in the dtype the sum is formed in
-    shape: torch.Size  # the parameter's
-    dtype: torch.dtype  # the parameter's
+    param: torch.Tensor  # the parameter: the sum takes its shape and dtype
 
 
 def small_rows_sums(factors: torch.Tensor, pending: list[SmallRows]) -> list[torch.Tensor]:
@@ -125,7 +124,7 @@ def small_rows_sums(factors: torch.Tensor, pending: list[SmallRows]) -> list[tor
         joined = torch.cat([pending[k].rows for k in ks], dim=1) if len(ks) > 1 else pending[ks[0]].rows
         sums = (factors.to(dtype) @ joined).split([pending[k].rows.shape[1] for k in ks])
         for k, v in zip(ks, sums):
-            out[k] = v.reshape(pending[k].shape).to(pending[k].dtype)
+            out[k] = v.reshape(pending[k].param.shape).to(pending[k].param.dtype)
     return out
 
 
@@ -198,7 +197,7 @@ class MaterialisedPart(Part):
         w = f @ pe.reshape(pe.shape[0], -1)  # Σ_i f_i W_i: one matrix-vector product
         out = [("weight", w.reshape(self.m.weight.shape).to(pdtype))]
         if self.bias_g is not None:
-            out.append(("bias", SmallRows(drop_bad(self.bias_g).to(dtype), self.m.bias.shape, self.m.bias.dtype)))
+            out.append(("bias", SmallRows(drop_bad(self.bias_g).to(dtype), self.m.bias)))
         return out
 
 
@@ -234,7 +233,7 @@ class GhostPart(Part):
         w = w.to(dtype)
         out = [("weight", w.reshape(self.m.weight.shape).to(pdtype))]
         if self.bias_g is not None:
-            out.append(("bias", SmallRows(drop_bad(self.bias_g).to(dtype), self.m.bias.shape, self.m.bias.dtype)))
+            out.append(("bias", SmallRows(drop_bad(self.bias_g).to(dtype), self.m.bias)))
         return out
 
 
@@ -349,9 +348,9 @@ class NormPart(Part):
         return cls(m, gamma, beta)
 
     def contributions(self, factors, wide, drop_bad):
-        pdtype, dtype = dtypes(self.m, wide)
+        _, dtype = dtypes(self.m, wide)
         return [
-            (name, SmallRows(drop_bad(t).to(dtype), getattr(self.m, name).shape, pdtype))
+            (name, SmallRows(drop_bad(t).to(dtype), getattr(self.m, name)))
             for name, t in (("weight", self.gamma), ("bias", self.beta))
             if t is not None
         ]

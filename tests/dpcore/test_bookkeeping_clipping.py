@@ -910,17 +910,17 @@ def test_small_rows_of_several_layers_are_summed_together_as_each_alone():
     B = 6
     factors = torch.rand(B, generator=g, dtype=torch.float64)
     pending = [
-        SmallRows(torch.randn(B, 4, generator=g), torch.Size([4]), torch.float32),
-        SmallRows(torch.randn(B, 6, generator=g, dtype=torch.float64), torch.Size([2, 3]), torch.float32),
-        SmallRows(torch.randn(B, 1, generator=g), torch.Size([1]), torch.float32),
-        SmallRows(torch.randn(B, 5, generator=g, dtype=torch.float64), torch.Size([5]), torch.float64),
+        SmallRows(torch.randn(B, 4, generator=g), torch.zeros(4)),
+        SmallRows(torch.randn(B, 6, generator=g, dtype=torch.float64), torch.zeros(2, 3)),
+        SmallRows(torch.randn(B, 1, generator=g), torch.zeros(1)),
+        SmallRows(torch.randn(B, 5, generator=g, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)),
     ]
     got = small_rows_sums(factors, pending)
     for r, v in zip(pending, got, strict=True):
-        alone = (factors.to(r.rows.dtype) @ r.rows).reshape(r.shape).to(r.dtype)
-        assert v.shape == r.shape and v.dtype == r.dtype
+        alone = (factors.to(r.rows.dtype) @ r.rows).reshape(r.param.shape).to(r.param.dtype)
+        assert v.shape == r.param.shape and v.dtype == r.param.dtype
         # any two summation orders of B products agree within 2·B·u·Σ_i |f_i·rows_i| (Higham's bound)
         bound = (2 * B * torch.finfo(r.rows.dtype).eps * (factors.to(r.rows.dtype).abs() @ r.rows.abs())).reshape(
-            r.shape
+            r.param.shape
         )
         assert bool(((v.double() - alone.double()).abs() <= bound.double()).all())
