@@ -223,8 +223,10 @@ class GhostPart(Part):
         # the 1e-6 clipping margin).
         one_position = A.shape[2 if self.channels_first else 1] == 1
         acc = dtype if (one_position and self.post is None) else torch.float64
-        if self.channels_first:
-            w = torch.einsum("b,bct,bdt->cd", f.to(acc), G.to(acc), A.to(acc))
+        if self.channels_first:  # (f·G) [c, example·position] times A [d, example·position]ᵀ: one matmul
+            Gf = torch.empty((G.shape[1], G.shape[0], G.shape[2]), dtype=acc, device=G.device)
+            Gf.copy_(G.transpose(0, 1)).mul_(f.to(acc).view(1, -1, 1))
+            w = Gf.view(Gf.shape[0], -1) @ channel_rows(A, acc).t()
         else:  # (f·G) over all (example, position) rows, transposed, times A: one matmul
             Gf = G.to(acc) * f.to(acc).view(-1, 1, 1)
             w = Gf.reshape(-1, Gf.shape[2]).t() @ A.to(acc).reshape(-1, A.shape[2])
@@ -235,6 +237,15 @@ class GhostPart(Part):
         if self.bias_g is not None:
             out.append(("bias", SmallRows(drop_bad(self.bias_g).to(dtype), self.m.bias)))
         return out
+
+
+def channel_rows(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A [B, k, T] tensor as [k, B·T] rows in ``dtype``: one copy at most, none where it is a
+    view of a [k, B, T] buffer of that dtype."""
+    rows = t.transpose(0, 1)
+    if dtype is not None and rows.dtype != dtype:
+        rows = torch.empty(rows.shape, dtype=dtype, device=t.device).copy_(rows)
+    return rows.reshape(rows.shape[0], -1)
 
 
 # -- norms --------------------------------------------------------------------------------------------

@@ -15,6 +15,16 @@ from .base import GhostPart, bias_per_example
 from .conv import ConvForm, conv_per_example
 
 
+def centred(A: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Patches ``A`` [B, n, T] centred over their n entries, in float64 (a [B, n, T] view of a
+    new [n, B, T] buffer, the layout a product over every (example, position) reads without a
+    copy), and output gradients ``G`` [B, out, T] in float64."""
+    B, n, T = A.shape
+    flat = torch.empty((n, B, T), dtype=torch.float64, device=A.device).copy_(A.transpose(0, 1))
+    flat.sub_(flat.mean(0, keepdim=True))
+    return flat.transpose(0, 1), G.double()
+
+
 class WSJacobian:
     """The weight standardisation ŵ = (w − μ)/s of a :class:`WSConv2d`, s = sqrt(σ² + ε), per
     output filter of n weights. Its vector-Jacobian product, for a gradient v with respect to
@@ -56,12 +66,18 @@ class WSJacobian:
         added, 8·(n + T)·u·(Σ_t ‖Ã_t‖·|g_t|)², which bounds every term's magnitude: the
         result can only overestimate the norm, which costs a smaller clip factor, never a
         share above C."""
-        A, G = A.double(), G.double()
-        A = A - A.mean(1, keepdim=True)
-        T = A.shape[2]
+        return self.centred_sq_norms(*centred(A, G))
+
+    def centred_sq_norms(self, A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+        """:meth:`ghost_sq_norms` from the operands :func:`centred` made."""
+        B, n, T = A.shape
+        flat = A.transpose(0, 1).reshape(n, B * T)  # no copy where A came from centred()
         aa = A.transpose(1, 2) @ A  # [B, T, T]
         vv = ((aa @ G.transpose(1, 2)) * G.transpose(1, 2)).sum(1)  # [B, out]: ‖ṽ_o‖²
-        w_v = ((self.w_hat @ A) * G).sum(2)  # [B, out]: ŵ_oᵀṽ_o
+        # ŵ meets every (example, position) in one matrix product (batched over examples, each
+        # product would be only T wide).
+        w_a = (self.w_hat @ flat).view(-1, B, T)  # [out, B, T]: ŵ_oᵀÃ_t
+        w_v = (w_a * G.transpose(0, 1)).sum(2).t()  # [B, out]: ŵ_oᵀṽ_o = Σ_t g_t·ŵ_oᵀÃ_t
         bound = (G.abs() * torch.linalg.vector_norm(A, dim=1, keepdim=True)).sum(2).square()
         allowance = 8.0 * (self.n + T) * torch.finfo(torch.float64).eps * bound
         per_filter = (vv - (2.0 - self.kappa) * w_v.square() / self.n + allowance).clamp_min(0.0)
@@ -75,6 +91,10 @@ class WSConvForm(ConvForm):
 
     def ghost(self, m, A, G, sq, ctx):
         jac = WSJacobian(m)
-        sq += jac.ghost_sq_norms(A, G)
         bias_g = bias_per_example(m, G.sum(2), sq)
+        # The clipped sum contracts the centred patches the norms used: the standardisation's VJP
+        # discards the mean direction (ŵ ⟂ 1), so the sum is the same as with the patches as
+        # recorded, and the float64 copy is made once.
+        A, G = centred(A, G)
+        sq += jac.centred_sq_norms(A, G)
         return GhostPart(m, A, G, True, bias_g, post=jac.vjp)

@@ -236,6 +236,25 @@ def test_nonfinite_examples_are_skipped_and_counted_like_the_reference():
         assert torch.allclose(out[k], ref[k], atol=1e-5)
 
 
+def test_nonfinite_examples_in_ghost_weight_standardised_layers_contribute_zero_like_the_reference():
+    # The ghost form of a weight-standardised convolution keeps its patches centred in float64
+    # for the clipped sum; a non-finite example's rows of them must still contribute exactly zero.
+    torch.manual_seed(3)
+    model = ws_gn_net()
+    x = torch.randn(8, 1, 8, 10)
+    x[2, 0, 3, 3] = float("nan")
+    x[6, 0, 0, 1] = float("-inf")
+    y = torch.randint(0, 5, (8,))
+    ref, ref_bad = _reference(model, x, y, 1.0)
+    bk = BookKeepingClipper(model, ce)
+    bk.MAX_PER_EXAMPLE_ELEMENTS = 0  # the ghost forms
+    out = {}
+    assert bk.clipped_sum(x, y, 1.0, out) == ref_bad == 2
+    for k in ref:
+        assert torch.isfinite(out[k]).all()
+        assert torch.allclose(out[k], ref[k], atol=1e-5), (k, (out[k] - ref[k]).abs().max())
+
+
 def test_unsupported_layers_are_named_and_vmap_is_the_default():
     model = nn.Sequential(nn.Linear(4, 8), nn.PReLU(8), nn.Linear(8, 3))
     assert unsupported_parameters(model) == ["1.weight"]
