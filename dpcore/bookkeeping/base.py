@@ -224,8 +224,7 @@ class GhostPart(Part):
         one_position = A.shape[2 if self.channels_first else 1] == 1
         acc = dtype if (one_position and self.post is None) else torch.float64
         if self.channels_first:  # (f·G) [c, example·position] times A [d, example·position]ᵀ: one matmul
-            Gf = torch.empty((G.shape[1], G.shape[0], G.shape[2]), dtype=acc, device=G.device)
-            Gf.copy_(G.transpose(0, 1)).mul_(f.to(acc).view(1, -1, 1))
+            Gf = by_channel(G, acc).mul_(f.to(acc).view(1, -1, 1))
             w = Gf.view(Gf.shape[0], -1) @ channel_rows(A, acc).t()
         else:  # (f·G) over all (example, position) rows, transposed, times A: one matmul
             Gf = G.to(acc) * f.to(acc).view(-1, 1, 1)
@@ -239,12 +238,15 @@ class GhostPart(Part):
         return out
 
 
-def channel_rows(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def by_channel(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new [k, B, T] buffer in ``dtype`` holding the [B, k, T] tensor ``t``: one copy."""
+    return torch.empty((t.shape[1], t.shape[0], *t.shape[2:]), dtype=dtype, device=t.device).copy_(t.transpose(0, 1))
+
+
+def channel_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A [B, k, T] tensor as [k, B·T] rows in ``dtype``: one copy at most, none where it is a
-    view of a [k, B, T] buffer of that dtype."""
-    rows = t.transpose(0, 1)
-    if dtype is not None and rows.dtype != dtype:
-        rows = torch.empty(rows.shape, dtype=dtype, device=t.device).copy_(rows)
+    view of a [k, B, T] buffer of that dtype (:func:`by_channel`)."""
+    rows = t.transpose(0, 1) if t.dtype == dtype else by_channel(t, dtype)
     return rows.reshape(rows.shape[0], -1)
 
 

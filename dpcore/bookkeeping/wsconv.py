@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..layers import WS_EPS
-from .base import GhostPart, bias_per_example
+from .base import GhostPart, bias_per_example, by_channel
 from .conv import ConvForm, conv_per_example
 
 
@@ -19,8 +19,7 @@ def centred(A: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     """Patches ``A`` [B, n, T] centred over their n entries, in float64 (a [B, n, T] view of a
     new [n, B, T] buffer, the layout a product over every (example, position) reads without a
     copy), and output gradients ``G`` [B, out, T] in float64."""
-    B, n, T = A.shape
-    flat = torch.empty((n, B, T), dtype=torch.float64, device=A.device).copy_(A.transpose(0, 1))
+    flat = by_channel(A, torch.float64)
     flat.sub_(flat.mean(0, keepdim=True))
     return flat.transpose(0, 1), G.double()
 
