@@ -11,7 +11,8 @@
  * Per example: the input is copied into a zero-padded buffer, unfolded into patches P [T, D]
  * (T = OH*OW positions, D = C*KH*KW), and for each output channel o the row
  * W_i[o, :] = sum over t with g[o, t] != 0 of g[o, t] * P[t, :] is accumulated in vector
- * registers. After a ReLU and max pooling most output gradients are exactly zero, and a zero
+ * registers. Filters 8 wide (dw = 1) skip the unfolding: each patch row of 8 is read straight
+ * from the padded input (rows8), the same terms in the same order. After a ReLU and max pooling most output gradients are exactly zero, and a zero
  * term adds nothing (0 * finite = 0): skipping it changes no value of the result.
  * When any input or output-gradient value of the example is not finite, no term is skipped,
  * so that 0 * inf = NaN reaches W exactly as in the dense reference (the example is then
@@ -31,12 +32,21 @@
 #include <immintrin.h>
 #endif
 
-typedef float v16f __attribute__((vector_size(64)));
+/* The widest vector the build has registers for: 16 floats with AVX-512, else 8. (A 64-byte
+ * vector type without AVX-512 is kept in memory, not split over two registers: ~15x slower.) */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vwf __attribute__((vector_size(4 * VW)));
 typedef float v8f __attribute__((vector_size(32)));
-typedef double v8d __attribute__((vector_size(64)));
+typedef float vhf __attribute__((vector_size(2 * VW)));  /* VW / 2 floats */
+typedef double vwd __attribute__((vector_size(4 * VW))); /* VW / 2 doubles: one register */
 
-static inline v16f load16(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
+static inline vwf loadw(const float *p) { vwf v; memcpy(&v, p, sizeof v); return v; }
 static inline v8f load8(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
+static inline vhf loadh(const float *p) { vhf v; memcpy(&v, p, sizeof v); return v; }
 
 typedef struct {
   const float *a, *g;
@@ -52,21 +62,26 @@ typedef struct {
 static inline __attribute__((always_inline)) void unfold(float *restrict P, const float *restrict Ap,
                                                          const job_t *j, int64_t Hp, int64_t Wp,
                                                          int64_t D, const int KW_CONST) {
-  for (int64_t y = 0; y < j->OH; y++)
-    for (int64_t x = 0; x < j->OW; x++) {
-      float *p = P + (y * j->OW + x) * D;
-      const float *base = Ap + y * j->sh * Wp + x * j->sw;
-      for (int64_t c = 0; c < j->C; c++)
-        for (int64_t kh = 0; kh < j->KH; kh++) {
-          const float *src = base + (c * Hp + kh * j->dh) * Wp;
+  /* The shape in locals: P's stores cannot then be taken to change it, and the loops keep
+   * their bounds and strides in registers. */
+  const int64_t OH = j->OH, OW = j->OW, C = j->C, KH = j->KH, KW = j->KW;
+  const int64_t sh = j->sh, sw = j->sw, dw = j->dw, row = j->dh * Wp, plane = Hp * Wp;
+  for (int64_t y = 0; y < OH; y++)
+    for (int64_t x = 0; x < OW; x++) {
+      float *restrict p = P + (y * OW + x) * D;
+      const float *base = Ap + y * sh * Wp + x * sw;
+      for (int64_t c = 0; c < C; c++, base += plane) {
+        const float *src = base;
+        for (int64_t kh = 0; kh < KH; kh++, src += row) {
           if (KW_CONST) {
             memcpy(p, src, (size_t)KW_CONST * sizeof(float));
             p += KW_CONST;
           } else {
-            for (int64_t k = 0; k < j->KW; k++) p[k] = src[k * j->dw];
-            p += j->KW;
+            for (int64_t k = 0; k < KW; k++) p[k] = src[k * dw];
+            p += KW;
           }
         }
+      }
     }
 }
 
@@ -78,7 +93,9 @@ static inline int64_t nonzeros(const float *row, int64_t T, int32_t *idx) {
   const __m512i step = _mm512_set1_epi32(16);
   for (; t + 16 <= T; t += 16, at = _mm512_add_epi32(at, step)) {
     __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + t), _mm512_setzero_ps(), _CMP_NEQ_UQ);
-    _mm512_mask_compressstoreu_epi32(idx + n, m, at);
+    /* Compressed in a register, then one full store of idx[n..n+16), inside idx[0..T) as
+     * n <= t: a compress straight to memory is microcoded on some CPUs (AMD Zen 4). */
+    _mm512_storeu_si512((void *)(idx + n), _mm512_maskz_compress_epi32(m, at));
     n += __builtin_popcount((unsigned)m);
   }
 #endif
@@ -89,36 +106,74 @@ static inline int64_t nonzeros(const float *row, int64_t T, int32_t *idx) {
   return n;
 }
 
+/* The largest |x| of x[0..n) and m as bit patterns: x is finite iff its bits are below INF_BITS.
+ * Integer max, so that it vectorises (isfinite() in a loop does not). */
+#define INF_BITS 0x7f800000u
+static inline uint32_t top_bits(const float *x, int64_t n, uint32_t m) {
+  for (int64_t k = 0; k < n; k++) {
+    uint32_t b;
+    memcpy(&b, x + k, sizeof b);
+    b &= 0x7fffffffu;
+    m = b > m ? b : m;
+  }
+  return m;
+}
+
+/* Rows of 8 (KW = 8, dw = 1), read straight from the padded input: W[o, r, :] for NR rows
+ * r = (c, kh) at once, in NR 8-float registers, summed over the non-zero t in order of t. The
+ * values are those of the unfolded path (same terms, same order) without writing the
+ * patches: a first layer's patches (e.g. 196 × 64 floats for MNIST's 8×8 filters) outgrow
+ * the L1 cache. */
+static inline __attribute__((always_inline)) void rows8(float *restrict w, const float *restrict Ap,
+                                                        const float *restrict go, const int32_t *restrict idx,
+                                                        int64_t n, const int64_t *restrict toff,
+                                                        const int64_t *restrict roff, const int NR) {
+  v8f acc[16];
+#pragma GCC unroll 16
+  for (int r = 0; r < NR; r++) acc[r] = (v8f){0};
+  for (int64_t k = 0; k < n; k++) {
+    const int32_t t = idx[k];
+    const v8f gv = (v8f){0} + go[t];
+    const float *b = Ap + toff[t];
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; r++) acc[r] += gv * load8(b + roff[r]);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < NR; r++) memcpy(w + 8 * r, &acc[r], 32);
+}
+
 static void run(job_t *j) {
   const int64_t T = j->OH * j->OW, D = j->C * j->KH * j->KW;
   const int64_t Hp = j->H + 2 * j->ph, Wp = j->Wd + 2 * j->pw;
   const size_t ap_bytes = ((size_t)(j->C * Hp * Wp) * sizeof(float) + 63) / 64 * 64;
-  const size_t p_bytes = ((size_t)(T * D) * sizeof(float) + 63) / 64 * 64;
+  const int direct = j->dw == 1 && j->KW == 8; /* rows of 8 read from Ap: no patches P */
+  const size_t p_bytes = direct ? 64 : ((size_t)(T * D) * sizeof(float) + 63) / 64 * 64;
   float *Ap = aligned_alloc(64, ap_bytes);
   float *P = aligned_alloc(64, p_bytes);
   int32_t *idx = malloc(sizeof(int32_t) * (size_t)(T > 0 ? T : 1));
-  if (!Ap || !P || !idx) {
-    free(Ap); free(P); free(idx);
+  /* Offsets into Ap of each position's patch (toff) and of each patch row (c, kh) (roff). */
+  const int64_t R = j->C * j->KH;
+  int64_t *toff = malloc(sizeof(int64_t) * (size_t)(T + R));
+  if (!Ap || !P || !idx || !toff) {
+    free(Ap); free(P); free(idx); free(toff);
     j->status = 1;
     return;
   }
+  int64_t *roff = toff + T;
+  for (int64_t y = 0; y < j->OH; y++)
+    for (int64_t x = 0; x < j->OW; x++) toff[y * j->OW + x] = y * j->sh * Wp + x * j->sw;
+  for (int64_t c = 0; c < j->C; c++)
+    for (int64_t kh = 0; kh < j->KH; kh++) roff[c * j->KH + kh] = c * Hp * Wp + kh * j->dh * Wp;
   memset(Ap, 0, ap_bytes); /* the border stays zero; the interior is overwritten per example */
   for (int64_t i = j->i0; i < j->i1; i++) {
     const float *ai = j->a + i * j->C * j->H * j->Wd;
     const float *gi = j->g + i * j->O * T;
     float *Wi = j->W + i * j->O * D;
-    int finite = 1;
     for (int64_t c = 0; c < j->C; c++)
-      for (int64_t r = 0; r < j->H; r++) {
-        const float *src = ai + (c * j->H + r) * j->Wd;
-        float *dst = Ap + (c * Hp + r + j->ph) * Wp + j->pw;
-        for (int64_t s = 0; s < j->Wd; s++) {
-          dst[s] = src[s];
-          finite &= isfinite(src[s]) != 0;
-        }
-      }
-    for (int64_t k = 0; k < j->O * T; k++) finite &= isfinite(gi[k]) != 0;
-    switch (j->dw == 1 ? j->KW : 0) {
+      for (int64_t r = 0; r < j->H; r++)
+        memcpy(Ap + (c * Hp + r + j->ph) * Wp + j->pw, ai + (c * j->H + r) * j->Wd, sizeof(float) * (size_t)j->Wd);
+    const int finite = top_bits(ai, j->C * j->H * j->Wd, top_bits(gi, j->O * T, 0)) < INF_BITS;
+    if (!direct) switch (j->dw == 1 ? j->KW : 0) {
       case 1: unfold(P, Ap, j, Hp, Wp, D, 1); break;
       case 2: unfold(P, Ap, j, Hp, Wp, D, 2); break;
       case 3: unfold(P, Ap, j, Hp, Wp, D, 3); break;
@@ -139,26 +194,33 @@ static void run(job_t *j) {
         n = T;
       }
       float *w = Wi + o * D;
-      int64_t d0 = 0;
-      for (; d0 + 64 <= D; d0 += 64) {
-        v16f s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-        for (int64_t k = 0; k < n; k++) {
-          const v16f gv = (v16f){0} + go[idx[k]];
-          const float *p = P + (int64_t)idx[k] * D + d0;
-          s0 += gv * load16(p);
-          s1 += gv * load16(p + 16);
-          s2 += gv * load16(p + 32);
-          s3 += gv * load16(p + 48);
-        }
-        memcpy(w + d0, &s0, 64);
-        memcpy(w + d0 + 16, &s1, 64);
-        memcpy(w + d0 + 32, &s2, 64);
-        memcpy(w + d0 + 48, &s3, 64);
+      int64_t d0 = direct ? D : 0; /* direct: rows of 8 below, else blocks of the patches P */
+      for (int64_t r0 = 0; direct && r0 < R;) {
+        const int64_t left = R - r0;
+        float *wr = w + 8 * r0;
+        const int64_t *ro = roff + r0;
+        if (left >= 16) { rows8(wr, Ap, go, idx, n, toff, ro, 16); r0 += 16; }
+        else if (left >= 8) { rows8(wr, Ap, go, idx, n, toff, ro, 8); r0 += 8; }
+        else if (left >= 4) { rows8(wr, Ap, go, idx, n, toff, ro, 4); r0 += 4; }
+        else if (left >= 2) { rows8(wr, Ap, go, idx, n, toff, ro, 2); r0 += 2; }
+        else { rows8(wr, Ap, go, idx, n, toff, ro, 1); r0 += 1; }
       }
-      for (; d0 + 16 <= D; d0 += 16) {
-        v16f s0 = {0};
-        for (int64_t k = 0; k < n; k++) s0 += ((v16f){0} + go[idx[k]]) * load16(P + (int64_t)idx[k] * D + d0);
-        memcpy(w + d0, &s0, 64);
+      for (; d0 + 64 <= D; d0 += 64) {
+        vwf acc[64 / VW];
+#pragma GCC unroll 8
+        for (int v = 0; v < 64 / VW; v++) acc[v] = (vwf){0};
+        for (int64_t k = 0; k < n; k++) {
+          const vwf gv = (vwf){0} + go[idx[k]];
+          const float *p = P + (int64_t)idx[k] * D + d0;
+#pragma GCC unroll 8
+          for (int v = 0; v < 64 / VW; v++) acc[v] += gv * loadw(p + VW * v);
+        }
+        memcpy(w + d0, acc, sizeof acc);
+      }
+      for (; d0 + VW <= D; d0 += VW) {
+        vwf acc = {0};
+        for (int64_t k = 0; k < n; k++) acc += ((vwf){0} + go[idx[k]]) * loadw(P + (int64_t)idx[k] * D + d0);
+        memcpy(w + d0, &acc, sizeof acc);
       }
       for (; d0 < D; d0++) {
         float s = 0.0f;
@@ -166,14 +228,14 @@ static void run(job_t *j) {
         w[d0] = s;
       }
       /* Squares of float32 values are exact in double; double accumulation. */
-      v8d q0 = {0}, q1 = {0};
+      vwd q0 = {0}, q1 = {0};
       int64_t d = 0;
-      for (; d + 16 <= D; d += 16) {
-        v8d x0 = __builtin_convertvector(load8(w + d), v8d), x1 = __builtin_convertvector(load8(w + d + 8), v8d);
+      for (; d + VW <= D; d += VW) {
+        vwd x0 = __builtin_convertvector(loadh(w + d), vwd), x1 = __builtin_convertvector(loadh(w + d + VW / 2), vwd);
         q0 += x0 * x0;
         q1 += x1 * x1;
       }
-      for (int k = 0; k < 8; k++) sq += q0[k] + q1[k];
+      for (int k = 0; k < VW / 2; k++) sq += q0[k] + q1[k];
       for (; d < D; d++) sq += (double)w[d] * (double)w[d];
     }
     j->sq[i] = sq;
@@ -181,6 +243,7 @@ static void run(job_t *j) {
   free(Ap);
   free(P);
   free(idx);
+  free(toff);
 }
 
 #ifndef _OPENMP

@@ -58,6 +58,28 @@ def test_kernel_matches_torch_over_random_geometries():
 
 
 @needs_kernel
+@pytest.mark.parametrize("cin, kh", [(1, 8), (3, 8), (1, 3), (2, 7), (5, 6), (1, 1), (4, 5)])
+def test_rows_of_eight_read_from_the_input_match_torch(cin, kh):
+    """Filters 8 wide (stride 1 along the row): the kernel reads the rows straight from the
+    padded input, in blocks of 16, 8, 4, 2 and 1 rows (cin·kh of 8, 24, 3, 14, 30, 1 and 20
+    take every block size). Many positions (more than one 16-wide vector of them, and not a
+    multiple of 16) and sparse output gradients, as after a ReLU and max pooling: the values
+    equal torch's within float32 rounding, and the squared norms are those of W itself."""
+    gen = torch.Generator().manual_seed(cin * 100 + kh)
+    conv = nn.Conv2d(cin, 6, (kh, 8), stride=2, padding=3)
+    a = torch.randn(9, cin, 20 + kh, 27, generator=gen)  # 14 × 13 positions
+    out = conv(a).detach()
+    assert out.shape[2] * out.shape[3] % 16 != 0 and out.shape[2] * out.shape[3] > 16
+    g = torch.randn(out.shape, generator=gen) * (torch.rand(out.shape, generator=gen) < 0.3)
+    g[4] = 0.0  # an example with no gradient at all
+    W, sq = native.conv2d_per_example(conv, a, g)
+    ref = _conv_per_example_torch(conv, a.double(), g.double())
+    assert (W.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert torch.equal(W[4], torch.zeros_like(W[4])) and sq[4].item() == 0.0
+    assert torch.allclose(sq, W.double().reshape(9, -1).square().sum(1), rtol=1e-12, atol=0)
+
+
+@needs_kernel
 def test_non_finite_inputs_poison_the_example_as_in_the_dense_reference():
     """An inf in the input where every output gradient that touches it is zero: the dense
     product has 0·inf = NaN, so the example must come out non-finite (and be skipped by the
@@ -75,6 +97,19 @@ def test_non_finite_inputs_poison_the_example_as_in_the_dense_reference():
     assert not torch.isfinite(sq[1]) and not torch.isfinite(sq[2])
     assert torch.isfinite(sq[0]) and torch.allclose(W[0], ref[0], atol=1e-5)
     assert torch.equal(torch.isnan(W), torch.isnan(ref))
+    # The same through the rows read straight from the input (filters 8 wide) and a sparse
+    # output gradient over more than 16 positions.
+    conv8 = nn.Conv2d(1, 4, 8, stride=2, padding=3)
+    a = torch.randn(3, 1, 28, 28)
+    g = torch.randn(3, 4, 14, 14) * (torch.rand(3, 4, 14, 14) < 0.2)
+    a[1, 0, 5, 5] = float("inf")
+    g[1] = 0.0
+    g[2, 3, 7, 7] = float("-inf")
+    W, sq = native.conv2d_per_example(conv8, a, g)
+    ref = _conv_per_example_torch(conv8, a, g)
+    assert torch.isnan(ref[1]).any() and torch.isnan(W[1]).any() and not torch.isfinite(sq[1])
+    assert not torch.isfinite(sq[2]) and torch.isfinite(sq[0])
+    assert torch.equal(torch.isnan(W), torch.isnan(ref)) and torch.allclose(W[0], ref[0], atol=1e-5)
 
 
 def test_cases_outside_the_kernel_use_torch():
