@@ -9,7 +9,9 @@ is taken.
 
 The fit is a straight line through two small probes; where a layer switches form with the
 batch (book-keeping's ghost norms above its materialisation budget) the line is an
-estimate, hence the safety factor.
+estimate, hence the safety factor. So the size it picks is then measured too, and halved
+until its measured peak fits the budget: a layer whose ghost form at the picked size needs
+more memory per example than the materialised form the small probes ran is caught there.
 
 Peak memory of a probe:
 * CUDA: ``torch.cuda.max_memory_allocated`` after resetting the peak statistics.
@@ -127,9 +129,12 @@ def auto_budget_bytes(device: torch.device, share: float) -> int | None:
 def fit_batch_size(
     probe: Callable[[int], object], upper: int, budget_bytes: int, device: torch.device, at_least_one: bool = False
 ) -> dict:
-    """The largest power of two ≤ ``upper`` whose measured peak fits ``budget_bytes``
-    (``upper`` itself if it fits). ``probe(b)`` runs the computation on b examples. Where not
-    even one example fits: an error, or with ``at_least_one`` 1 (``report["over_budget"]``)."""
+    """The largest power of two ≤ ``upper`` whose peak fits ``budget_bytes`` (``upper`` itself
+    if it fits), by a line through two probes; a size above the probes is then measured, and
+    the next power of two below taken while its measured peak does not fit (each measurement
+    in ``report["checked_peaks"]``, None where a GPU ran out of memory). ``probe(b)`` runs the
+    computation on b examples. Where not even one example fits: an error, or with
+    ``at_least_one`` 1 (``report["over_budget"]``)."""
     if budget_bytes <= 0:
         raise DPConfigError(f"the memory budget must be positive, not {budget_bytes} bytes.")
     b1, b2 = (min(upper, b) for b in PROBE_BATCHES)
@@ -158,8 +163,26 @@ def fit_batch_size(
             f"{per_example / 2**20:.1f} MiB per example plus {fixed / 2**20:.0f} MiB fixed. Raise the budget."
         )
     chosen = upper if fits >= upper else 2 ** int(math.log2(fits))
+    # The line is an estimate beyond the probes: measure the choice, halving until it fits.
+    while chosen > b2:
+        peak = _peak_or_none(lambda b=chosen: probe(b), device)
+        report.setdefault("checked_peaks", {})[chosen] = peak
+        if peak is not None and peak <= budget_bytes:
+            break
+        chosen = 1 << ((chosen - 1).bit_length() - 1)  # the next power of two below
     report["physical_batch_size"] = chosen
     return report
+
+
+def _peak_or_none(fn: Callable[[], object], device: torch.device) -> int | None:
+    """:func:`peak_bytes`, or None where the device ran out of memory (a GPU's allocator
+    raises; the caller then takes a smaller size)."""
+    try:
+        return peak_bytes(fn, device)
+    except torch.OutOfMemoryError:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return None
 
 
 def fit_optimizer(opt, x: torch.Tensor, y: torch.Tensor, budget_bytes: int, at_least_one: bool = False) -> dict:
@@ -179,7 +202,7 @@ def fit_optimizer(opt, x: torch.Tensor, y: torch.Tensor, budget_bytes: int, at_l
     upper = opt.physical_batch_size
     if len(x) == 0:
         return {"physical_batch_size": upper, "measured": False, "reason": "no examples to probe with"}
-    need = min(upper, max(PROBE_BATCHES))
+    need = upper  # the probes' sizes, then the picked size itself
     g = torch.Generator().manual_seed(0)
     shape = (need, *x.shape[1:])
     if x.is_floating_point():

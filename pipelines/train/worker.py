@@ -319,6 +319,9 @@ class Worker:
                     mib = fitted["per_example_bytes"] / 2**20
                     self.tracker.tag("physical_batch_size.per_example_mib", f"{mib:.3f}")
                     self.tracker.tag("physical_batch_size.budget_mib", f"{fitted['budget_bytes'] / 2**20:.0f}")
+                    peak = fitted.get("checked_peaks", {}).get(fitted["physical_batch_size"])
+                    if peak is not None:  # the fitted size itself, measured (above the probes' sizes)
+                        self.tracker.tag("physical_batch_size.peak_mib", f"{peak / 2**20:.0f}")
                 if fitted.get("over_budget"):  # auto: even one example measured over the budget; run at 1
                     self.tracker.tag("physical_batch_size.over_budget", "true")
                     note_phase(

@@ -53,6 +53,69 @@ def test_the_picked_batch_fits_the_budget_and_is_the_largest_power_of_two_that_d
         _opt().fit_physical_batch_size(x, y, int(fixed // 4) + 1)
 
 
+def test_a_size_above_the_probes_is_measured_and_halved_until_it_fits():
+    """Where memory per example grows faster above the probes' sizes than between them (a layer
+    that takes its ghost form only at larger batches), the straight line underestimates: the
+    picked size is measured, and the next power of two below taken until one fits."""
+    mib = 2**20
+
+    def probe(b: int):  # real memory: 1 MiB per example up to 16 examples, 3 MiB above
+        t = torch.ones(b * (1 if b <= 16 else 3) * mib // 4)
+        return float(t.sum())
+
+    cpu = torch.device("cpu")
+    budget = 110 * mib  # the line (1 MiB per example) says 64 fit; measured, 64 take 192 MiB
+    report = memory.fit_batch_size(probe, 256, budget, cpu)
+    assert report["per_example_bytes"] < 1.5 * mib  # the line saw 1 MiB per example
+    checked = report["checked_peaks"]
+    assert list(checked) == [64, 32], report  # 64 measured over budget, then 32 (96 MiB) fits
+    assert checked[64] > budget >= checked[32] and report["physical_batch_size"] == 32
+    # Where the line was right, the first measured size is kept.
+    report = memory.fit_batch_size(probe, 256, 1024 * mib, cpu)
+    assert report["physical_batch_size"] == 256 and list(report["checked_peaks"]) == [256]
+    # A size that is not a power of two goes to the power of two below it.
+    report = memory.fit_batch_size(probe, 200, 500 * mib, cpu)
+    assert list(report["checked_peaks"]) == [200, 128] and report["physical_batch_size"] == 128
+
+
+def test_a_convolution_that_turns_ghost_above_the_probes_is_caught_by_measuring_the_pick(monkeypatch):
+    """The case the check exists for, with the real clipper: a convolution materialised at the
+    probes' sizes (4 and 16) but in its ghost form above them, where its [T, T] Gram matrices
+    (T = 256 positions) take far more memory per example than its 216 per-example weights. The
+    line through the probes says the configured 256 fit; measured, they do not, and the size
+    kept is one whose measured peak fits."""
+    from dpcore.bookkeeping.clipper import BookKeepingClipper
+
+    conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+    monkeypatch.setattr(BookKeepingClipper, "MAX_PER_EXAMPLE_ELEMENTS", 16 * conv.weight.numel())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(conv, torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 16 * 16, 10))
+    opt = dpcore.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model=model,
+        loss_fn=F.cross_entropy,
+        noise_multiplier=1.0,
+        clip_norm=1.0,
+        sample_rate=0.01,
+        dataset_size=10_000,
+        randomness=dpcore.SeededRandomness(0),
+        ledger=dpcore.PrivacyLedger(None, 1e-5),
+        physical_batch_size=256,
+        clipping="bookkeeping",
+    )
+    x, y = torch.randn(256, 3, 16, 16), torch.zeros(256, dtype=torch.long)
+    opt.fit_physical_batch_size(x, y, 2**40)  # verifies book-keeping, so later probes run it alone
+    budget = 128 * 2**20
+    report = opt.fit_physical_batch_size(x, y, budget)
+    line_says = (budget - report["fixed_bytes"]) / (report["per_example_bytes"] * memory.SAFETY)
+    assert line_says >= 256, report  # the probes alone would have kept 256
+    checked = report["checked_peaks"]
+    assert checked[256] > budget, report  # measured: the ghost form's Grams do not fit
+    picked = report["physical_batch_size"]
+    assert picked < 256 and opt.physical_batch_size == picked
+    assert picked <= 16 or checked[picked] <= budget, report
+
+
 def test_probing_releases_nothing_and_training_then_uses_the_picked_size():
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(64, 1, 28, 28, generator=g), torch.randint(0, 10, (64,), generator=g)
