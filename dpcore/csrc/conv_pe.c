@@ -15,8 +15,9 @@
  * from the padded input (rows8), the same terms in the same order. After a ReLU and max pooling most output gradients are exactly zero, and a zero
  * term adds nothing (0 * finite = 0): skipping it changes no value of the result.
  * When any input or output-gradient value of the example is not finite, no term is skipped,
- * so that 0 * inf = NaN reaches W exactly as in the dense reference (the example is then
- * skipped and counted by the caller, as the reference path does).
+ * so that 0 * inf = NaN reaches W exactly as in the dense reference (where W then has a
+ * non-finite entry, so does sq, and the caller skips and counts the example, as the reference
+ * path does; a non-finite input no filter window covers leaves W finite, as in the reference).
  *
  * The terms of each W element are added in the order of t (the reference's order is its own;
  * the caller's tests compare both within float32 rounding). Examples are split over
