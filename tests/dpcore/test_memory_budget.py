@@ -12,9 +12,9 @@ from pipelines.models import build_model
 pytestmark = pytest.mark.skipif(not memory.cpu_peak_supported(), reason="needs /proc/self/clear_refs (Linux)")
 
 
-def _opt(clipping="vmap", physical=256):
+def _opt(clipping="vmap", physical=256, model=None):
     torch.manual_seed(0)
-    model = build_model("cnn", (1, 28, 28), 10)
+    model = model if model is not None else build_model("cnn", (1, 28, 28), 10)
     return dpcore.DPOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1),
         model=model,
@@ -90,21 +90,8 @@ def test_a_convolution_that_turns_ghost_above_the_probes_is_caught_by_measuring_
     monkeypatch.setattr(BookKeepingClipper, "MAX_PER_EXAMPLE_ELEMENTS", 16 * conv.weight.numel())
     torch.manual_seed(0)
     model = torch.nn.Sequential(conv, torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 16 * 16, 10))
-    opt = dpcore.DPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        model=model,
-        loss_fn=F.cross_entropy,
-        noise_multiplier=1.0,
-        clip_norm=1.0,
-        sample_rate=0.01,
-        dataset_size=10_000,
-        randomness=dpcore.SeededRandomness(0),
-        ledger=dpcore.PrivacyLedger(None, 1e-5),
-        physical_batch_size=256,
-        clipping="bookkeeping",
-    )
+    opt = _opt("bookkeeping", model=model)
     x, y = torch.randn(256, 3, 16, 16), torch.zeros(256, dtype=torch.long)
-    opt.fit_physical_batch_size(x, y, 2**40)  # verifies book-keeping, so later probes run it alone
     budget = 128 * 2**20
     report = opt.fit_physical_batch_size(x, y, budget)
     line_says = (budget - report["fixed_bytes"]) / (report["per_example_bytes"] * memory.SAFETY)
