@@ -12,8 +12,9 @@
  * (T = OH*OW positions, D = C*KH*KW), and for each output channel o the row
  * W_i[o, :] = sum over t with g[o, t] != 0 of g[o, t] * P[t, :] is accumulated in vector
  * registers. Filters 8 wide (dw = 1) skip the unfolding: each patch row of 8 is read straight
- * from the padded input (rows8), the same terms in the same order. After a ReLU and max pooling most output gradients are exactly zero, and a zero
- * term adds nothing (0 * finite = 0): skipping it changes no value of the result.
+ * from the padded input (rows8), the same terms in the same order. After a ReLU and max
+ * pooling most output gradients are exactly zero, and a zero term adds nothing
+ * (0 * finite = 0): skipping it changes no value of the result.
  * When any input or output-gradient value of the example is not finite, no term is skipped,
  * so that 0 * inf = NaN reaches W exactly as in the dense reference (where W then has a
  * non-finite entry, so does sq, and the caller skips and counts the example, as the reference
@@ -152,18 +153,18 @@ static void run(job_t *j) {
   float *Ap = aligned_alloc(64, ap_bytes);
   float *P = aligned_alloc(64, p_bytes);
   int32_t *idx = malloc(sizeof(int32_t) * (size_t)(T > 0 ? T : 1));
-  /* Offsets into Ap of each position's patch (toff) and of each patch row (c, kh) (roff). */
+  /* rows8's offsets into Ap of each position's patch (toff) and each patch row (c, kh) (roff). */
   const int64_t R = j->C * j->KH;
-  int64_t *toff = malloc(sizeof(int64_t) * (size_t)(T + R));
+  int64_t *toff = malloc(sizeof(int64_t) * (size_t)(direct ? T + R : 1));
   if (!Ap || !P || !idx || !toff) {
     free(Ap); free(P); free(idx); free(toff);
     j->status = 1;
     return;
   }
-  int64_t *roff = toff + T;
-  for (int64_t y = 0; y < j->OH; y++)
+  int64_t *roff = toff + T; /* (used only where direct) */
+  for (int64_t y = 0; direct && y < j->OH; y++)
     for (int64_t x = 0; x < j->OW; x++) toff[y * j->OW + x] = y * j->sh * Wp + x * j->sw;
-  for (int64_t c = 0; c < j->C; c++)
+  for (int64_t c = 0; direct && c < j->C; c++)
     for (int64_t kh = 0; kh < j->KH; kh++) roff[c * j->KH + kh] = c * Hp * Wp + kh * j->dh * Wp;
   memset(Ap, 0, ap_bytes); /* the border stays zero; the interior is overwritten per example */
   for (int64_t i = j->i0; i < j->i1; i++) {
