@@ -8,7 +8,8 @@
 #   3. `dp-platform bench` on the GPU: MNIST CNN (batch 256), ResNet-9 and WRN-16-4 (batch 64);
 #   4. the text fine-tuning step (docs/benchmarks/text_step.py --device cuda), T = 128 and 256;
 #   5. (profile) where ours spends a step's time there (docs/benchmarks/gpu_profile.py).
-# SECTIONS picks some (default "tests noise bench text"); TEXT_ARGS and BENCH_ARGS add flags to those two.
+# SECTIONS picks some (default "tests noise bench text"); TEXT_ARGS and BENCH_ARGS add flags to those two;
+# TEXT_TIMEOUT (seconds, default 330) bounds the text part.
 #
 # Usage, from the repository root on the GPU machine:
 #   bash docs/benchmarks/gpu_run.sh OUTDIR [WHEELS] [MODEL16]
@@ -58,7 +59,7 @@ save_file({k: (v.float() if v.is_floating_point() else v) for k, v in w.items()}
 EOF
 fi
 # shellcheck disable=SC2086  # TEXT_ARGS are several flags
-want text && section "text step" && timeout 330 python3 docs/benchmarks/text_step.py --device cuda \
+want text && section "text step" && timeout "${TEXT_TIMEOUT:-330}" python3 docs/benchmarks/text_step.py --device cuda \
   --model-folder /tmp/minilm --batch 32 --steps 10 --threads 4 ${TEXT_ARGS:-} 2>&1 | tee "$out/text.md"
 want profile && section profile && timeout 150 python3 docs/benchmarks/gpu_profile.py --model-folder /tmp/minilm \
   2>&1 | grep -v -e USDT -e "^ERROR:.*gpuGetDeviceCount" | tee "$out/profile.txt"
