@@ -261,7 +261,8 @@ class BookKeepingClipper:
         """loss_fn(logits[i:i+1], y[i:i+1]) for every i. For plain cross-entropy that is
         ``reduction="none"`` (one kernel instead of a vmap); anything else is vmapped."""
         if is_plain_cross_entropy(self.loss_fn) and logits.dim() == 2 and y.dim() == 1 and not y.is_floating_point():
-            # ignore_index (-100) would give NaN per example under the mean reduction, 0 here.
-            if bool((y >= 0).all()):
-                return F.cross_entropy(logits, y, reduction="none")
+            # An ignored label (ignore_index, -100) has loss 0 here and 0/0 = NaN in the vmapped
+            # mean, and a zero gradient in both; only the gradient is used. So y is not read on
+            # the host, which on a GPU would wait for the device.
+            return F.cross_entropy(logits, y, reduction="none")
         return self._per_sample_loss(logits, y)

@@ -646,8 +646,9 @@ def test_float32_chunked_norms_are_within_the_clipping_margin():
 
 def test_cross_entropy_shortcut_equals_the_vmapped_loss():
     """Plain cross-entropy's per-example losses are one reduction='none' call; any option
-    (class weights, label smoothing, ignored labels) goes through the vmapped loss, and both
-    give the reference clipped sum."""
+    (class weights, label smoothing) goes through the vmapped loss, and both give the reference
+    clipped sum. An ignored label (-100) stays on the reduction: its loss is 0 there and NaN in
+    the vmapped mean, its gradient zero in both, and y is never read on the host."""
     torch.manual_seed(14)
     model = build_model("small_cnn", (1, 8, 8), 10)
     x, y = torch.randn(12, 1, 8, 8), torch.randint(0, 10, (12,))
@@ -668,7 +669,15 @@ def test_cross_entropy_shortcut_equals_the_vmapped_loss():
         for k in ref:
             assert torch.allclose(out[k], ref[k], atol=1e-5), (loss, k)
     y_ignored = y.clone()
-    y_ignored[2] = -100  # an ignored label: the vmapped loss, whatever the reference makes of it
+    y_ignored[2] = -100
+    lg = logits.detach().requires_grad_()
+    ours = bk._per_example_losses(lg, y_ignored)
+    vm = torch.func.vmap(lambda o, t: ce(o.unsqueeze(0), t.unsqueeze(0)))(lg, y_ignored)
+    assert ours[2] == 0 and torch.isnan(vm[2]) and torch.allclose(ours[vm == vm], vm[vm == vm], atol=1e-6)
+    (g_ours,) = torch.autograd.grad(ours.sum(), lg)
+    (g_vm,) = torch.autograd.grad(vm.sum(), lg)
+    assert torch.equal(g_ours[2], torch.zeros(10)) and torch.equal(g_vm[2], torch.zeros(10))
+    assert torch.allclose(g_ours, g_vm, atol=1e-7)
     ref, ref_bad = clipped_sum(PerSampleGradients(model, ce)(x, y_ignored), 0.3)
     out = {}
     assert bk.clipped_sum(x, y_ignored, 0.3, out) == ref_bad
