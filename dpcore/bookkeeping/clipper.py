@@ -158,9 +158,17 @@ class BookKeepingClipper:
         number of examples skipped for a non-finite gradient."""
         if x.shape[0] == 0:
             return 0
-        sq, parts = self.measure(x, y, clip_norm)
+        sq, parts, exact = self._measure(x, y, clip_norm)
         factors, finite = clip_factors(sq.sqrt(), clip_norm)
-        flags = self.flags(factors, finite)
+        flags = self.flags(factors, finite)  # the batch's one read of the device
+        if exact is not None and flags[0]:
+            # A norm is not finite: a float32 square may have overflowed, so every row norm is
+            # measured again in float64 (as measure() does), and the flags read again.
+            del sq, parts, factors, finite  # the first pass's per-example gradients go first
+            sq, parts = exact()
+            factors, finite = clip_factors(sq.sqrt(), clip_norm)
+            flags = self.flags(factors, finite)
+        del exact  # the activations and output gradients it holds
         contributions = self.contributions(parts, factors, finite, rows=True, flags=flags)
         # Everything is computed (and converted) first, so that nothing is added if any of it fails;
         # the dense sums are then added by one multi-tensor operation (one kernel on a GPU).
@@ -187,6 +195,18 @@ class BookKeepingClipper:
         """(each example's squared gradient norm, float64 [B]; each layer's part). The parts give
         Σ_i f_i·grad_i for any factors through :meth:`contributions`. ``clip_norm`` sets the
         precision the norms need (see :func:`dpcore.bookkeeping.base.row_sq_norms`)."""
+        sq, parts, exact = self._measure(x, y, clip_norm)
+        if exact is not None and not bool(torch.isfinite(sq).all()):
+            # A float32 square overflowed (or a gradient is not finite): all row norms in float64.
+            del sq, parts  # the first pass's per-example gradients go before the second's are made
+            sq, parts = exact()
+        return sq, parts
+
+    def _measure(self, x: torch.Tensor, y: torch.Tensor, clip_norm: float):
+        """:meth:`measure` without its read of the device: (sq, parts, exact), ``exact`` None
+        where every row norm was summed in float64, else a callable that measures the batch
+        again that way, for a batch where a float32 square may have overflowed (a norm that is
+        not finite). The caller reads the norms once, with its other flags."""
         batch = x.shape[0]
         with torch.enable_grad():
             with forward_autocast(self.autocast, x):
@@ -204,11 +224,14 @@ class BookKeepingClipper:
         ctx = Context(clip_norm=clip_norm, max_elements=self.MAX_PER_EXAMPLE_ELEMENTS)
         with formulas(x):  # autocast off, whatever region the caller opened
             sq, parts = self._forms(rec, grads, x, ctx)
-            if ctx.float32_rows and not bool(torch.isfinite(sq).all()):  # one read of the device per batch
-                # A float32 square overflowed (or a gradient is not finite): all row norms in float64.
-                del sq, parts  # the first pass's per-example gradients go before the second's are made
-                sq, parts = self._forms(rec, grads, x, Context(clip_norm, ctx.max_elements, exact_rows=True))
-        return sq, parts
+        if not ctx.float32_rows:
+            return sq, parts, None
+
+        def exact():
+            with formulas(x):
+                return self._forms(rec, grads, x, Context(clip_norm, ctx.max_elements, exact_rows=True))
+
+        return sq, parts, exact
 
     def _forms(self, rec: dict, grads, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, list]:
         sq = SquaredNorms(x.shape[0], x.device)
