@@ -4,8 +4,9 @@ On a GPU, every read of a value (``bool(t)``, ``int(t)``, ``t.item()``, ``t.toli
 operation whose output size depends on values (``nonzero``, ``unique``, a boolean mask) makes
 the host wait for the queued work, and a computation with such a wait inside cannot be captured
 as a CUDA graph. tests/dpcore/test_on_cuda.py counts the waits on a GPU; this counts the same
-reads here, on the CPU that CI has: reads from Python by wrapping the tensor methods, and
-value-sized operations below autograd by a ``TorchDispatchMode``."""
+reads here, on the CPU that CI has: by a ``TorchDispatchMode`` below autograd (a value read
+from Python or from inside torch is a ``_local_scalar_dense``), and ``tolist``, which on a CPU
+reads memory without an operation, by wrapping it."""
 
 from __future__ import annotations
 
@@ -21,22 +22,23 @@ from dpcore.bookkeeping import BookKeepingClipper
 from .test_bookkeeping_clipping import CASES
 from .test_bookkeeping_text_layers import TinyText
 
-# Operations whose output is sized by the values they read.
-SIZED_BY_VALUES = {
-    "nonzero", "nonzero_numpy", "argwhere", "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive",
-    "unique_dim_consecutive", "masked_select", "equal", "is_nonzero",
+# Operations that read the device: a value to the host (``_local_scalar_dense``: ``bool``,
+# ``int``, ``float``, ``.item()``, from Python or from inside torch), or an output sized by values.
+READS = {
+    "_local_scalar_dense", "nonzero", "nonzero_numpy", "argwhere", "unique", "_unique", "_unique2", "unique_dim",
+    "unique_consecutive", "unique_dim_consecutive", "masked_select", "equal", "is_nonzero", "allclose", "bincount",
+    "histc",
 }  # fmt: skip
-READ_METHODS = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist")
 
 
-class SizedByValues(TorchDispatchMode):
+class DeviceReads(TorchDispatchMode):
     def __init__(self, seen: list):
         super().__init__()
         self.seen = seen
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
-        if name in SIZED_BY_VALUES:
+        if name in READS:
             self.seen.append(name)
         elif name in ("index", "index_put", "index_put_", "_index_put_impl_"):
             if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] or ()):
@@ -47,18 +49,18 @@ class SizedByValues(TorchDispatchMode):
 
 
 def reads_of(fn, *args, monkeypatch) -> list[str]:
-    """The reads of the device that ``fn(*args)`` makes, in order."""
+    """The reads of the device that ``fn(*args)`` makes, in order. ``tolist`` is watched from
+    Python: on a CPU it reads memory without an operation."""
     seen: list[str] = []
+    real = torch.Tensor.tolist
+
+    def tolist(self, *a, **k):
+        seen.append("tolist")
+        return real(self, *a, **k)
+
     with monkeypatch.context() as m:
-        for name in READ_METHODS:
-            real = getattr(torch.Tensor, name)
-
-            def spy(self, *a, _real=real, _name=name, **k):
-                seen.append(_name)
-                return _real(self, *a, **k)
-
-            m.setattr(torch.Tensor, name, spy)
-        with SizedByValues(seen):
+        m.setattr(torch.Tensor, "tolist", tolist)
+        with DeviceReads(seen):
             fn(*args)
     return seen
 
@@ -106,16 +108,17 @@ def test_a_clipped_sum_reads_the_device_once_whatever_its_layers(name, make, sha
 
 def test_the_counter_sees_each_kind_of_read(monkeypatch):
     """Else the test above could pass on reads that the counter does not recognise."""
-    t = torch.tensor([0.0, 1.0, -1.0])
-
-    def every_kind():
-        bool(t.sum() > 0)
-        int(t[1])
-        t.tolist()
-        t[t > 0]
-        torch.unique(t)
-        t.nonzero()
-        torch.repeat_interleave(t, torch.tensor([1, 2, 0]))
-
-    seen = reads_of(every_kind, monkeypatch=monkeypatch)
-    assert seen[:3] == ["__bool__", "__int__", "tolist"] and len(seen) == 7, seen
+    t, y = torch.tensor([0.0, 1.0, -1.0]), torch.tensor([0, 2, 1])
+    for read in [
+        lambda: bool(t.sum() > 0),
+        lambda: int(t[1]),
+        lambda: t.tolist(),
+        lambda: t[t > 0],
+        lambda: torch.unique(t),
+        lambda: t.nonzero(),
+        lambda: torch.repeat_interleave(t, torch.tensor([1, 2, 0])),
+        lambda: F.one_hot(y),  # reads inside torch (its number of classes)
+        lambda: torch.bincount(y),
+        lambda: torch.allclose(t, t),
+    ]:
+        assert reads_of(read, monkeypatch=monkeypatch), read
