@@ -46,7 +46,11 @@ class ClippedLot:
             diag,
         )
         self.augment, self.multiplicity = augment, multiplicity
-        self.sums = {n: torch.zeros_like(p) for n, p in params.items()}
+        # The lot's sums are float64 whatever the parameters' dtype. In float32, the rounding of
+        # the running sum (its partial sums grow to L·C for a lot of L) depends on every example,
+        # so removing one moved the sum by more than C: by up to 1.00005·C for L = 16,384 in
+        # docs/benchmarks/float_sensitivity.py. In float64 that rounding is about 2⁻²⁹ of it.
+        self.sums = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
         self.examples = self.nonfinite = 0
         self.open = False
         self.saved: Params | None = None  # DP-SAT: θ while the weights are shifted

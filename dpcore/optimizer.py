@@ -199,6 +199,7 @@ class DPOptimizer:
         """Release the lot's clipped sum (check → noise once → reduce → ÷ qN → record), then
         step the wrapped optimizer on it."""
         sums = [self.lot.sums[n] for n in self.params]
+        params = list(self.params.values())
         diag = self.lot.diag
         try:
             clean = [s.clone() for s in sums] if diag is not None else None
@@ -207,7 +208,8 @@ class DPOptimizer:
                 sums,
                 event=self.event,
                 ledger=self.ledger,
-                noise=(lambda: draw_noise(self.randomness, sums, std, laplace)) if self.add_noise else None,
+                # drawn in the parameters' dtype (as before the sums were float64: seeded streams unchanged)
+                noise=(lambda: draw_noise(self.randomness, params, std, laplace)) if self.add_noise else None,
                 reduce_fn=self.reduce_fn,
                 expected_size=self.expected_lot_size,
                 step=self.steps_taken + 1,
@@ -220,7 +222,7 @@ class DPOptimizer:
             raise
         self.lot.restore()  # DP-SAT: back to θ exactly, before the update
         for p, g in zip(self.params.values(), grads):
-            p.grad = g
+            p.grad = g.to(p.dtype)  # the release is float64 (the lot's sums); the update, the parameters' dtype
         self.optimizer.step()
         if self.method.needs_previous_release or diag is not None:
             self._prev_private = {n: p.grad.detach().clone() for n, p in self.params.items()}
@@ -246,8 +248,12 @@ class DPOptimizer:
             for start in range(0, x.shape[0], self.physical_batch_size):
                 self.lot.augmented(x[start : start + self.physical_batch_size])
         if self.add_noise and not isinstance(self.randomness, SecureRandomness):  # secure noise has no stream state
-            like = [self.lot.sums[n] for n in self.params]
-            draw_noise(self.randomness, like, self.noise_multiplier * self.clip_norm, self.noise == "laplace")
+            draw_noise(
+                self.randomness,
+                list(self.params.values()),
+                self.noise_multiplier * self.clip_norm,
+                self.noise == "laplace",
+            )
         for p, g in zip(self.params.values(), released, strict=True):
             p.grad = g.to(device=p.device, dtype=p.dtype).view_as(p)
         self.optimizer.step()

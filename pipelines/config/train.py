@@ -270,7 +270,8 @@ class ScaleConfig(Section):
     autocast: str = option(
         "none",
         "bf16: the model's forward (and so its backward) in bfloat16 under torch.autocast, on CPU or CUDA; per-example "
-        "clipping, the sums, the noise and evaluation stay in float32 (none: float32 throughout)",
+        "clipping, the noise and evaluation stay in float32, the lot's sums in float64 (none: float32 throughout, but "
+        "the lot's sums)",
     )
     checkpoint_every: int = option(0, "steps between checkpoints and evaluations (0: about 10 per run)")
     max_failures: int = option(2, "worker-group restarts from the last checkpoint before the run fails")

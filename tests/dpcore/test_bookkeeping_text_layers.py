@@ -145,4 +145,4 @@ def test_a_text_model_stays_on_book_keeping_after_the_first_batch_check():
     assert opt._fast_verified
     want, _ = _reference(model, x, y, 0.5)
     for k, w in want.items():
-        torch.testing.assert_close(opt._sum[k], w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(opt._sum[k].to(w.dtype), w, rtol=1e-5, atol=1e-6)

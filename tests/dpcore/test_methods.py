@@ -96,7 +96,9 @@ def test_bam_sam_clipped_sum_in_the_optimizer_equals_the_loop():
         for r, gi in zip(ref, gb):
             r += f * gi
     for (name, _), r in zip(model.named_parameters(), ref):
-        torch.testing.assert_close(opt._sum[name], r, rtol=1e-5, atol=1e-10)  # the clip margin is 1e-6 relative
+        torch.testing.assert_close(
+            opt._sum[name].to(r.dtype), r, rtol=1e-5, atol=1e-10
+        )  # the clip margin is 1e-6 relative
 
 
 def test_bam_exact_matches_a_finite_difference_hessian_vector_product():
