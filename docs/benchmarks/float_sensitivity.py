@@ -10,7 +10,9 @@ lot's partial sums grow to L·C, and their rounding is large), and one other exa
 input and label. It sums the lot with and without j, and reports the largest ‖S(D) − S(D′)‖ / C
 over the trials. In exact arithmetic it is ‖clip(g_j)‖ / C ≤ 1 − 10⁻⁶ (the clipping margin); a
 value above 1 is sensitivity that the accountant does not know of. The same per-example vectors
-summed in float64 give the reference column.
+summed in float64 give the reference column. ``--regroup``: the L − 1 examples distinct but
+nearly parallel, and j among the first 8, so that removing it regroups every later physical
+batch (their float32 sums then round differently too).
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--lots", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    ap.add_argument(
+        "--regroup",
+        action="store_true",
+        help="the L − 1 examples distinct but nearly parallel (base + 0.05·noise), and the other one among the "
+        "first 8, so that removing it regroups every later physical batch",
+    )
     a = ap.parse_args()
     torch.set_num_threads(2)
     print(f"One example's move of the lot's clipped sum, largest over {a.trials} trials; torch {torch.__version__}")
@@ -74,8 +82,10 @@ def main() -> None:
             for t in range(a.trials):
                 g = torch.Generator().manual_seed(1000 * lot + t)
                 x = (torch.randn(D, generator=g) * 3).repeat(lot, 1)
+                if a.regroup:
+                    x += 0.05 * torch.randn(lot, D, generator=g)
                 y = torch.full((lot,), int(torch.randint(0, K, (), generator=g)))
-                j = int(torch.randint(0, lot, (), generator=g))
+                j = int(torch.randint(0, 8 if a.regroup else lot, (), generator=g))
                 x[j], y[j] = torch.randn(D, generator=g) * 3, int(torch.randint(0, K, (), generator=g))
                 keep = torch.arange(lot) != j
                 move = (lot_sums(x, y, batch).double() - lot_sums(x[keep], y[keep], batch).double()).norm()
