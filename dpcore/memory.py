@@ -212,6 +212,9 @@ def fit_optimizer(opt, x: torch.Tensor, y: torch.Tensor, budget_bytes: int, at_l
     y = torch.zeros((need, *y.shape[1:]), dtype=y.dtype, device=y.device)
     fast = opt.lot.fast if opt.lot.fast is not None and opt.lot.fast.active else None
     method = opt.method.name
+    # Sums like the lot's (float64), made before the probes: a probe adds its batch into them as
+    # training does, so the casts of that addition are in the peak and the sums are not.
+    sink = {n: torch.zeros_like(s) for n, s in opt.lot.sums.items()}
 
     def probe(b: int):
         xb, yb = x[:b], y[:b]
@@ -219,7 +222,7 @@ def fit_optimizer(opt, x: torch.Tensor, y: torch.Tensor, budget_bytes: int, at_l
             xb = opt.lot.augmented(xb)
         if fast is not None:
             try:
-                fast.clipper.clipped_sum(xb, yb, opt.clip_norm, {})
+                fast.clipper.clipped_sum(xb, yb, opt.clip_norm, sink)
             except bookkeeping.Unsupported:
                 pass
         if fast is None or not fast.verified:
@@ -231,7 +234,7 @@ def fit_optimizer(opt, x: torch.Tensor, y: torch.Tensor, budget_bytes: int, at_l
                 per_sample = opt.grad_sampler(xb, yb)
                 if method == "dpsat" and opt.diagnostics_enabled:  # a second set, at θ
                     alive.append(opt.grad_sampler(xb, yb))
-            clipped_sum(per_sample, opt.clip_norm, ord=opt.norm_ord)
+            clipped_sum(per_sample, opt.clip_norm, out=sink, ord=opt.norm_ord)
             alive.clear()
 
     augment = opt.augment

@@ -85,6 +85,38 @@ def is_plain_cross_entropy(loss_fn) -> bool:
     )
 
 
+# The float64 copies of a batch's sums (the lot's sums are float64) are made and added this
+# many bytes at a time (a larger tensor in pieces), so that they never all live at once: all of
+# them would add 8 bytes per parameter to the step's peak, which the batch-size probe
+# (dpcore/memory.py) does not measure.
+WIDEN_GROUP_BYTES = 16 * 2**20
+
+
+def add_into(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """``targets[k] += values[k]`` for all k, by multi-tensor adds; a value of another dtype
+    than its target is cast first, at most ``WIDEN_GROUP_BYTES`` of casts at a time."""
+    group_t, group_v, size = [], [], 0
+    for t, v in zip(targets, values, strict=True):
+        if v.dtype == t.dtype:
+            group_t.append(t)
+            group_v.append(v)
+            continue
+        step = max(1, WIDEN_GROUP_BYTES // t.element_size())
+        if v.numel() > step and t.is_contiguous() and v.is_contiguous():
+            pieces = zip(t.view(-1).split(step), v.view(-1).split(step))
+        else:
+            pieces = [(t, v)]
+        for tp, vp in pieces:
+            group_t.append(tp)
+            group_v.append(vp.to(tp.dtype))
+            size += tp.numel() * tp.element_size()
+            if size >= WIDEN_GROUP_BYTES:
+                torch._foreach_add_(group_t, group_v)
+                group_t, group_v, size = [], [], 0
+    if group_t:
+        torch._foreach_add_(group_t, group_v)
+
+
 class BookKeepingClipper:
     """Clipped sums of per-example gradients for models made of registered layer types.
 
@@ -170,8 +202,8 @@ class BookKeepingClipper:
             flags = self.flags(factors, finite)
         del exact  # the activations and output gradients it holds
         contributions = self.contributions(parts, factors, finite, rows=True, flags=flags)
-        # Everything is computed (and converted) first, so that nothing is added if any of it fails;
-        # the dense sums are then added by one multi-tensor operation (one kernel on a GPU).
+        # Everything is computed first, so that nothing is added if any of it fails; the dense sums
+        # are then added by multi-tensor operations (one kernel per group on a GPU).
         targets, values, rows, new = [], [], [], {}
         for key, value in contributions:
             if isinstance(value, RowUpdate):
@@ -181,13 +213,12 @@ class BookKeepingClipper:
                     new[key] = value.dense()
             elif key in out:
                 targets.append(out[key])
-                values.append(value.to(out[key].dtype))
+                values.append(value)
             else:
                 new[key] = value
         for key, value in rows:
             value.add_to(out[key])
-        if targets:
-            torch._foreach_add_(targets, values)
+        add_into(targets, values)
         out.update(new)
         return flags[0]
 

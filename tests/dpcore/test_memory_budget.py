@@ -256,3 +256,21 @@ def test_probes_never_see_the_training_data():
     y = torch.full((64,), 7)
     opt.fit_physical_batch_size(x, y, 2**40)
     assert seen and all(torch.isfinite(xb).all() and (yb == 0).all() for xb, yb in seen)
+
+
+def test_adding_a_batch_into_the_lots_float64_sums_stays_within_a_group_of_casts():
+    """The lot's sums are float64; a batch's float32 sums are cast and added a group of at most
+    ``WIDEN_GROUP_BYTES`` at a time (a large tensor in pieces), not all at once. Here the weights'
+    float64 copy is 32 MiB: all at once, the real step's peak was 32 MiB over the probe's."""
+    from dpcore.bookkeeping.clipper import WIDEN_GROUP_BYTES
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Tanh(), torch.nn.Linear(2048, 10))
+    opt = _opt("bookkeeping", physical=8, model=model)
+    x, y = torch.randn(8, 2048), torch.randint(0, 10, (8,))
+    opt.accumulate(x, y)  # the first batch runs the check against vmap
+    assert opt.clipping == "bookkeeping"
+    cpu = torch.device("cpu")
+    alone = memory.peak_bytes(lambda: opt.lot.fast.clipper.clipped_sum(x, y, 1.0, {}), cpu)
+    step = memory.peak_bytes(lambda: opt.accumulate(x, y), cpu)
+    assert step - alone <= WIDEN_GROUP_BYTES + 4 * 2**20, (alone / 2**20, step / 2**20)
