@@ -87,8 +87,8 @@ def is_plain_cross_entropy(loss_fn) -> bool:
 
 # The float64 copies of a batch's sums (the lot's sums are float64) are made and added this
 # many bytes at a time (a larger tensor in pieces), so that they never all live at once: all of
-# them would add 8 bytes per parameter to the step's peak, which the batch-size probe
-# (dpcore/memory.py) does not measure.
+# them would add 8 bytes per parameter to the step's peak. (The batch-size probe of
+# dpcore/memory.py adds into float64 sums too, so its measured peak includes this group.)
 WIDEN_GROUP_BYTES = 16 * 2**20
 
 
