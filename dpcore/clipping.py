@@ -65,6 +65,38 @@ def clip_factors(norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, t
     return factors, finite
 
 
+# The float64 copies of a batch's sums (the lot's sums are float64, dpcore/lot.py) are made and added this
+# many bytes at a time (a larger tensor in pieces), so that they never all live at once: all of
+# them would add 8 bytes per parameter to the step's peak. (The batch-size probe of
+# dpcore/memory.py adds into float64 sums too, so its measured peak includes this group.)
+WIDEN_GROUP_BYTES = 16 * 2**20
+
+
+def add_into(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """``targets[k] += values[k]`` for all k, by multi-tensor adds; a value of another dtype
+    than its target is cast first, at most ``WIDEN_GROUP_BYTES`` of casts at a time."""
+    group_t, group_v, size = [], [], 0
+    for t, v in zip(targets, values, strict=True):
+        if v.dtype == t.dtype:
+            group_t.append(t)
+            group_v.append(v)
+            continue
+        step = max(1, WIDEN_GROUP_BYTES // t.element_size())
+        if v.numel() > step and t.is_contiguous() and v.is_contiguous():
+            pieces = zip(t.view(-1).split(step), v.view(-1).split(step))
+        else:
+            pieces = [(t, v)]
+        for tp, vp in pieces:
+            group_t.append(tp)
+            group_v.append(vp.to(tp.dtype))
+            size += tp.numel() * tp.element_size()
+            if size >= WIDEN_GROUP_BYTES:
+                torch._foreach_add_(group_t, group_v)
+                group_t, group_v, size = [], [], 0
+    if group_t:
+        torch._foreach_add_(group_t, group_v)
+
+
 def clipped_sum(
     per_sample: dict[str, torch.Tensor], clip_norm: float, out: dict[str, torch.Tensor] | None = None, ord: int = 2
 ) -> tuple[dict[str, torch.Tensor], int]:
@@ -99,8 +131,8 @@ def _clipped_sum(per_sample, clip_norm, out, ord):
             contrib = contrib + torch.einsum("i,i...->...", factors[extreme], g[extreme].double()).to(g.dtype)
         else:
             contrib = torch.einsum("i,i...->...", factors.to(g.dtype), g)
-        if name in result:  # the lot's float64 sums: cast first (a mixed add is slower on a CPU)
-            result[name].add_(contrib.to(result[name].dtype))
+        if name in result:
+            add_into([result[name]], [contrib])
         else:
             result[name] = contrib
     return result, n_bad

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..clipping import clip_factors
+from ..clipping import add_into, clip_factors
 from ..grad_sample import LossFn
 from ..precision import check_autocast, formulas, forward_autocast, widen
 from .base import Context, RowUpdate, SmallRows, SquaredNorms, Unsupported, small_rows_sums
@@ -83,38 +83,6 @@ def is_plain_cross_entropy(loss_fn) -> bool:
         and not loss_fn._forward_hooks
         and not loss_fn._forward_pre_hooks
     )
-
-
-# The float64 copies of a batch's sums (the lot's sums are float64) are made and added this
-# many bytes at a time (a larger tensor in pieces), so that they never all live at once: all of
-# them would add 8 bytes per parameter to the step's peak. (The batch-size probe of
-# dpcore/memory.py adds into float64 sums too, so its measured peak includes this group.)
-WIDEN_GROUP_BYTES = 16 * 2**20
-
-
-def add_into(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    """``targets[k] += values[k]`` for all k, by multi-tensor adds; a value of another dtype
-    than its target is cast first, at most ``WIDEN_GROUP_BYTES`` of casts at a time."""
-    group_t, group_v, size = [], [], 0
-    for t, v in zip(targets, values, strict=True):
-        if v.dtype == t.dtype:
-            group_t.append(t)
-            group_v.append(v)
-            continue
-        step = max(1, WIDEN_GROUP_BYTES // t.element_size())
-        if v.numel() > step and t.is_contiguous() and v.is_contiguous():
-            pieces = zip(t.view(-1).split(step), v.view(-1).split(step))
-        else:
-            pieces = [(t, v)]
-        for tp, vp in pieces:
-            group_t.append(tp)
-            group_v.append(vp.to(tp.dtype))
-            size += tp.numel() * tp.element_size()
-            if size >= WIDEN_GROUP_BYTES:
-                torch._foreach_add_(group_t, group_v)
-                group_t, group_v, size = [], [], 0
-    if group_t:
-        torch._foreach_add_(group_t, group_v)
 
 
 class BookKeepingClipper:

@@ -264,7 +264,7 @@ def test_a_batch_is_added_into_the_lots_float64_sums_a_group_of_casts_at_a_time(
     8 bytes per parameter to a step's peak (a 2048 × 2048 layer: 32 MiB over the probe's, measured
     before the change). Each multi-tensor add gets less than two groups' worth of casts (a group
     is flushed once it reaches the size), and the sums are exact."""
-    from dpcore.bookkeeping.clipper import WIDEN_GROUP_BYTES
+    from dpcore.clipping import WIDEN_GROUP_BYTES
 
     casts = []
     real = torch._foreach_add_
