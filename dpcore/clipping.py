@@ -26,6 +26,7 @@ import contextlib
 
 import torch
 
+from . import native
 from .precision import formulas
 
 CLIP_MARGIN = 1e-6
@@ -65,36 +66,44 @@ def clip_factors(norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, t
     return factors, finite
 
 
-# The float64 copies of a batch's sums (the lot's sums are float64, dpcore/lot.py) are made and added this
-# many bytes at a time (a larger tensor in pieces), so that they never all live at once: all of
-# them would add 8 bytes per parameter to the step's peak. (The batch-size probe of
-# dpcore/memory.py adds into float64 sums too, so its measured peak includes this group.)
-WIDEN_GROUP_BYTES = 16 * 2**20
+# Where the compiled kernel does not apply (a GPU, no C compiler), Σ_i f_i·X_i is formed from
+# float64 copies of X, this many bytes of copy at a time: on a CPU, pieces that stay in cache
+# (4 MiB was the fastest of 0.25–16 MiB, docs/benchmarks/README.md); on a GPU, where the copy is
+# cheap and each piece costs two kernel launches, pieces of up to 256 MiB. (The batch-size
+# probe of dpcore/memory.py runs this same code, so the copies are in the peak it measures.)
+F64_PIECE_BYTES = {"cpu": 4 * 2**20}
+F64_PIECE_BYTES_DEFAULT = 256 * 2**20
 
 
-def add_into(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    """``targets[k] += values[k]`` for all k, by multi-tensor adds; a value of another dtype
-    than its target is cast first, at most ``WIDEN_GROUP_BYTES`` of casts at a time."""
-    group_t, group_v, size = [], [], 0
-    for t, v in zip(targets, values, strict=True):
-        if v.dtype == t.dtype:
-            group_t.append(t)
-            group_v.append(v)
-            continue
-        step = max(1, WIDEN_GROUP_BYTES // t.element_size())
-        if v.numel() > step and t.is_contiguous() and v.is_contiguous():
-            pieces = zip(t.view(-1).split(step), v.view(-1).split(step))
-        else:
-            pieces = [(t, v)]
-        for tp, vp in pieces:
-            group_t.append(tp)
-            group_v.append(vp.to(tp.dtype))
-            size += tp.numel() * tp.element_size()
-            if size >= WIDEN_GROUP_BYTES:
-                torch._foreach_add_(group_t, group_v)
-                group_t, group_v, size = [], [], 0
-    if group_t:
-        torch._foreach_add_(group_t, group_v)
+def weighted_sum(factors: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """Σ_i factors[i]·X[i] over X's first dimension, in float64, every sum over the examples
+    accumulated in float64: a float64 tensor of shape ``X.shape[1:]``.
+
+    Why float64. Each example's share f_i·X_i has norm ≤ C, but the rounding of a float32 sum
+    over examples depends on all of them: taking one example out of a lot regroups the sums, and
+    the released sum moves by more than C (``docs/benchmarks/float_sensitivity.py``). In
+    float64, a sum of k shares is within (k − 1)·2⁻⁵³ of the sum of their magnitudes (k·C at
+    most), far inside the clipping margin ``CLIP_MARGIN`` for any lot size below about 67,000.
+    The factors are never rounded to X's dtype either. Float32 X is read by the compiled kernel
+    of :mod:`dpcore.native` on a CPU, else copied to float64 in pieces (``F64_PIECE_BYTES``).
+    Rows to be dropped (non-finite examples) must be zero in X or have factor 0 (the kernel
+    skips those rows; torch would form 0·NaN)."""
+    f = factors.to(device=X.device, dtype=torch.float64)
+    flat = X.reshape(X.shape[0], -1)
+    if flat.dtype == torch.float64:
+        return (f @ flat).reshape(X.shape[1:])
+    got = native.weighted_sum(f, flat)
+    if got is not None:
+        return got.reshape(X.shape[1:])
+    piece = F64_PIECE_BYTES.get(X.device.type, F64_PIECE_BYTES_DEFAULT)
+    rows = max(1, piece // max(1, 8 * flat.shape[1]))
+    out = None
+    for k in range(0, flat.shape[0], rows):
+        part = f[k : k + rows] @ flat[k : k + rows].to(torch.float64)
+        out = part if out is None else out.add_(part)
+    if out is None:  # no examples
+        out = torch.zeros(flat.shape[1], dtype=torch.float64, device=X.device)
+    return out.reshape(X.shape[1:])
 
 
 def clipped_sum(
@@ -104,7 +113,9 @@ def clipped_sum(
 
     ``ord=1`` clips the L1 norm instead (for Laplace noise, whose sensitivity is in L1); the
     same float64 norms and relative margin keep ‖clipped g_i‖₁ ≤ C.
-    Returns ``(sums, nonfinite_count)``. Examples with a non-finite gradient contribute zero.
+    Returns ``(sums, nonfinite_count)``; new sums are float64, every sum over examples
+    accumulated in float64 (:func:`weighted_sum`). Examples with a non-finite gradient contribute
+    zero.
     """
     first = next(iter(per_sample.values()), None)
     with formulas(first) if first is not None else contextlib.nullcontext():  # autocast off, whatever the caller opened
@@ -116,23 +127,12 @@ def _clipped_sum(per_sample, clip_norm, out, ord):
     factors, finite = clip_factors(norms, clip_norm)
     n_bad = int((~finite).sum())
     result = {} if out is None else out
-    # A factor below the dtype's smallest normal number loses precision when cast (a gradient
-    # of norm ≳1e32·C in float32): those rare rows are scaled in float64. One check per dtype.
-    extreme_by_dtype: dict[torch.dtype, tuple[torch.Tensor, bool]] = {}
     for name, g in per_sample.items():
         if n_bad:
             g = torch.where(finite.view(-1, *([1] * (g.dim() - 1))), g, g.new_zeros(()))
-        if g.dtype not in extreme_by_dtype:
-            mask = factors < torch.finfo(g.dtype).tiny * 2.0**24
-            extreme_by_dtype[g.dtype] = (mask, bool(mask.any()))
-        extreme, any_extreme = extreme_by_dtype[g.dtype]
-        if any_extreme:
-            contrib = torch.einsum("i,i...->...", factors[~extreme].to(g.dtype), g[~extreme])
-            contrib = contrib + torch.einsum("i,i...->...", factors[extreme], g[extreme].double()).to(g.dtype)
-        else:
-            contrib = torch.einsum("i,i...->...", factors.to(g.dtype), g)
+        contrib = weighted_sum(factors, g)  # float64 (see weighted_sum)
         if name in result:
-            add_into([result[name]], [contrib])
+            result[name].add_(contrib)
         else:
             result[name] = contrib
     return result, n_bad

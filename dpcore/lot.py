@@ -49,8 +49,8 @@ class ClippedLot:
         # The lot's sums are float64 whatever the parameters' dtype. In float32, the rounding of
         # the running sum (its partial sums grow to L·C for a lot of L) depends on every example,
         # so removing one moved the sum by more than C: by up to 1.0012·C for L = 16,384 in
-        # docs/benchmarks/float_sensitivity.py. In float64 that rounding is about 2⁻²⁹ of it.
-        # (The float32 sums within each physical batch are still rounded: see that page.)
+        # docs/benchmarks/float_sensitivity.py. In float64 that rounding is about 2⁻²⁹ of it. The
+        # sums within each physical batch are float64 too (dpcore.clipping.weighted_sum).
         self.sums = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
         self.examples = self.nonfinite = 0
         self.open = False

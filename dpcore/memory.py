@@ -213,7 +213,7 @@ def fit_optimizer(opt, x: torch.Tensor, y: torch.Tensor, budget_bytes: int, at_l
     fast = opt.lot.fast if opt.lot.fast is not None and opt.lot.fast.active else None
     method = opt.method.name
     # Sums like the lot's (float64), made before the probes: a probe adds its batch into them as
-    # training does, so the casts of that addition are in the peak and the sums are not.
+    # training does, so the batch's float64 sums are in the peak and the lot's are not.
     sink = {n: torch.zeros_like(s) for n, s in opt.lot.sums.items()}
 
     def probe(b: int):

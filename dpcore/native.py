@@ -1,4 +1,12 @@
-"""Optional compiled kernels for the book-keeping clipper (``dpcore/csrc/*.c``).
+"""Optional compiled kernels for clipping (``dpcore/csrc/*.c``).
+
+Two kernels, built into one library:
+
+* ``csrc/wsum.c``: the clipped sum Σ_i f_i·X_i of a batch's float32 per-example gradients,
+  accumulated in float64, reading X once (:func:`weighted_sum`; used by
+  :func:`dpcore.clipping.weighted_sum`). Without it, the CPU makes a float64 copy of X
+  (8 bytes written and read again per element: 5–20× slower).
+* ``csrc/conv_pe.c``: per-example convolution weight gradients and their norms (below).
 
 The per-example weight gradients of a convolution are the largest cost of a private step on
 small CNNs (the MNIST CNN: about 2.9 of 16 ms with torch's grouped convolution and float32
@@ -46,7 +54,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "conv_pe.c"
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("conv_pe.c", "wsum.c")]
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread"]
 # Tried in order; the first that compiles is used.
 _ARCH_FLAGS = (
@@ -61,6 +69,7 @@ _lib = None
 _state = "not loaded yet"
 _tried = False
 calls = 0  # convolutions computed by the kernel in this process
+sums = 0  # weighted sums computed by the kernel in this process
 
 
 def state() -> str:
@@ -134,7 +143,7 @@ def _builds(cc: str, out_dir: Path):
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"cannot run the C compiler {cc!r}: {e}") from None
-    source = _SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in _SOURCES)
     errors = []
     yielded = False
     for arch in _ARCH_FLAGS:
@@ -142,7 +151,7 @@ def _builds(cc: str, out_dir: Path):
         key = hashlib.sha256(
             b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_id().encode()])
         ).hexdigest()[:20]
-        target = out_dir / f"conv_pe-{key}.so"
+        target = out_dir / f"dpcore-{key}.so"
         if target.exists():
             yielded = True
             yield target, arch
@@ -151,7 +160,9 @@ def _builds(cc: str, out_dir: Path):
         os.close(fd)
         built = False
         try:
-            proc = subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120)
+            proc = subprocess.run(
+                [cc, *flags, "-o", tmp, *map(str, _SOURCES)], capture_output=True, text=True, timeout=120
+            )
             if proc.returncode == 0:
                 os.replace(tmp, target)  # atomic: concurrent builders (Ray workers) are safe
                 built = True
@@ -197,6 +208,19 @@ def _self_check(lib) -> str | None:
         sq, ref_sq, rtol=1e-5, atol=1e-5
     ):
         return "the self-check against torch failed"
+    # The weighted sum: columns across several blocks and threads, a row with factor 0 holding a
+    # NaN (it must add nothing), and fewer than 4 rows left at the end.
+    X = torch.randn(7, 1100, generator=gen)
+    X[2, 5] = float("nan")
+    f = torch.rand(7, generator=gen, dtype=torch.float64)
+    f[2] = 0.0
+    out = torch.empty(1100, dtype=torch.float64)
+    if lib.dp_weighted_sum(X.data_ptr(), f.data_ptr(), out.data_ptr(), 7, 1100, 2) != 0:
+        return "the weighted sum's self-check call failed"
+    keep = f != 0
+    ref = f[keep] @ X[keep].double()
+    if not torch.isfinite(out).all() or not torch.allclose(out, ref, rtol=1e-12, atol=1e-12):
+        return "the weighted sum's self-check against torch failed"
     return None
 
 
@@ -226,6 +250,9 @@ def load():
                 fn = lib.dp_conv2d_per_example
                 fn.restype = ctypes.c_int
                 fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 16
+                fn = lib.dp_weighted_sum
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
                 reason = _self_check(lib)
                 if reason:
                     reasons.append(f"{' '.join(arch)}: {reason}")
@@ -323,3 +350,31 @@ def conv2d_per_example(m: torch.nn.Conv2d, a: torch.Tensor, g: torch.Tensor):
         global calls
         calls += 1
     return got
+
+
+# Below this many elements the weighted sum runs on one thread (starting a second costs more).
+WSUM_THREAD_ELEMENTS = 1 << 16
+
+
+def weighted_sum(factors: torch.Tensor, X: torch.Tensor) -> torch.Tensor | None:
+    """Σ_i factors[i]·X[i] (float64 [n]) for float32 ``X`` [B, n] on the CPU and float64
+    ``factors`` [B], accumulated in float64 over the rows in order; rows with factor 0 add
+    nothing (not even a NaN). ``None`` where the kernel does not apply (another device or dtype,
+    or no kernel): the caller then uses torch."""
+    if X.device.type != "cpu" or X.dtype != torch.float32 or X.dim() != 2 or factors.device.type != "cpu":
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    B, n = X.shape
+    X = X.contiguous()
+    f = factors.detach().to(torch.float64).contiguous()
+    if f.shape != (B,):
+        return None
+    out = torch.empty(n, dtype=torch.float64)
+    threads = torch.get_num_threads() if B * n >= WSUM_THREAD_ELEMENTS else 1
+    if lib.dp_weighted_sum(X.data_ptr(), f.data_ptr(), out.data_ptr(), B, n, threads) != 0:
+        return None
+    global sums
+    sums += 1
+    return out

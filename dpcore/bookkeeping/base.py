@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..clipping import weighted_sum
+
 
 class Unsupported(Exception):
     """Raised during a call when the fast path cannot be used for this model/batch."""
@@ -90,7 +92,7 @@ class RowUpdate:
     into a running sum directly, it never forms a tensor of the parameter's full size."""
 
     index: torch.Tensor  # [P] long
-    rows: torch.Tensor  # [P, ...] in the parameter's dtype
+    rows: torch.Tensor  # [P, ...] float64
     shape: torch.Size
 
     def add_to(self, total: torch.Tensor) -> None:
@@ -109,22 +111,22 @@ class SmallRows:
     by the clipper together with every other layer's small rows of the same dtype, in one
     matrix product (on a GPU one launch in place of one per parameter)."""
 
-    rows: torch.Tensor  # [B, k], in the dtype the sum is formed in
-    param: torch.Tensor  # the parameter: the sum takes its shape and dtype
+    rows: torch.Tensor  # [B, k]
+    param: torch.Tensor  # the parameter: the sum takes its shape
 
 
 def small_rows_sums(factors: torch.Tensor, pending: list[SmallRows]) -> list[torch.Tensor]:
-    """Σ_i f_i·rows_i of each of ``pending``, each in its parameter's shape and dtype: the rows
-    of one dtype joined and multiplied by the factors once."""
+    """Σ_i f_i·rows_i of each of ``pending``, each float64 in its parameter's shape: the rows of
+    one dtype joined and summed once (:func:`dpcore.clipping.weighted_sum`)."""
     out: list[torch.Tensor | None] = [None] * len(pending)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for k, r in enumerate(pending):
         by_dtype.setdefault(r.rows.dtype, []).append(k)
-    for dtype, ks in by_dtype.items():
+    for ks in by_dtype.values():
         joined = torch.cat([pending[k].rows for k in ks], dim=1) if len(ks) > 1 else pending[ks[0]].rows
-        sums = (factors.to(dtype) @ joined).split([pending[k].rows.shape[1] for k in ks])
+        sums = weighted_sum(factors, joined).split([pending[k].rows.shape[1] for k in ks])
         for k, v in zip(ks, sums):
-            out[k] = v.reshape(pending[k].param.shape).to(pending[k].param.dtype)
+            out[k] = v.reshape(pending[k].param.shape)
     return out
 
 
@@ -132,12 +134,13 @@ class Part:
     """One layer's per-example data, kept between the norms and the clipped sum."""
 
     def contributions(
-        self, factors: torch.Tensor, wide: bool, drop_bad: DropBad
+        self, factors: torch.Tensor, drop_bad: DropBad
     ) -> list[tuple[str, torch.Tensor | RowUpdate | SmallRows]]:
         """(parameter name within the layer, Σ_i f_i·grad_i) for each trainable parameter, in
-        the parameter's dtype (a :class:`RowUpdate` where only some rows are non-zero; or its
-        per-example rows as :class:`SmallRows`, whose sum the clipper forms); summed in float64
-        when ``wide``."""
+        float64 with every sum over examples accumulated in float64 (see
+        :func:`dpcore.clipping.weighted_sum`): a :class:`RowUpdate` where only some rows are
+        non-zero; or its per-example rows as :class:`SmallRows`, whose sum the clipper forms.
+        ``factors`` are float64 and never rounded to a narrower dtype."""
         raise NotImplementedError
 
 
@@ -156,12 +159,6 @@ class LayerForm:
         """Add ‖grad_i‖² of this layer's trainable parameters into ``sq`` (float64 [B] terms) and
         return the :class:`Part` that forms their clipped sums."""
         raise NotImplementedError
-
-
-def dtypes(m: nn.Module, wide: bool) -> tuple[torch.dtype, torch.dtype]:
-    """(the parameters' dtype, the dtype the clipped sum is formed in)."""
-    pdtype = next(p for p in m.parameters(recurse=False)).dtype
-    return pdtype, (torch.float64 if wide else pdtype)
 
 
 # -- weight-and-bias layers (Linear, Conv2d) ------------------------------------------------------
@@ -190,14 +187,11 @@ class MaterialisedPart(Part):
     W: torch.Tensor
     bias_g: torch.Tensor | None
 
-    def contributions(self, factors, wide, drop_bad):
-        pdtype, dtype = dtypes(self.m, wide)
-        f = factors.to(dtype)
-        pe = drop_bad(self.W).to(dtype)
-        w = f @ pe.reshape(pe.shape[0], -1)  # Σ_i f_i W_i: one matrix-vector product
-        out = [("weight", w.reshape(self.m.weight.shape).to(pdtype))]
+    def contributions(self, factors, drop_bad):
+        w = weighted_sum(factors, drop_bad(self.W))  # Σ_i f_i W_i, float64
+        out = [("weight", w.reshape(self.m.weight.shape))]
         if self.bias_g is not None:
-            out.append(("bias", SmallRows(drop_bad(self.bias_g).to(dtype), self.m.bias)))
+            out.append(("bias", SmallRows(drop_bad(self.bias_g), self.m.bias)))
         return out
 
 
@@ -214,27 +208,25 @@ class GhostPart(Part):
     bias_g: torch.Tensor | None
     post: Callable | None = None
 
-    def contributions(self, factors, wide, drop_bad):
-        pdtype, dtype = dtypes(self.m, wide)
-        f = factors.to(dtype)
+    def contributions(self, factors, drop_bad):
+        f = factors.to(torch.float64)
         A, G = drop_bad(self.A), drop_bad(self.G)
-        # With several positions the sum runs in float64, so that each example's share keeps the
+        # The sum over (example, position) runs in float64: over examples for the reason of
+        # dpcore.clipping.weighted_sum, and over positions so that each example's share keeps the
         # norm the factor was computed for (float32 accumulation over many positions could exceed
         # the 1e-6 clipping margin).
-        one_position = A.shape[2 if self.channels_first else 1] == 1
-        acc = dtype if (one_position and self.post is None) else torch.float64
+        wide = torch.float64
         if self.channels_first:  # (f·G) [c, example·position] times A [d, example·position]ᵀ: one matmul
-            Gf = by_channel(G, acc).mul_(f.to(acc).view(1, -1, 1))
-            w = Gf.view(Gf.shape[0], -1) @ channel_rows(A, acc).t()
+            Gf = by_channel(G, wide).mul_(f.view(1, -1, 1))
+            w = Gf.view(Gf.shape[0], -1) @ channel_rows(A, wide).t()
         else:  # (f·G) over all (example, position) rows, transposed, times A: one matmul
-            Gf = G.to(acc) * f.to(acc).view(-1, 1, 1)
-            w = Gf.reshape(-1, Gf.shape[2]).t() @ A.to(acc).reshape(-1, A.shape[2])
+            Gf = G.to(wide) * f.view(-1, 1, 1)
+            w = Gf.reshape(-1, Gf.shape[2]).t() @ A.to(wide).reshape(-1, A.shape[2])
         if self.post is not None:  # the standardisation's VJP is linear: applied to the sum
             w = self.post(w)
-        w = w.to(dtype)
-        out = [("weight", w.reshape(self.m.weight.shape).to(pdtype))]
+        out = [("weight", w.reshape(self.m.weight.shape))]
         if self.bias_g is not None:
-            out.append(("bias", SmallRows(drop_bad(self.bias_g).to(dtype), self.m.bias)))
+            out.append(("bias", SmallRows(drop_bad(self.bias_g), self.m.bias)))
         return out
 
 
@@ -360,10 +352,9 @@ class NormPart(Part):
                 sq.add_rows(t)
         return cls(m, gamma, beta)
 
-    def contributions(self, factors, wide, drop_bad):
-        _, dtype = dtypes(self.m, wide)
+    def contributions(self, factors, drop_bad):
         return [
-            (name, SmallRows(drop_bad(t).to(dtype), getattr(self.m, name)))
+            (name, SmallRows(drop_bad(t), getattr(self.m, name)))
             for name, t in (("weight", self.gamma), ("bias", self.beta))
             if t is not None
         ]

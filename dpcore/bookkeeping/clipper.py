@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..clipping import add_into, clip_factors
+from ..clipping import clip_factors
 from ..grad_sample import LossFn
 from ..precision import check_autocast, formulas, forward_autocast, widen
 from .base import Context, RowUpdate, SmallRows, SquaredNorms, Unsupported, small_rows_sums
@@ -160,18 +160,19 @@ class BookKeepingClipper:
             return 0
         sq, parts, exact = self._measure(x, y, clip_norm)
         factors, finite = clip_factors(sq.sqrt(), clip_norm)
-        flags = self.flags(factors, finite)  # the batch's one read of the device
-        if exact is not None and flags[0]:
+        n_bad = self.nonfinite(finite)  # the batch's one read of the device
+        if exact is not None and n_bad:
             # A norm is not finite: a float32 square may have overflowed, so every row norm is
-            # measured again in float64 (as measure() does), and the flags read again.
+            # measured again in float64 (as measure() does), and the count read again.
             del sq, parts, factors, finite  # the first pass's per-example gradients go first
             sq, parts = exact()
             factors, finite = clip_factors(sq.sqrt(), clip_norm)
-            flags = self.flags(factors, finite)
+            n_bad = self.nonfinite(finite)
         del exact  # the activations and output gradients it holds
-        contributions = self.contributions(parts, factors, finite, rows=True, flags=flags)
+        contributions = self.contributions(parts, factors, finite, rows=True, n_bad=n_bad)
         # Everything is computed first, so that nothing is added if any of it fails; the dense sums
-        # are then added by multi-tensor operations (one kernel per group on a GPU).
+        # (float64, as ``out``'s should be) are then added by one multi-tensor operation (one
+        # kernel per group on a GPU).
         targets, values, rows, new = [], [], [], {}
         for key, value in contributions:
             if isinstance(value, RowUpdate):
@@ -186,9 +187,10 @@ class BookKeepingClipper:
                 new[key] = value
         for key, value in rows:
             value.add_to(out[key])
-        add_into(targets, values)
+        if targets:
+            torch._foreach_add_(targets, values)
         out.update(new)
-        return flags[0]
+        return n_bad
 
     def measure(self, x: torch.Tensor, y: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, list]:
         """(each example's squared gradient norm, float64 [B]; each layer's part). The parts give
@@ -205,7 +207,7 @@ class BookKeepingClipper:
         """:meth:`measure` without its read of the device: (sq, parts, exact), ``exact`` None
         where every row norm was summed in float64, else a callable that measures the batch
         again that way, for a batch where a float32 square may have overflowed (a norm that is
-        not finite). The caller reads the norms once, with its other flags."""
+        not finite). The caller reads the norms once, with the count of non-finite examples."""
         batch = x.shape[0]
         with torch.enable_grad():
             with forward_autocast(self.autocast, x):
@@ -242,26 +244,26 @@ class BookKeepingClipper:
             parts.append((name, form.per_example(m, widen(a, pdtype), g, sq, ctx)))
         return sq.total(), parts
 
-    def flags(self, factors: torch.Tensor, finite: torch.Tensor) -> tuple[int, bool]:
-        """(how many examples are not finite, whether a factor is below the parameters' dtype's
-        smallest normal number: a gradient of norm ≳1e32·C in float32, whose batch is then summed
-        in float64 as the reference does), in one read of the device."""
-        tiny = max(torch.finfo(next(m.parameters()).dtype).tiny for _, m, _ in self.layers) * 2.0**24
-        n_bad, n_tiny = torch.stack([(~finite).sum(), ((factors < tiny) & finite).sum()]).tolist()
-        return int(n_bad), n_tiny > 0
+    @staticmethod
+    def nonfinite(finite: torch.Tensor) -> int:
+        """How many examples are not finite: one read of the device."""
+        return int((~finite).sum().tolist())
 
     def contributions(
-        self, parts: list, factors: torch.Tensor, finite: torch.Tensor, rows: bool = False, flags=None
+        self, parts: list, factors: torch.Tensor, finite: torch.Tensor, rows: bool = False, n_bad: int | None = None
     ) -> list[tuple[str, torch.Tensor | RowUpdate]]:
-        """(parameter name, Σ_i f_i·grad_i) for every trainable parameter; the rows where
-        ``finite`` is false contribute exactly zero. With ``rows``, a parameter whose sum is
-        non-zero only in some rows (a token table) comes as a :class:`RowUpdate` to add into a
-        running sum; else every sum is a dense tensor."""
+        """(parameter name, Σ_i f_i·grad_i in float64) for every trainable parameter, every sum
+        over examples accumulated in float64 (:func:`dpcore.clipping.weighted_sum`); the rows
+        where ``finite`` is false contribute exactly zero (``n_bad``: how many, if already
+        read). With ``rows``, a parameter whose sum is non-zero only in some rows (a token
+        table) comes as a :class:`RowUpdate` to add into a running sum; else every sum is a
+        dense tensor."""
         with formulas(factors):  # autocast off, whatever region the caller opened
-            return self._contributions(parts, factors, finite, rows, flags)
+            return self._contributions(parts, factors, finite, rows, n_bad)
 
-    def _contributions(self, parts, factors, finite, rows, flags):
-        n_bad, wide = flags if flags is not None else self.flags(factors, finite)
+    def _contributions(self, parts, factors, finite, rows, n_bad):
+        if n_bad is None:
+            n_bad = self.nonfinite(finite)
         keep = finite.view(-1, 1)
 
         def drop_bad(t):  # skip-and-count: those rows contribute exactly zero (never NaN·0)
@@ -272,7 +274,7 @@ class BookKeepingClipper:
         out = [
             (f"{name}.{pname}" if name else pname, value if rows or not isinstance(value, RowUpdate) else value.dense())
             for name, part in parts
-            for pname, value in part.contributions(factors, wide, drop_bad)
+            for pname, value in part.contributions(factors, drop_bad)
         ]
         small = [k for k, (_, value) in enumerate(out) if isinstance(value, SmallRows)]
         for k, value in zip(small, small_rows_sums(factors, [out[k][1] for k in small])):

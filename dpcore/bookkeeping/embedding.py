@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import Context, LayerForm, Part, RowUpdate, Unsupported, dtypes
+from .base import Context, LayerForm, Part, RowUpdate, Unsupported
 
 
 @dataclass
@@ -33,13 +33,12 @@ class EmbeddingPart(Part):
     S: torch.Tensor  # [P, D] float64: that token's output gradients summed over the example's positions
     # (P is the batch's number of positions: the slots past the distinct pairs hold S = 0.)
 
-    def contributions(self, factors, wide, drop_bad):
-        pdtype, _ = dtypes(self.m, wide)
+    def contributions(self, factors, drop_bad):
         # An example with a non-finite gradient has factor 0; its non-finite rows must add
         # exactly zero (never 0·NaN). Its finite rows add 0·S = 0.
         S = torch.where(torch.isfinite(self.S), self.S, self.S.new_zeros(()))
         rows = S * factors.to(torch.float64)[self.example].unsqueeze(1)
-        return [("weight", RowUpdate(self.token, rows.to(pdtype), self.m.weight.shape))]
+        return [("weight", RowUpdate(self.token, rows, self.m.weight.shape))]
 
 
 class EmbeddingForm(LayerForm):

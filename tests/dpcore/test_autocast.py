@@ -187,7 +187,7 @@ def test_an_unknown_autocast_mode_is_refused_before_anything_is_spent(tmp_path):
 @pytest.mark.parametrize("path", ["bookkeeping", "vmap"])
 def test_an_autocast_region_opened_by_the_caller_does_not_reach_the_clipping_formulas(path):
     """A caller who wraps the step in ``torch.autocast`` (bf16) gets a bf16 forward, but the clip
-    factors and clipped sums still run in float32: each example's share stays ≤ C. (With
+    factors and clipped sums still run in float64: each example's share stays ≤ C. (With
     book-keeping's formulas under the caller's autocast, a factor multiplied in bf16 gave shares
     up to 1.00057·C on this model; the vmap path's sum did not show it here.) One example per
     batch, so the sum is its share."""
@@ -203,6 +203,6 @@ def test_an_autocast_region_opened_by_the_caller_does_not_reach_the_clipping_for
                 BookKeepingClipper(model, F.cross_entropy).clipped_sum(x, y, C, out)
             else:
                 clipped_sum(PerSampleGradients(model, F.cross_entropy)(x, y), C, out)
-        assert all(v.dtype == torch.float32 for v in out.values())
+        assert all(v.dtype == torch.float64 for v in out.values())
         worst = max(worst, float(torch.sqrt(sum(v.double().square().sum() for v in out.values()))) / C)
     assert 0.5 < worst <= 1.0

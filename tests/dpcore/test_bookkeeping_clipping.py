@@ -559,7 +559,7 @@ def test_an_example_whose_gradient_rounds_to_zero_cannot_swallow_another_example
         sq = SquaredNorms(2, A.device)
         part = weight_and_bias(m, A, G, False, sq, ctx)
         factors, _ = clip_factors(sq.total().sqrt(), C)
-        return part.contributions(factors, False, lambda t: t)[0][1].double()
+        return part.contributions(factors, lambda t: t)[0][1]
 
     without_i = G.clone()
     without_i[0] = 0.0
@@ -893,8 +893,8 @@ def test_squared_norms_sum_every_term_and_row_once():
 
 
 def test_small_rows_of_several_layers_are_summed_together_as_each_alone():
-    """Biases and norm layers' per-example rows, formed into their clipped sums in one product
-    per dtype: each sum equals its own Σ_i f_i·rows_i, in its parameter's shape and dtype."""
+    """Biases and norm layers' per-example rows, formed into their clipped sums together per
+    dtype: each sum equals its own Σ_i f_i·rows_i, float64 in its parameter's shape."""
     from dpcore.bookkeeping.base import SmallRows, small_rows_sums
 
     g = torch.Generator().manual_seed(1)
@@ -908,10 +908,10 @@ def test_small_rows_of_several_layers_are_summed_together_as_each_alone():
     ]
     got = small_rows_sums(factors, pending)
     for r, v in zip(pending, got, strict=True):
-        alone = (factors.to(r.rows.dtype) @ r.rows).reshape(r.param.shape).to(r.param.dtype)
-        assert v.shape == r.param.shape and v.dtype == r.param.dtype
+        alone = (factors @ r.rows.double()).reshape(r.param.shape)
+        assert v.shape == r.param.shape and v.dtype == torch.float64
         # any two summation orders of B products agree within 2·B·u·Σ_i |f_i·rows_i| (Higham's bound)
-        bound = (2 * B * torch.finfo(r.rows.dtype).eps * (factors.to(r.rows.dtype).abs() @ r.rows.abs())).reshape(
+        bound = (2 * B * torch.finfo(torch.float64).eps * (factors.abs() @ r.rows.double().abs())).reshape(
             r.param.shape
         )
         assert bool(((v.double() - alone.double()).abs() <= bound.double()).all())

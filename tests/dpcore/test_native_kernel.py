@@ -166,7 +166,7 @@ def test_kernel_is_built_once_into_a_private_cache(tmp_path):
         pytest.skip("no C compiler here")
     first = _child({}, tmp_path)
     assert first["used"] and first["state"].startswith("on (" + str(tmp_path / "cache"))
-    built = list((tmp_path / "cache").glob("conv_pe-*.so"))
+    built = list((tmp_path / "cache").glob("dpcore-*.so"))
     assert len(built) == 1 and (tmp_path / "cache").stat().st_mode & 0o077 == 0
     mtime = built[0].stat().st_mtime_ns
     again = _child({}, tmp_path)

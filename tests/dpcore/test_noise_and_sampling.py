@@ -83,7 +83,7 @@ def test_noise_is_added_once_and_update_is_divided_by_expected_lot_size():
     replay = dpcore.SeededRandomness(11).spawn("noise")
     for name, p in model.named_parameters():
         expected = (ref_sum[name] + replay.normal(p.shape, sigma * clip)) / (q * n)
-        assert torch.allclose(p.grad, expected, atol=1e-6), name
+        assert p.grad.dtype == p.dtype and torch.allclose(p.grad, expected.to(p.dtype), atol=1e-6), name
     assert opt.expected_lot_size == pytest.approx(20.0)
 
 

@@ -44,7 +44,10 @@ def test_adam_moments_equal_recomputation_from_noised_gradients_alone():
         x, y = torch.randn(9 + step, 6), torch.randint(0, 3, (9 + step,))
         # The noised gradient, computed independently of the optimizer, before its step.
         ref_sum, _ = clipped_sum(PerSampleGradients(model, ce)(x, y), clip)
-        noised = {k: (ref_sum[k] + replay.normal(p.shape, sigma * clip)) / (q * n) for k, p in model.named_parameters()}
+        noised = {
+            k: ((ref_sum[k] + replay.normal(p.shape, sigma * clip)) / (q * n)).to(p.dtype)
+            for k, p in model.named_parameters()
+        }
         opt.accumulate(x, y)
         opt.step()
         for k, p in model.named_parameters():

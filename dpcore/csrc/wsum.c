@@ -1,0 +1,113 @@
+/* The clipped sum of a batch's per-example gradients, accumulated in double, for dpcore's
+ * clipping (dpcore/clipping.py, dpcore/native.py).
+ *
+ *   out[j] = sum over i = 0 .. B-1, in that order, of f[i] * (double)X[i, j]
+ *
+ * X: [B, n] float32, rows contiguous (a per-example gradient per row)
+ * f: [B] double (each example's clip factor), out: [n] double (written)
+ *
+ * Why double: an example's share f[i]·X[i] has norm at most C, but the rounding of a float32 sum
+ * over the examples depends on all of them, so that taking one example out of a lot moves the
+ * released sum by more than C (docs/benchmarks/float_sensitivity.py). In double, that rounding
+ * is at most (B - 1)·2^-53 of the sum of the shares' magnitudes, far inside the clipping margin.
+ * torch can only do this on a double copy of X (8 bytes written and read again per element);
+ * here X is read once.
+ *
+ * A row with f[i] == 0 (an example with a non-finite gradient) is skipped: it adds exactly
+ * nothing, never 0·NaN. Columns are split over `nthreads` threads in blocks; each column's sum
+ * runs over the rows in order, so the result does not depend on the thread count. Returns 0.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 512 /* columns per block: 4 KiB of double accumulators, in L1 */
+
+typedef struct {
+  const float *X;
+  const double *f;
+  double *out;
+  int64_t B, n, j0, j1;
+} wsum_job_t;
+
+static void wsum_run(const wsum_job_t *w) {
+  double acc[BLOCK];
+  for (int64_t j0 = w->j0; j0 < w->j1; j0 += BLOCK) {
+    const int64_t m = w->j1 - j0 < BLOCK ? w->j1 - j0 : BLOCK;
+    for (int64_t j = 0; j < m; j++) acc[j] = 0.0;
+    int64_t i = 0;
+    while (i < w->B) {
+      /* Up to 4 rows with non-zero factors at a time, added into each accumulator in row
+       * order: one load and store of the accumulators per 4 rows. */
+      const float *x[4];
+      double fs[4];
+      int k = 0;
+      for (; i < w->B && k < 4; i++)
+        if (w->f[i] != 0.0) {
+          fs[k] = w->f[i];
+          x[k++] = w->X + i * w->n + j0;
+        }
+      if (k == 4) {
+        const float *restrict x0 = x[0], *restrict x1 = x[1], *restrict x2 = x[2], *restrict x3 = x[3];
+        const double f0 = fs[0], f1 = fs[1], f2 = fs[2], f3 = fs[3];
+        for (int64_t j = 0; j < m; j++) {
+          double s = acc[j];
+          s += f0 * (double)x0[j];
+          s += f1 * (double)x1[j];
+          s += f2 * (double)x2[j];
+          s += f3 * (double)x3[j];
+          acc[j] = s;
+        }
+      } else {
+        for (int r = 0; r < k; r++) {
+          const float *restrict xr = x[r];
+          const double fr = fs[r];
+          for (int64_t j = 0; j < m; j++) acc[j] += fr * (double)xr[j];
+        }
+      }
+    }
+    memcpy(w->out + j0, acc, (size_t)m * sizeof(double));
+  }
+}
+
+#ifndef _OPENMP
+static void *wsum_thread(void *p) {
+  wsum_run((const wsum_job_t *)p);
+  return NULL;
+}
+#endif
+
+#define WSUM_MAX_THREADS 256
+
+int dp_weighted_sum(const float *X, const double *f, double *out, int64_t B, int64_t n, int64_t nthreads) {
+  if (n <= 0) return 0;
+  /* Whole blocks per thread, at least one. */
+  const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+  if (nthreads > blocks) nthreads = blocks;
+  if (nthreads > WSUM_MAX_THREADS) nthreads = WSUM_MAX_THREADS;
+  if (nthreads < 1) nthreads = 1;
+  wsum_job_t jobs[WSUM_MAX_THREADS];
+  for (int64_t k = 0; k < nthreads; k++) {
+    int64_t b0 = blocks * k / nthreads, b1 = blocks * (k + 1) / nthreads;
+    int64_t j1 = b1 * BLOCK < n ? b1 * BLOCK : n;
+    wsum_job_t jk = {X, f, out, B, n, b0 * BLOCK, j1};
+    jobs[k] = jk;
+  }
+#ifdef _OPENMP
+#pragma omp parallel for num_threads((int)nthreads) schedule(static, 1)
+  for (int64_t k = 0; k < nthreads; k++) wsum_run(&jobs[k]);
+#else
+  pthread_t threads[WSUM_MAX_THREADS];
+  int started[WSUM_MAX_THREADS] = {0};
+  for (int64_t k = 1; k < nthreads; k++)
+    started[k] = pthread_create(&threads[k], NULL, wsum_thread, &jobs[k]) == 0;
+  wsum_run(&jobs[0]);
+  for (int64_t k = 1; k < nthreads; k++) {
+    if (started[k])
+      pthread_join(threads[k], NULL);
+    else
+      wsum_run(&jobs[k]);
+  }
+#endif
+  return 0;
+}
