@@ -55,6 +55,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name("csrc") / name for name in ("conv_pe.c", "wsum.c")]
+_HEADERS = [Path(__file__).with_name("csrc") / "threads.h"]  # in the cache key, not compiled alone
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread"]
 # Tried in order; the first that compiles is used.
 _ARCH_FLAGS = (
@@ -143,7 +144,7 @@ def _builds(cc: str, out_dir: Path):
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"cannot run the C compiler {cc!r}: {e}") from None
-    source = b"\0".join(path.read_bytes() for path in _SOURCES)
+    source = b"\0".join(path.read_bytes() for path in _SOURCES + _HEADERS)
     errors = []
     yielded = False
     for arch in _ARCH_FLAGS:

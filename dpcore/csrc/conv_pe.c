@@ -26,10 +26,11 @@
  * caller uses its torch path).
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "threads.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -248,14 +249,7 @@ static void run(job_t *j) {
   free(toff);
 }
 
-#ifndef _OPENMP
-static void *run_thread(void *p) {
-  run((job_t *)p);
-  return NULL;
-}
-#endif
-
-#define MAX_THREADS 256
+static void run_job(void *p) { run((job_t *)p); }
 
 int dp_conv2d_per_example(const float *a, const float *g, float *W, double *sq, int64_t B, int64_t C,
                           int64_t H, int64_t Wd, int64_t O, int64_t OH, int64_t OW, int64_t KH, int64_t KW,
@@ -271,30 +265,8 @@ int dp_conv2d_per_example(const float *a, const float *g, float *W, double *sq, 
                 B * k / nthreads, B * (k + 1) / nthreads, 0};
     jobs[k] = jk;
   }
+  dp_run_jobs(run_job, jobs, sizeof(job_t), nthreads);
   int status = 0;
-#ifdef _OPENMP
-  /* Built with -fopenmp, this library binds to the OpenMP runtime that torch has already
-   * loaded (the same soname), so its threads are torch's own: no second pool competes with
-   * torch's spinning workers for the cores. */
-#pragma omp parallel for num_threads((int)nthreads) schedule(static, 1) reduction(| : status)
-  for (int64_t k = 0; k < nthreads; k++) {
-    run(&jobs[k]);
-    status |= jobs[k].status;
-  }
-#else
-  pthread_t threads[MAX_THREADS];
-  int started[MAX_THREADS] = {0};
-  for (int64_t k = 1; k < nthreads; k++)
-    started[k] = pthread_create(&threads[k], NULL, run_thread, &jobs[k]) == 0;
-  run(&jobs[0]);
-  status = jobs[0].status;
-  for (int64_t k = 1; k < nthreads; k++) {
-    if (started[k])
-      pthread_join(threads[k], NULL);
-    else
-      run(&jobs[k]); /* could not start a thread: do its share here */
-    status |= jobs[k].status;
-  }
-#endif
+  for (int64_t k = 0; k < nthreads; k++) status |= jobs[k].status;
   return status;
 }

@@ -17,9 +17,10 @@
  * nothing, never 0·NaN. Columns are split over `nthreads` threads in blocks; each column's sum
  * runs over the rows in order, so the result does not depend on the thread count. Returns 0.
  */
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "threads.h"
 
 #define BLOCK 512 /* columns per block: 4 KiB of double accumulators, in L1 */
 
@@ -70,44 +71,22 @@ static void wsum_run(const wsum_job_t *w) {
   }
 }
 
-#ifndef _OPENMP
-static void *wsum_thread(void *p) {
-  wsum_run((const wsum_job_t *)p);
-  return NULL;
-}
-#endif
-
-#define WSUM_MAX_THREADS 256
+static void wsum_job(void *p) { wsum_run((const wsum_job_t *)p); }
 
 int dp_weighted_sum(const float *X, const double *f, double *out, int64_t B, int64_t n, int64_t nthreads) {
   if (n <= 0) return 0;
   /* Whole blocks per thread, at least one. */
   const int64_t blocks = (n + BLOCK - 1) / BLOCK;
   if (nthreads > blocks) nthreads = blocks;
-  if (nthreads > WSUM_MAX_THREADS) nthreads = WSUM_MAX_THREADS;
+  if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
   if (nthreads < 1) nthreads = 1;
-  wsum_job_t jobs[WSUM_MAX_THREADS];
+  wsum_job_t jobs[MAX_THREADS];
   for (int64_t k = 0; k < nthreads; k++) {
     int64_t b0 = blocks * k / nthreads, b1 = blocks * (k + 1) / nthreads;
     int64_t j1 = b1 * BLOCK < n ? b1 * BLOCK : n;
     wsum_job_t jk = {X, f, out, B, n, b0 * BLOCK, j1};
     jobs[k] = jk;
   }
-#ifdef _OPENMP
-#pragma omp parallel for num_threads((int)nthreads) schedule(static, 1)
-  for (int64_t k = 0; k < nthreads; k++) wsum_run(&jobs[k]);
-#else
-  pthread_t threads[WSUM_MAX_THREADS];
-  int started[WSUM_MAX_THREADS] = {0};
-  for (int64_t k = 1; k < nthreads; k++)
-    started[k] = pthread_create(&threads[k], NULL, wsum_thread, &jobs[k]) == 0;
-  wsum_run(&jobs[0]);
-  for (int64_t k = 1; k < nthreads; k++) {
-    if (started[k])
-      pthread_join(threads[k], NULL);
-    else
-      wsum_run(&jobs[k]);
-  }
-#endif
+  dp_run_jobs(wsum_job, jobs, sizeof(wsum_job_t), nthreads);
   return 0;
 }
