@@ -75,6 +75,13 @@ F64_PIECE_BYTES = {"cpu": 4 * 2**20}
 F64_PIECE_BYTES_DEFAULT = 256 * 2**20
 
 
+# A batch's float64 sums are added into the lot's this many bytes at a time (by multi-tensor
+# adds: one kernel per group on a GPU), so that they never all live at once: all of them would
+# add 8 bytes per parameter to the step's peak (a 2048 × 2048 layer: 32 MiB). (The batch-size
+# probe of dpcore/memory.py adds into float64 sums as training does, so it measures this.)
+ADD_GROUP_BYTES = 16 * 2**20
+
+
 def weighted_sum(factors: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     """Σ_i factors[i]·X[i] over X's first dimension, in float64, every sum over the examples
     accumulated in float64: a float64 tensor of shape ``X.shape[1:]``.
@@ -82,8 +89,9 @@ def weighted_sum(factors: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     Why float64. Each example's share f_i·X_i has norm ≤ C, but the rounding of a float32 sum
     over examples depends on all of them: taking one example out of a lot regroups the sums, and
     the released sum moves by more than C (``docs/benchmarks/float_sensitivity.py``). In
-    float64, a sum of k shares is within (k − 1)·2⁻⁵³ of the sum of their magnitudes (k·C at
-    most), far inside the clipping margin ``CLIP_MARGIN`` for any lot size below about 67,000.
+    float64, a sum of k shares is within about (k − 1)·2⁻⁵³ of the sum of their magnitudes
+    (k·C at most): inside the clipping margin ``CLIP_MARGIN`` for any lot size below about
+    45,000 (the README's "What the guarantee does not cover" gives the bound).
     The factors are never rounded to X's dtype either. Float32 X is read by the compiled kernel
     of :mod:`dpcore.native` on a CPU, else copied to float64 in pieces (``F64_PIECE_BYTES``).
     Rows to be dropped (non-finite examples) must be zero in X or have factor 0 (the kernel

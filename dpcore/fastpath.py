@@ -116,7 +116,7 @@ class CheckedBookKeeping:
         fast_bad = self.clipper.clipped_sum(xb, yb, self.clip_norm, fast)
         why = self.formulas_disagree(xb[:CHECK_EXAMPLES], yb[:CHECK_EXAMPLES])
         ref: Sums | None = None
-        if why is None:  # no float64 copy: both paths in float32, on the whole batch
+        if why is None:  # no float64 copy: both paths from the float32 model, on the whole batch
             ref, bad = clipped_sum(reference(xb, yb), self.clip_norm)
             why = (
                 ""

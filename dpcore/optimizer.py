@@ -68,7 +68,8 @@ class DPOptimizer:
         diagnostics: NON-PRIVATE research mode (:mod:`dpcore.diagnostics`): per-step statistics
             in :attr:`diagnostics_history`; forces the vmap path and costs an extra all-reduce.
         autocast: ``"none"`` or ``"bf16"``: the model's forward under bf16 autocast; clipping
-            and noise stay in float32, the lot's sums in float64 (:mod:`dpcore.precision`).
+            and noise stay in float32 or wider, every sum over examples in float64
+            (:mod:`dpcore.precision`).
     """
 
     def __init__(

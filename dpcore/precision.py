@@ -9,7 +9,7 @@
 * book-keeping's inputs to its formulas: each layer's recorded input and output gradient are
   widened to the layer's parameter dtype before any norm or sum is formed, and the formulas run
   outside autocast (whose matmuls would otherwise be bf16);
-* every clip factor, clipped sum, noise draw, all-reduce and the division by qN: the clipping
+* every clip factor, clipped sum (float64), noise draw, all-reduce and the division by qN: the clipping
   formulas run with autocast switched off (:func:`formulas`), also when the caller opened an
   autocast region around the step.
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..clipping import clip_factors
+from ..clipping import ADD_GROUP_BYTES, clip_factors
 from ..grad_sample import LossFn
 from ..precision import check_autocast, formulas, forward_autocast, widen
 from .base import Context, RowUpdate, SmallRows, SquaredNorms, Unsupported, small_rows_sums
@@ -169,27 +169,32 @@ class BookKeepingClipper:
             factors, finite = clip_factors(sq.sqrt(), clip_norm)
             n_bad = self.nonfinite(finite)
         del exact  # the activations and output gradients it holds
-        contributions = self.contributions(parts, factors, finite, rows=True, n_bad=n_bad)
-        # Everything is computed first, so that nothing is added if any of it fails; the dense sums
-        # (float64, as ``out``'s should be) are then added by one multi-tensor operation (one
-        # kernel per group on a GPU).
-        targets, values, rows, new = [], [], [], {}
-        for key, value in contributions:
-            if isinstance(value, RowUpdate):
-                if key in out:
-                    rows.append((key, value))
+        # Each parameter's float64 sum is added into ``out`` once a group of them reaches
+        # ADD_GROUP_BYTES (one multi-tensor add per group: one kernel on a GPU), so that the
+        # batch's sums never all live at once (8 bytes per parameter on top of the step's peak).
+        # A layer form raises Unsupported only while measuring, before anything is added; one
+        # raised later must not send the batch to the vmap path, which would add it again.
+        targets, values, size, added = [], [], 0, False
+        try:
+            for key, value in self._each_contribution(parts, factors, finite, True, n_bad):
+                if key not in out:
+                    out[key] = value.dense() if isinstance(value, RowUpdate) else value
+                elif isinstance(value, RowUpdate):
+                    value.add_to(out[key])
+                    added = True
                 else:
-                    new[key] = value.dense()
-            elif key in out:
-                targets.append(out[key])
-                values.append(value)
-            else:
-                new[key] = value
-        for key, value in rows:
-            value.add_to(out[key])
+                    targets.append(out[key])
+                    values.append(value)
+                    size += value.numel() * value.element_size()
+                    if size >= ADD_GROUP_BYTES:
+                        torch._foreach_add_(targets, values)
+                        targets, values, size, added = [], [], 0, True
+        except Unsupported as e:
+            if added:
+                raise RuntimeError(f"a layer form failed after part of the batch was added: {e}") from e
+            raise
         if targets:
             torch._foreach_add_(targets, values)
-        out.update(new)
         return n_bad
 
     def measure(self, x: torch.Tensor, y: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, list]:
@@ -258,28 +263,40 @@ class BookKeepingClipper:
         read). With ``rows``, a parameter whose sum is non-zero only in some rows (a token
         table) comes as a :class:`RowUpdate` to add into a running sum; else every sum is a
         dense tensor."""
+        return list(self._each_contribution(parts, factors, finite, rows, n_bad))
+
+    def _each_contribution(self, parts, factors, finite, rows, n_bad):
+        """:meth:`contributions`, one at a time (the small rows of all layers last, summed
+        together). Raises Unsupported for a sum that is not float64 (a layer form from outside
+        this package that forms its sum in another dtype)."""
         with formulas(factors):  # autocast off, whatever region the caller opened
-            return self._contributions(parts, factors, finite, rows, n_bad)
+            if n_bad is None:
+                n_bad = self.nonfinite(finite)
+            keep = finite.view(-1, 1)
 
-    def _contributions(self, parts, factors, finite, rows, n_bad):
-        if n_bad is None:
-            n_bad = self.nonfinite(finite)
-        keep = finite.view(-1, 1)
+            def drop_bad(t):  # skip-and-count: those rows contribute exactly zero (never NaN·0)
+                if t is None or not n_bad:
+                    return t
+                return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t, t.new_zeros(()))
 
-        def drop_bad(t):  # skip-and-count: those rows contribute exactly zero (never NaN·0)
-            if t is None or not n_bad:
-                return t
-            return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t, t.new_zeros(()))
-
-        out = [
-            (f"{name}.{pname}" if name else pname, value if rows or not isinstance(value, RowUpdate) else value.dense())
-            for name, part in parts
-            for pname, value in part.contributions(factors, drop_bad)
-        ]
-        small = [k for k, (_, value) in enumerate(out) if isinstance(value, SmallRows)]
-        for k, value in zip(small, small_rows_sums(factors, [out[k][1] for k in small])):
-            out[k] = (out[k][0], value)
-        return out
+            small = []
+            for name, part in parts:
+                for pname, value in part.contributions(factors, drop_bad):
+                    key = f"{name}.{pname}" if name else pname
+                    if isinstance(value, SmallRows):
+                        small.append((key, value))
+                        continue
+                    if isinstance(value, RowUpdate) and not rows:
+                        value = value.dense()
+                    dtype = (value.rows if isinstance(value, RowUpdate) else value).dtype
+                    if dtype != torch.float64:
+                        raise Unsupported(
+                            f"the layer form of {name or 'the model'} gave a {dtype} clipped sum for "
+                            f"{pname}; sums over examples must be float64 (dpcore.clipping.weighted_sum)"
+                        )
+                    yield key, value
+            if small:
+                yield from zip([k for k, _ in small], small_rows_sums(factors, [v for _, v in small]))
 
     def _per_example_losses(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """loss_fn(logits[i:i+1], y[i:i+1]) for every i. For plain cross-entropy that is

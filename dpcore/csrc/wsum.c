@@ -13,6 +13,10 @@
  * torch can only do this on a double copy of X (8 bytes written and read again per element);
  * here X is read once.
  *
+ * Each term is multiplied and added in that order; the compiler may fuse the two into one
+ * multiply-add (-march=native: FMA), which rounds once instead of twice, so the bits can differ
+ * from torch's float64 product by a unit in the last place (the bound only tightens).
+ *
  * A row with f[i] == 0 (an example with a non-finite gradient) is skipped: it adds exactly
  * nothing, never 0·NaN. Columns are split over `nthreads` threads in blocks; each column's sum
  * runs over the rows in order, so the result does not depend on the thread count. Returns 0.

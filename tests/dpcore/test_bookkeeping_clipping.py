@@ -859,6 +859,48 @@ def test_a_layer_type_registered_at_run_time_is_clipped_like_vmap():
         register_layer(Scale, object())
 
 
+def test_a_layer_form_whose_clipped_sum_is_not_float64_is_refused_before_anything_is_added():
+    """Sums over examples must be float64 (dpcore.clipping.weighted_sum). A form from outside the
+    package that forms its sum in float32 gets Unsupported (the model then runs on vmap), and
+    the running sums it would have been added to are left as they were."""
+    from dpcore.bookkeeping import LAYERS, LayerForm, Unsupported, register_layer
+    from dpcore.bookkeeping.base import Part
+
+    class Scale(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(d))
+            self.bias = None
+
+        def forward(self, x):
+            return x * self.weight
+
+    class Float32Part(Part):
+        def __init__(self, pe):
+            self.pe = pe
+
+        def contributions(self, factors, drop_bad):
+            return [("weight", factors.float() @ drop_bad(self.pe))]  # a float32 sum
+
+    class Float32Form(LayerForm):
+        def per_example(self, m, a, g, sq, ctx):
+            pe = g * a
+            sq.add_rows(pe)
+            return Float32Part(pe)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), Scale(8), nn.Tanh(), nn.Linear(8, 3))
+    register_layer(Scale, Float32Form())
+    try:
+        x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+        out = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
+        with pytest.raises(Unsupported, match="float32 clipped sum for weight; sums over examples must be float64"):
+            BookKeepingClipper(model, ce).clipped_sum(x, y, 1.0, out)
+        assert all(not v.any() for v in out.values())
+    finally:
+        LAYERS.pop(Scale)
+
+
 def test_squared_norms_sum_every_term_and_row_once():
     """The layers' squared-norm terms, scattered terms and rows (float32 and float64) add up to
     each example's squared norm as a direct float64 sum of the same pieces; a term of the

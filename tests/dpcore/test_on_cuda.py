@@ -138,7 +138,8 @@ def test_book_keeping_waits_for_the_gpu_a_fixed_number_of_times_per_batch():
     an Embedding). Before 2026-11-27 an H200 profile showed about 55 per batch for
     all-MiniLM-L6-v2 (one per materialised layer, four per Embedding). Passed on an H200 with
     a limit of 2 after the labels' sign check went (2026-11-27, night); since then the float32
-    norms' overflow check shares the read of the non-finite count, so 1 is the limit.
+    norms' overflow check shares the read of the non-finite count, so the limit is now 1, which
+    no GPU has run yet.
     tests/dpcore/test_host_reads.py counts the reads on a CPU (exactly 1)."""
     g = torch.Generator().manual_seed(0)
     cases = [
