@@ -12,8 +12,9 @@ launch nothing on a GPU, are not. One multi-tensor (``_foreach_``) operation cou
 GPU it is one launch per group of tensors rather than one per tensor. Operations that one
 kernel performs on a GPU may be several here, and the converse, so the count is a proxy: the
 GPU's own count is ``gpu_profile.py``'s. The compiled CPU convolution kernel (dpcore.native)
-is switched off (``DP_NATIVE=0``) by default, so that the convolutions take the torch path a
-GPU takes (``--native`` keeps it).
+and the weighted-sum kernels are switched off (``DP_NATIVE=0``) by default, so that the
+convolutions and the clipped sums take the torch path a GPU takes, with the GPU's float64
+pieces (``--native`` keeps the kernels).
 
 Phases of ours: ``clipping`` is ``accumulate`` (forward, backward, norms, clipped sum added
 into the lot's sums); ``noise`` the secure draw (on a CPU here: Box–Muller in chunks of 2¹⁷;
@@ -111,6 +112,11 @@ def main() -> None:
     if not a.native:
         os.environ["DP_NATIVE"] = "0"
     import torch
+
+    from dpcore import clipping
+
+    if not a.native:  # the float64 copies of the clipped sums in a GPU's pieces, not a CPU's
+        clipping.F64_PIECE_BYTES["cpu"] = clipping.F64_PIECE_BYTES_DEFAULT
 
     from pipelines.ops.bench import MODELS, _data
 
