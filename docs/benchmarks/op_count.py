@@ -28,6 +28,10 @@ import argparse
 import collections
 import os
 import sys
+from pathlib import Path
+
+# This checkout's dpcore and pipelines, not an installed copy (a comparison of two checkouts).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # Views, reshapes and allocations: no kernel on a GPU.
 NO_KERNEL = {

@@ -40,6 +40,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+# This checkout's dpcore and pipelines, not an installed copy (a comparison of two checkouts).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 CASES = [(kind, length) for length in (128, 256) for kind in ("full", "lora")]
 MODES = {
     "full": ("non-private", "ours", "opacus-ghost", "opacus-hooks", "non-private-bf16", "ours-bf16"),
