@@ -30,6 +30,32 @@ AUDIT_FILE = "audit_scores.pt"
 PCA_FILE = "pca.pt"
 
 
+# Ray Train's record of a run's reported checkpoints, in the run's folder (ray.train.v2's
+# CHECKPOINT_MANAGER_SNAPSHOT_FILENAME).
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+def set_aside_torn_ray_snapshot(run_dir: str | Path) -> Path | None:
+    """Move Ray Train's checkpoint-manager snapshot out of the way when it does not parse.
+
+    Ray writes it in place (the file is truncated, then written), so a driver killed between the
+    two leaves it empty or cut short, and the next ``fit()`` of the run fails before any worker
+    starts (``CheckpointManagerInitializationError``). The run needs nothing from it: the
+    checkpoint a restart restores is found by scanning the run's folder (:func:`find_checkpoint`).
+    Returns where the torn file now is (beside it, ``.torn`` added), or None if it was fine or
+    absent."""
+    path = Path(run_dir) / RAY_SNAPSHOT
+    try:
+        json.loads(path.read_text())
+        return None
+    except FileNotFoundError:
+        return None
+    except ValueError:  # empty, cut short, or not text
+        aside = path.with_name(f"{RAY_SNAPSHOT}.torn")
+        os.replace(path, aside)
+        return aside
+
+
 def _complete(d: Path) -> dict | None:
     """The meta of checkpoint directory ``d`` if every file of every rank is there and matches
     its recorded SHA-256, else None (a checkpoint torn by a crash during upload)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -47,14 +48,20 @@ def _fit(plan: RunPlan, cfg: TrainConfig, pruner=None, faults=None, own_cluster:
     if own_cluster:  # never in-process: that runs without a cluster
         from .lean import LeanTorchTrainer as TorchTrainer
 
+    from .checkpoint import set_aside_torn_ray_snapshot
     from .entry import train_loop_per_worker
 
+    torn = set_aside_torn_ray_snapshot(plan.run_dir)
+    if torn is not None:
+        logging.getLogger(__name__).warning(
+            "Ray Train's checkpoint record of this run did not parse (a driver killed while Ray wrote it); "
+            "moved to %s. The run restores its latest complete checkpoint from its folder.",
+            torn,
+        )
     # Ray Train's controller looks at its workers every 2 s by default, so each phase change
     # (workers up, training done) waits up to 2 s; half a second costs nothing measurable.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     if cfg.in_process:  # Ray Train's local mode: the training function runs here, in this process
-        import logging
-
         for name in ("ray.train.v2.api.config", "ray.train.v2._internal.execution.train_fn_utils"):
             logging.getLogger(name).setLevel(logging.WARNING)  # "Running in local mode", "Reported metrics: ..."
         scaling = ScalingConfig(num_workers=0)
