@@ -215,13 +215,12 @@ class GhostPart(Part):
         # dpcore.clipping.weighted_sum, and over positions so that each example's share keeps the
         # norm the factor was computed for (float32 accumulation over many positions could exceed
         # the 1e-6 clipping margin).
-        wide = torch.float64
         if self.channels_first:  # (f·G) [c, example·position] times A [d, example·position]ᵀ: one matmul
-            Gf = by_channel(G, wide).mul_(f.view(1, -1, 1))
-            w = Gf.view(Gf.shape[0], -1) @ channel_rows(A, wide).t()
+            Gf = by_channel(G, torch.float64).mul_(f.view(1, -1, 1))
+            w = Gf.view(Gf.shape[0], -1) @ channel_rows(A, torch.float64).t()
         else:  # (f·G) over all (example, position) rows, transposed, times A: one matmul
-            Gf = G.to(wide) * f.view(-1, 1, 1)
-            w = Gf.reshape(-1, Gf.shape[2]).t() @ A.to(wide).reshape(-1, A.shape[2])
+            Gf = G.to(torch.float64) * f.view(-1, 1, 1)
+            w = Gf.reshape(-1, Gf.shape[2]).t() @ A.to(torch.float64).reshape(-1, A.shape[2])
         if self.post is not None:  # the standardisation's VJP is linear: applied to the sum
             w = self.post(w)
         out = [("weight", w.reshape(self.m.weight.shape))]

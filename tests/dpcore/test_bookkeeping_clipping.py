@@ -820,19 +820,23 @@ def test_auto_clipping_picks_book_keeping_only_where_it_applies():
     assert TrainConfig().clipping == "auto"
 
 
+class Scale(nn.Module):
+    """y = x ⊙ w over the last dimension: a layer type with no form of its own (the registry's tests
+    register one and remove it)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+        self.bias = None
+
+    def forward(self, x):
+        return x * self.weight
+
+
 def test_a_layer_type_registered_at_run_time_is_clipped_like_vmap():
     """The extension point: a new layer type is a LayerForm and one register_layer call."""
     from dpcore.bookkeeping import LAYERS, LayerForm, register_layer
     from dpcore.bookkeeping.base import NormPart
-
-    class Scale(nn.Module):  # y = x ⊙ w over the last dimension
-        def __init__(self, d):
-            super().__init__()
-            self.weight = nn.Parameter(torch.randn(d))
-            self.bias = None
-
-        def forward(self, x):
-            return x * self.weight
 
     class ScaleForm(LayerForm):
         def per_example(self, m, a, g, sq, ctx):
@@ -865,15 +869,6 @@ def test_a_layer_form_whose_clipped_sum_is_not_float64_is_refused_before_anythin
     the running sums it would have been added to are left as they were."""
     from dpcore.bookkeeping import LAYERS, LayerForm, Unsupported, register_layer
     from dpcore.bookkeeping.base import Part
-
-    class Scale(nn.Module):
-        def __init__(self, d):
-            super().__init__()
-            self.weight = nn.Parameter(torch.randn(d))
-            self.bias = None
-
-        def forward(self, x):
-            return x * self.weight
 
     class Float32Part(Part):
         def __init__(self, pe):
