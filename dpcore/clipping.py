@@ -3,8 +3,17 @@
 Each example's gradient (all trainable parameters together, as one vector) is scaled by
 min(1, C/‖g_i‖). To keep the invariant ‖clipped g_i‖ ≤ C true in floating point, norms are
 accumulated in float64 and the factor for an example above the bound is
-C·(1 − 1e-6)/‖g_i‖: the relative margin of 1e-6 is far larger than float32's rounding
-(≈6e-8 per multiply), and changes the clipped norm by one part in a million.
+C·(1 − m)/‖g_i‖ with the relative margin m = ``CLIP_MARGIN`` = 10⁻⁴. The margin absorbs the
+rounding of the norms (``NORM_ERROR``) and of the sums over examples: one example moves the lot's
+computed sum by at most :func:`float_sensitivity` ·C, which is ≤ C for every lot size up to
+:func:`covered_lot_size` (README, "What the guarantee does not cover"). It changes the clipped
+norm by one part in ten thousand.
+
+The rounding of a sum over examples is bounded by the magnitudes of its terms. For most layer
+forms an example's terms are its share itself, but a ghost form's terms are its per-position
+products, whose magnitudes β_i can far exceed the share's norm when positions cancel. Each
+example's within-batch rounding R_i (:func:`rounding_floor`) is therefore held to
+``ROUNDING_SHARE``·C by clipping on max(‖g_i‖, R_i/ρ): for natural data that is ‖g_i‖.
 
 Non-finite gradients (NaN or ±inf anywhere in an example's gradient): the policy is
 **skip-and-count**. That example contributes exactly zero to the sum (norm 0 ≤ C, so the
@@ -23,13 +32,105 @@ diagnostics call: they are not private.
 from __future__ import annotations
 
 import contextlib
+import math
+import warnings
 
 import torch
 
 from . import native
 from .precision import formulas
 
-CLIP_MARGIN = 1e-6
+# m: the clipped share's norm is at most C·(1 − m) in exact arithmetic (see the module docstring).
+CLIP_MARGIN = 1e-4
+# The largest relative error of a norm the clip factor is computed from: book-keeping sums a
+# materialised layer's squares in float32 chunks (dpcore.bookkeeping.base.F32_CHUNK), 5.4e-7 of
+# the norm at most; float64 norms are far closer.
+NORM_ERROR = 5.4e-7
+# ρ: the most rounding an example's terms may take within their physical batch, relative to C
+# (:func:`rounding_floor`). 2⁻³⁴ ≈ 5.8e-11 is γ_n of a sum of n ≈ 500,000 terms: a materialised
+# layer's batch sum (n = B + 2) never reaches it, and a ghost form's (n = B·T + 1) reaches it only
+# where β_i/‖g_i‖ exceeds ρ/γ_{B·T+1}: 128 at B = 64 and T = 64, where natural examples give about
+# √T = 8 (docs/benchmarks/README.md).
+ROUNDING_SHARE = 2.0**-34
+UNIT_ROUNDOFF = 2.0**-53  # float64
+
+
+def gamma(n: int) -> float:
+    """γ_n = n·u/(1 − n·u), u = 2⁻⁵³: the relative error of a float64 term that passes through
+    n roundings, in any order (Higham, *Accuracy and Stability of Numerical Algorithms*, §3.1)."""
+    nu = n * UNIT_ROUNDOFF
+    if nu >= 1:
+        return math.inf
+    return nu / (1.0 - nu)
+
+
+def float_sensitivity(lot: int, batch: int, workers: int = 1) -> float:
+    """The most one example can move a lot's computed clipped sum, in units of C: the bound
+    S + 2·L·(ρ + γ_n·(1 + ρ)) of the README's "What the guarantee does not cover", for a lot of L
+    examples summed in physical batches of ``batch`` on ``workers`` workers.
+
+    S = (1 − m)·(1 + NORM_ERROR) is the largest share; within each physical batch an example's
+    terms take at most ρ·C of rounding (``ROUNDING_SHARE``, held by :func:`rounding_floor`);
+    each batch's float64 sum then passes through n = ⌈L/B⌉ + 2W roundings: the additions of
+    the batches into the lot's sum (on each worker; a token table's rows are summed per token
+    within the batch first, :mod:`dpcore.bookkeeping.embedding`), and the reduction over the
+    workers. Removing an example changes the exact sum by its share, and each of the two
+    computed sums is within L·(ρ + γ_n·(1 + ρ))·C of its exact one."""
+    if lot < 1 or batch < 1 or workers < 1:
+        raise ValueError("lot, batch and workers must be positive")
+    share = (1.0 - CLIP_MARGIN) * (1.0 + NORM_ERROR)
+    n = math.ceil(lot / batch) + 2 * workers
+    return share + 2.0 * lot * (ROUNDING_SHARE + gamma(n) * (1.0 + ROUNDING_SHARE))
+
+
+def covered_lot_size(batch: int, workers: int = 1) -> int:
+    """The largest lot whose :func:`float_sensitivity` is at most 1 (so that the clipping
+    margin absorbs every rounding) in physical batches of ``batch`` on ``workers`` workers; 0
+    if none is."""
+    if float_sensitivity(1, batch, workers) > 1.0:
+        return 0
+    lo, hi = 1, 2
+    while float_sensitivity(hi, batch, workers) <= 1.0:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # the bound grows with the lot
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if float_sensitivity(mid, batch, workers) <= 1.0 else (lo, mid)
+    return lo
+
+
+def warn_if_uncovered(dataset_size: int, batch: int, workers: int = 1) -> float:
+    """:func:`float_sensitivity` for the largest lot a dataset of ``dataset_size`` can give (all
+    of it), with a warning where it exceeds 1: there the margin does not cover the worst-case
+    rounding of the sums, and the guarantee, like other DP-SGD libraries', takes the
+    sensitivity to be C. Returns the bound."""
+    bound = float_sensitivity(dataset_size, batch, workers)
+    if bound > 1.0:
+        warnings.warn(
+            f"floating point: a lot of up to N={dataset_size:,} examples in physical batches of {batch} on "
+            f"{workers} worker(s) could, in the worst case, let one example move the lot's sum by {bound:.7f}·C, "
+            f"above the C the accountant assumes; the clipping margin covers lots of up to "
+            f"{covered_lot_size(batch, workers):,} examples (README, 'What the guarantee does not cover').",
+            stacklevel=3,
+        )
+    return bound
+
+
+def rounding_floor(sq: torch.Tensor, batch: int, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """The squared norms to clip on: max(‖g_i‖², R_i²/ρ²) (ρ = ``ROUNDING_SHARE``), so that each
+    example's within-batch rounding f_i·R_i is at most ρ·C, whatever its factor f_i.
+
+    ``sq``: each example's squared norm (float64 [B]). R_i² = γ_{B+2}²·‖g_i‖² + ``extra``_i: the
+    first term covers every sum whose terms are the example's share (a weighted sum of B rows,
+    with its multiply; a ghost form with one position, with its two); ``extra`` adds (γ_k·β_i)²
+    for each ghost form whose product runs over k terms per batch with magnitudes β_i
+    (:func:`dpcore.bookkeeping.base.weight_sq_norms`). Where R_i ≤ ρ·‖g_i‖ (every materialised
+    form below batches of about 10⁶, natural examples in ghost forms) the norms are returned as
+    they are; no value is read on the host."""
+    g = gamma(batch + 2)
+    if extra is None:
+        return sq if g <= ROUNDING_SHARE else sq * (g / ROUNDING_SHARE) ** 2
+    r2 = extra if g == 0 else sq * g**2 + extra
+    return torch.maximum(sq, r2 / ROUNDING_SHARE**2)
 
 
 NORM_ORDERS = (1, 2)
@@ -90,8 +191,8 @@ def weighted_sum(factors: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     over examples depends on all of them: taking one example out of a lot regroups the sums, and
     the released sum moves by more than C (``docs/benchmarks/float_sensitivity.py``). In
     float64, a sum of k shares is within about (k − 1)·2⁻⁵³ of the sum of their magnitudes
-    (k·C at most): inside the clipping margin ``CLIP_MARGIN`` for any lot size below about
-    45,000 (the README's "What the guarantee does not cover" gives the bound).
+    (k·C at most): inside the clipping margin ``CLIP_MARGIN`` for any lot up to
+    :func:`covered_lot_size` (:func:`float_sensitivity` gives the bound).
     The factors are never rounded to X's dtype either. Float32 X is read by the compiled kernel
     of :mod:`dpcore.native` on a CPU, else copied to float64 in pieces (``F64_PIECE_BYTES``).
     Rows to be dropped (non-finite examples) must be zero in X or have factor 0 (the kernel
@@ -132,6 +233,11 @@ def clipped_sum(
 
 def _clipped_sum(per_sample, clip_norm, out, ord):
     norms = per_sample_norms(per_sample, ord)
+    # Each term of these sums is an example's share (so R_i = γ_{B+2}·‖g_i‖, in L1 as in L2):
+    # rounding_floor changes nothing below batches of about 10⁶.
+    g = gamma(norms.shape[0] + 2)
+    if g > ROUNDING_SHARE:
+        norms = norms * (g / ROUNDING_SHARE)
     factors, finite = clip_factors(norms, clip_norm)
     n_bad = int((~finite).sum())
     result = {} if out is None else out

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import memory
-from .clipping import per_sample_norms
+from .clipping import per_sample_norms, warn_if_uncovered
 from .diagnostics import LotDiagnostics
 from .errors import DPConfigError
 from .events import PoissonGaussian, PoissonLaplace
@@ -41,6 +41,9 @@ from .validation import (
 )
 
 AugmentFn = Callable[[torch.Tensor], torch.Tensor]
+# With a reduce_fn outside torch.distributed, the number of ranks is unknown: the bound on
+# floating-point rounding (dpcore.clipping.float_sensitivity) assumes at most this many.
+MAX_WORKERS = 4096
 __all__ = ["CLIPPING_MODES", "DPOptimizer", "ReduceFn"]
 
 
@@ -152,6 +155,7 @@ class DPOptimizer:
             augment=augment,
             multiplicity=augmentation_multiplicity,
         )
+        self.float_sensitivity = warn_if_uncovered(self.dataset_size, self.physical_batch_size, self.workers)
         self.steps_taken = self._nonfinite_total = 0
         self._prev_private: dict[str, torch.Tensor] | None = None  # the last released gradient
 
@@ -181,6 +185,16 @@ class DPOptimizer:
     @physical_batch_size.setter
     def physical_batch_size(self, size: int) -> None:
         self.lot.physical_batch_size = check_positive_int(size, "physical_batch_size")
+        self.float_sensitivity = warn_if_uncovered(self.dataset_size, size, self.workers)
+
+    @property
+    def workers(self) -> int:
+        """How many ranks' sums the release adds (for the bound on floating-point rounding):
+        the process group's size where torch.distributed runs, else 1 without a ``reduce_fn``
+        and, with one, at most ``MAX_WORKERS`` (an assumption the bound states)."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_world_size()
+        return 1 if self.reduce_fn is None else MAX_WORKERS
 
     def current_ascent(self) -> float:
         """λ (BAM) or ρ (DP-SAT) for the lot being computed."""

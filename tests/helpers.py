@@ -22,7 +22,10 @@ def tiny_cnn(channels=1, classes=3):
 
 
 def loop_clipped_sum(model, loss_fn, x, y, clip_norm):
-    """Reference: one ordinary backward per example, clip with min(1, C/‖g‖), sum (float64)."""
+    """Reference: one ordinary backward per example, clip with min(1, C·(1 − m)/‖g‖) (m, the
+    clipping margin of dpcore.clipping.CLIP_MARGIN), sum (float64)."""
+    from dpcore.clipping import CLIP_MARGIN
+
     params = [p for p in model.parameters() if p.requires_grad]
     total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
     for i in range(x.shape[0]):
@@ -30,7 +33,7 @@ def loop_clipped_sum(model, loss_fn, x, y, clip_norm):
         loss = loss_fn(model(x[i : i + 1]), y[i : i + 1])
         grads = torch.autograd.grad(loss, params)
         norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
-        factor = min(1.0, clip_norm / norm.item()) if norm > 0 else 1.0
+        factor = min(1.0, clip_norm * (1 - CLIP_MARGIN) / norm.item()) if norm > 0 else 1.0
         for t, g in zip(total, grads):
             t += g.double() * factor
     return total

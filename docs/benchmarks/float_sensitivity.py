@@ -8,7 +8,7 @@ Each trial builds a lot of L examples for a Linear layer (64 → 10, cross-entro
 of one input and label, whose clipped gradients are all the same vector of norm C (so that the
 lot's partial sums grow to L·C, and their rounding is large), and one other example j, a random
 input and label. It sums the lot with and without j, and reports the largest ‖S(D) − S(D′)‖ / C
-over the trials. In exact arithmetic it is ‖clip(g_j)‖ / C ≤ 1 − 10⁻⁶ (the clipping margin); a
+over the trials. In exact arithmetic it is ‖clip(g_j)‖ / C ≤ 1 − m (m, the clipping margin); a
 value above 1 is sensitivity that the accountant does not know of. The same per-example vectors
 summed in float64 give the reference column. ``--regroup``: the L − 1 examples distinct but
 nearly parallel, and j among the first 8, so that removing it regroups every later physical
@@ -29,6 +29,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import dpcore  # noqa: E402
+from dpcore.clipping import CLIP_MARGIN  # noqa: E402
 
 C, D, K = 1.0, 64, 10
 
@@ -56,7 +57,7 @@ def clipped_vectors(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     g = (p - F.one_hot(y, K).double()).unsqueeze(2) * x.double().unsqueeze(1)  # [B, K, D]
     g = g.reshape(x.shape[0], -1)
     norms = g.norm(dim=1, keepdim=True)
-    bound = C * (1 - 1e-6)
+    bound = C * (1 - CLIP_MARGIN)
     return torch.where(norms > bound, g * (bound / norms), g)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..clipping import weighted_sum
+from ..clipping import gamma, rounding_floor, weighted_sum
 
 
 class Unsupported(Exception):
@@ -44,12 +44,23 @@ class SquaredNorms:
     and summed. On a GPU that is a few kernels in place of one to three per layer. A term is
     read only then: a form must not change a tensor after adding it. A term or rows of another
     shape or dtype raise :class:`Unsupported` (the model then runs on vmap, with a warning that
-    says why)."""
+    says why). A ghost form also adds the rounding its clipped sum's product can take
+    (:meth:`add_rounding`), which :meth:`total` folds in (:func:`dpcore.clipping.rounding_floor`)."""
 
     def __init__(self, batch: int, device: torch.device):
         self.batch, self.device = batch, device
         self.terms: list[torch.Tensor] = []
         self.rows: dict[torch.dtype, list[torch.Tensor]] = {}
+        self.rounding: list[torch.Tensor] = []
+
+    def add_rounding(self, term: torch.Tensor) -> None:
+        """(γ_k·β_i)² (float64 [B]) for a clipped sum whose product runs over k terms per batch
+        whose magnitudes add up to β_i for example i (a ghost form's per-position products)."""
+        if term.shape != (self.batch,) or term.dtype != torch.float64:
+            raise Unsupported(
+                f"a layer form added a rounding term of {term.dtype} {tuple(term.shape)}, not float64 ({self.batch},)"
+            )
+        self.rounding.append(term)
 
     def add_rows(self, rows: torch.Tensor) -> None:
         if rows.dim() != 2 or rows.shape[0] != self.batch:
@@ -72,13 +83,21 @@ class SquaredNorms:
         return self.__iadd__(zeros.index_add_(dim, index, source))
 
     def total(self) -> torch.Tensor:
+        """The squared norms to clip on: each example's, never below the exact one, raised where
+        its rounding in the clipped sum would exceed its share of the margin
+        (:func:`dpcore.clipping.rounding_floor`; natural examples are not)."""
         terms = list(self.terms)
         for rows in self.rows.values():
             joined = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
             terms.append(torch.linalg.vector_norm(joined, dim=1, dtype=torch.float64).square())
         if not terms:
-            return torch.zeros(self.batch, dtype=torch.float64, device=self.device)
-        return terms[0].clone() if len(terms) == 1 else torch.stack(terms).sum(0)
+            sq = torch.zeros(self.batch, dtype=torch.float64, device=self.device)
+        else:
+            sq = terms[0].clone() if len(terms) == 1 else torch.stack(terms).sum(0)
+        extra = None
+        if self.rounding:
+            extra = self.rounding[0] if len(self.rounding) == 1 else torch.stack(self.rounding).sum(0)
+        return rounding_floor(sq, self.batch, extra)
 
 
 # drop_bad(t): the rows of examples with a non-finite gradient set to exactly zero (never NaN·0).
@@ -247,8 +266,8 @@ def channel_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # the chunks in float64. For a sum of k non-negative terms the rounding error is at most
 # (k−1)·u in any order (u = 2⁻²⁴), so with the squaring and the square root of
 # ``vector_norm`` the squared norm is within (k+2)·u ≈ 1.1e-6 of exact, and the norm within
-# 5.4e-7: inside the clipping margin of 1e-6 (dpcore.clipping.CLIP_MARGIN), so the clipped share
-# still has norm ≤ C. It avoids a float64 copy of every per-example gradient.
+# 5.4e-7 (dpcore.clipping.NORM_ERROR, which the clipping margin CLIP_MARGIN covers with the sums'
+# rounding). It avoids a float64 copy of every per-example gradient.
 F32_CHUNK = 16
 # Below this clipping bound, float32 underflow of squares (|w| < 1e-19) could matter
 # relative to C²: then the rows are summed in float64.
@@ -281,15 +300,19 @@ def weight_and_bias(
     (channels first: [B, d, T] and [B, c, T]; else [B, T, d] and [B, T, c]), its examples'
     squared norms added into ``sq``: per-example weight gradients where they are the cheaper
     exact form, else the ghost form."""
-    s, W = weight_sq_norms(A, G, channels_first, ctx)
+    s, W, rounding = weight_sq_norms(A, G, channels_first, ctx)
     sq += s
+    if rounding is not None:
+        sq.add_rounding(rounding)
     bias_g = bias_per_example(m, G.sum(2 if channels_first else 1), sq)
     return MaterialisedPart(m, W, bias_g) if W is not None else GhostPart(m, A, G, channels_first, bias_g)
 
 
 def weight_sq_norms(A: torch.Tensor, G: torch.Tensor, channels_first: bool, ctx: Context):
-    """(‖W_i‖_F² per example in float64, the per-example gradients W_i or None), by the
-    cheaper exact form: W_i = G_iᵀA_i materialised, or the ghost Σ_{t,s}(a_t·a_s)(g_t·g_s)."""
+    """(‖W_i‖_F² per example in float64, the per-example gradients W_i or None, the rounding
+    term of :meth:`SquaredNorms.add_rounding` or None), by the cheaper exact form: W_i = G_iᵀA_i
+    materialised, or the ghost Σ_{t,s}(a_t·a_s)(g_t·g_s), whose clipped sum is one product over
+    B·T (example, position) terms: (γ_{B·T+1}·β_i)², β_i = Σ_t ‖a_t‖·‖g_t‖."""
     if channels_first:  # A [B, d, T], G [B, c, T]
         B, d, T = A.shape
         c = G.shape[1]
@@ -302,11 +325,11 @@ def weight_sq_norms(A: torch.Tensor, G: torch.Tensor, channels_first: bool, ctx:
             torch.linalg.vector_norm(a, dim=1, dtype=torch.float64).square()
             * torch.linalg.vector_norm(g, dim=1, dtype=torch.float64).square()
         )
-        return sq, None
+        return sq, None, None  # its terms are the shares themselves (rounding_floor's first term)
     # (Convolutions reach here only when materialising is over budget: the ghost form.)
     if not channels_first and B * c * d <= ctx.max_elements and T * d * c <= 4 * T * T * (d + c):
         W = G.transpose(1, 2) @ A  # [B, c, d]
-        return row_sq_norms(W.reshape(B, -1), ctx), W
+        return row_sq_norms(W.reshape(B, -1), ctx), W, None
     A64, G64 = A.double(), G.double()
     if channels_first:
         aa = A64.transpose(1, 2) @ A64  # [B, T, T]
@@ -328,7 +351,9 @@ def weight_sq_norms(A: torch.Tensor, G: torch.Tensor, channels_first: bool, ctx:
     beta = (torch.linalg.vector_norm(A64, dim=dim) * torch.linalg.vector_norm(G64, dim=dim)).sum(1)
     u = torch.finfo(torch.float64).eps / 2  # the unit roundoff
     allowance = 2 * (d + c + 2 * T + 4) * u * beta.square()
-    return sq + allowance, None
+    # The clipped sum's product (GhostPart) passes each term f_i·g_t·a_tᵀ through B·T + 1 roundings
+    # (f_i·g_t, the product, B·T − 1 additions in any order): β_i bounds the magnitudes it rounds.
+    return sq + allowance, None, (gamma(B * T + 1) * beta).square()
 
 
 # -- normalisation layers (GroupNorm, LayerNorm) ----------------------------------------------------

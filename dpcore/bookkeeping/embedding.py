@@ -5,10 +5,12 @@ its tokens x_t. Only the rows of the tokens it holds are non-zero, so the form k
 (example, distinct token) pair, the sum S of that token's output gradients in the example
 (float64). ‖W_i‖² is the sum of ‖S‖² over the example's pairs: exact, and O(B·T·D) whatever
 the vocabulary. Each pair's share f_i·S is formed in float64 (the very vector whose norm was
-measured, rounded once to the table's dtype) and added into its token's row of the running sum
+measured), the batch's shares of each token are summed (float64, at most B terms, as in any
+layer's batch sum), and that one row per token is added into its row of the running sum
 (:class:`~dpcore.bookkeeping.base.RowUpdate`): no tensor of the table's size is formed per
-batch. Rows of one token from several examples add up in the table's dtype, as the examples of
-any layer do. Positions holding ``padding_idx`` get no gradient, as in ``nn.Embedding``.
+batch, and a row of the lot's sum takes one addition per batch, as every other parameter does
+(:func:`dpcore.clipping.float_sensitivity`). Positions holding ``padding_idx`` get no gradient,
+as in ``nn.Embedding``.
 
 Refused: ``max_norm`` (the forward renormalises rows of the table in place), ``sparse=True``,
 and ``scale_grad_by_freq`` (it scales each token's gradient by its count in the whole batch,
@@ -38,7 +40,16 @@ class EmbeddingPart(Part):
         # exactly zero (never 0·NaN). Its finite rows add 0·S = 0.
         S = torch.where(torch.isfinite(self.S), self.S, self.S.new_zeros(()))
         rows = S * factors.to(torch.float64)[self.example].unsqueeze(1)
-        return [("weight", RowUpdate(self.token, rows, self.m.weight.shape))]
+        # One row per distinct token: the pairs sorted by token, a slot per token (no
+        # torch.unique, whose size depends on the data); the slots past the last token add 0 to
+        # row 0, exactly.
+        token, order = torch.sort(self.token)
+        first = torch.ones_like(token, dtype=torch.bool)
+        first[1:] = token[1:] != token[:-1]
+        slot = torch.cumsum(first, 0) - 1
+        summed = torch.zeros_like(rows).index_add_(0, slot, rows[order])
+        index = torch.zeros_like(token).scatter_(0, slot, token)
+        return [("weight", RowUpdate(index, summed, self.m.weight.shape))]
 
 
 class EmbeddingForm(LayerForm):
