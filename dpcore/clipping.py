@@ -48,9 +48,10 @@ CLIP_MARGIN = 1e-4
 NORM_ERROR = 5.4e-7
 # ρ: the most rounding an example's terms may take within their physical batch, relative to C
 # (:func:`rounding_floor`). 2⁻³⁴ ≈ 5.8e-11 is γ_n of a sum of n ≈ 500,000 terms: a materialised
-# layer's batch sum (n = B + 2) never reaches it, and a ghost form's (n = B·T + 1) reaches it only
-# where β_i/‖g_i‖ exceeds ρ/γ_{B·T+1}: 128 at B = 64 and T = 64, where natural examples give about
-# √T = 8 (docs/benchmarks/README.md).
+# layer's batch sum (n = B + 2, B the configured physical batch size) never reaches it, and a ghost
+# form's (n = B·T + 1) reaches it only where β_i/‖g_i‖ exceeds ρ/γ_{B·T+1}: 128 at B = 64 and
+# T = 64, where natural examples give about √T = 8; they reach it where B·T^1.5 nears 2¹⁹
+# (docs/benchmarks/README.md).
 ROUNDING_SHARE = 2.0**-34
 UNIT_ROUNDOFF = 2.0**-53  # float64
 
@@ -64,22 +65,24 @@ def gamma(n: int) -> float:
     return nu / (1.0 - nu)
 
 
-def float_sensitivity(lot: int, batch: int, workers: int = 1) -> float:
+def float_sensitivity(lot: int, batch: int, workers: int = 1, sums: int | None = None) -> float:
     """The most one example can move a lot's computed clipped sum, in units of C: the bound
     S + 2·L·(ρ + γ_n·(1 + ρ)) of the README's "What the guarantee does not cover", for a lot of L
     examples summed in physical batches of ``batch`` on ``workers`` workers.
 
     S = (1 − m)·(1 + NORM_ERROR) is the largest share; within each physical batch an example's
     terms take at most ρ·C of rounding (``ROUNDING_SHARE``, held by :func:`rounding_floor`);
-    each batch's float64 sum then passes through n = ⌈L/B⌉ + 2W roundings: the additions of
-    the batches into the lot's sum (on each worker; a token table's rows are summed per token
-    within the batch first, :mod:`dpcore.bookkeeping.embedding`), and the reduction over the
-    workers. Removing an example changes the exact sum by its share, and each of the two
-    computed sums is within L·(ρ + γ_n·(1 + ρ))·C of its exact one."""
+    each batch's float64 sum then passes through n = s + 2W roundings: the additions of the
+    s = ``sums`` batch sums into the lot's sum on a worker (by default ⌈L/B⌉, one per full
+    physical batch; a lot added in smaller pieces makes more, which :class:`dpcore.DPOptimizer`
+    counts; a token table's rows are summed per token within the batch first,
+    :mod:`dpcore.bookkeeping.embedding`), and the reduction over the workers. Removing an example
+    changes the exact sum by its share, and each of the two computed sums is within
+    L·(ρ + γ_n·(1 + ρ))·C of its exact one."""
     if lot < 1 or batch < 1 or workers < 1:
         raise ValueError("lot, batch and workers must be positive")
     share = (1.0 - CLIP_MARGIN) * (1.0 + NORM_ERROR)
-    n = math.ceil(lot / batch) + 2 * workers
+    n = (math.ceil(lot / batch) if sums is None else max(1, sums)) + 2 * workers
     return share + 2.0 * lot * (ROUNDING_SHARE + gamma(n) * (1.0 + ROUNDING_SHARE))
 
 
@@ -98,39 +101,63 @@ def covered_lot_size(batch: int, workers: int = 1) -> int:
     return lo
 
 
-def warn_if_uncovered(dataset_size: int, batch: int, workers: int = 1) -> float:
+def warn_if_uncovered(dataset_size: int, batch: int, workers: int = 1, sums: int | None = None) -> float:
     """:func:`float_sensitivity` for the largest lot a dataset of ``dataset_size`` can give (all
     of it), with a warning where it exceeds 1: there the margin does not cover the worst-case
     rounding of the sums, and the guarantee, like other DP-SGD libraries', takes the
-    sensitivity to be C. Returns the bound."""
-    bound = float_sensitivity(dataset_size, batch, workers)
+    sensitivity to be C. ``sums``: the batch sums a lot was added in, where more than ⌈N/B⌉.
+    Returns the bound."""
+    bound = float_sensitivity(dataset_size, batch, workers, sums)
     if bound > 1.0:
+        pieces = (
+            f"in physical batches of {batch}"
+            if sums is None
+            else f"added in {sums:,} pieces (more than the {math.ceil(dataset_size / batch):,} physical batches of {batch} it needs)"
+        )
         warnings.warn(
-            f"floating point: a lot of up to N={dataset_size:,} examples in physical batches of {batch} on "
+            f"floating point: a lot of up to N={dataset_size:,} examples {pieces} on "
             f"{workers} worker(s) could, in the worst case, let one example move the lot's sum by {bound:.7f}·C, "
             f"above the C the accountant assumes; the clipping margin covers lots of up to "
-            f"{covered_lot_size(batch, workers):,} examples (README, 'What the guarantee does not cover').",
+            f"{covered_lot_size(batch, workers):,} examples in full physical batches "
+            f"(README, 'What the guarantee does not cover').",
             stacklevel=3,
         )
     return bound
+
+
+def bound_for_pieces(current: float, dataset_size: int, batch: int, workers: int, sums: int) -> float:
+    """The bound after a lot that was added in ``sums`` batch sums: ``current`` (the bound for
+    lots in full physical batches, :func:`warn_if_uncovered`) where that is no more than ⌈N/B⌉,
+    else the larger of it and the bound for that many sums, with the warning where that is
+    above 1 and above ``current`` (a lot passed to ``accumulate`` in pieces smaller than the
+    physical batch: each piece is its own batch sum, and each sum rounds the lot's)."""
+    if sums <= math.ceil(dataset_size / batch):
+        return current
+    bound = float_sensitivity(dataset_size, batch, workers, sums)
+    if bound > max(1.0, current):
+        warn_if_uncovered(dataset_size, batch, workers, sums)
+    return max(current, bound)
 
 
 def rounding_floor(sq: torch.Tensor, batch: int, extra: torch.Tensor | None = None) -> torch.Tensor:
     """The squared norms to clip on: max(‖g_i‖², R_i²/ρ²) (ρ = ``ROUNDING_SHARE``), so that each
     example's within-batch rounding f_i·R_i is at most ρ·C, whatever its factor f_i.
 
-    ``sq``: each example's squared norm (float64 [B]). R_i² = γ_{B+2}²·‖g_i‖² + ``extra``_i: the
-    first term covers every sum whose terms are the example's share (a weighted sum of B rows,
-    with its multiply; a ghost form with one position, with its two); ``extra`` adds (γ_k·β_i)²
-    for each ghost form whose product runs over k terms per batch with magnitudes β_i
-    (:func:`dpcore.bookkeeping.base.weight_sq_norms`). Where R_i ≤ ρ·‖g_i‖ (every materialised
-    form below batches of about 10⁶, natural examples in ghost forms) the norms are returned as
-    they are; no value is read on the host."""
+    ``sq``: each example's squared norm (float64 [B]). ``batch``: the configured physical batch
+    size, which the batch's size never exceeds: R_i then depends on example i alone, not on how
+    many examples share its batch (the last batch of a Poisson lot holds a number that depends
+    on the data). R_i² = γ_{batch+2}²·‖g_i‖² + ``extra``_i: the first term covers every sum whose
+    terms are the example's share (a weighted sum of the batch's rows, with its multiply; a
+    ghost form with one position, with its two); ``extra`` adds (γ_k·β_i)² for each ghost form
+    whose product runs over k terms per batch with magnitudes β_i
+    (:meth:`dpcore.bookkeeping.base.SquaredNorms.add_rounding`). Where R_i ≤ ρ·‖g_i‖ (every
+    materialised form below batches of about 10⁶, natural examples in most ghost forms) the
+    norms are returned as they are; no value is read on the host. A floor too large for float64
+    is +inf: that example is then skipped (it adds zero) like one whose gradient is not finite."""
     g = gamma(batch + 2)
     if extra is None:
         return sq if g <= ROUNDING_SHARE else sq * (g / ROUNDING_SHARE) ** 2
-    r2 = extra if g == 0 else sq * g**2 + extra
-    return torch.maximum(sq, r2 / ROUNDING_SHARE**2)
+    return torch.maximum(sq, (sq * g**2 + extra) / ROUNDING_SHARE**2)
 
 
 NORM_ORDERS = (1, 2)
@@ -216,37 +243,55 @@ def weighted_sum(factors: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 
 
 def clipped_sum(
-    per_sample: dict[str, torch.Tensor], clip_norm: float, out: dict[str, torch.Tensor] | None = None, ord: int = 2
+    per_sample: dict[str, torch.Tensor],
+    clip_norm: float,
+    out: dict[str, torch.Tensor] | None = None,
+    ord: int = 2,
+    batch_size: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Σ_i g_i·min(1, C/‖g_i‖) over the batch, added into ``out`` when given.
 
     ``ord=1`` clips the L1 norm instead (for Laplace noise, whose sensitivity is in L1); the
     same float64 norms and relative margin keep ‖clipped g_i‖₁ ≤ C.
+    ``batch_size``: the configured physical batch size, at least this batch's (the default):
+    the bound on rounding that :func:`rounding_floor` holds is taken at it, so that an
+    example's factor never depends on how many examples share its batch.
     Returns ``(sums, nonfinite_count)``; new sums are float64, every sum over examples
     accumulated in float64 (:func:`weighted_sum`). Examples with a non-finite gradient contribute
     zero.
     """
     first = next(iter(per_sample.values()), None)
     with formulas(first) if first is not None else contextlib.nullcontext():  # autocast off, whatever the caller opened
-        return _clipped_sum(per_sample, clip_norm, out, ord)
+        return _clipped_sum(per_sample, clip_norm, out, ord, batch_size)
 
 
-def _clipped_sum(per_sample, clip_norm, out, ord):
+def _clipped_sum(per_sample, clip_norm, out, ord, batch_size):
     norms = per_sample_norms(per_sample, ord)
+    batch = rounding_batch_size(norms.shape[0], batch_size)
     # Each term of these sums is an example's share (so R_i = γ_{B+2}·‖g_i‖, in L1 as in L2):
     # rounding_floor changes nothing below batches of about 10⁶.
-    g = gamma(norms.shape[0] + 2)
+    g = gamma(batch + 2)
     if g > ROUNDING_SHARE:
         norms = norms * (g / ROUNDING_SHARE)
     factors, finite = clip_factors(norms, clip_norm)
     n_bad = int((~finite).sum())
     result = {} if out is None else out
-    for name, g in per_sample.items():
+    for name, grad in per_sample.items():
         if n_bad:
-            g = torch.where(finite.view(-1, *([1] * (g.dim() - 1))), g, g.new_zeros(()))
-        contrib = weighted_sum(factors, g)  # float64 (see weighted_sum)
+            grad = torch.where(finite.view(-1, *([1] * (grad.dim() - 1))), grad, grad.new_zeros(()))
+        contrib = weighted_sum(factors, grad)  # float64 (see weighted_sum)
         if name in result:
             result[name].add_(contrib)
         else:
             result[name] = contrib
     return result, n_bad
+
+
+def rounding_batch_size(realised: int, configured: int | None) -> int:
+    """The batch size the rounding bound is taken at: the configured physical batch size, which
+    must hold the batch (``realised`` examples); the batch's own size where none is given."""
+    if configured is None:
+        return realised
+    if configured < realised:
+        raise ValueError(f"a batch of {realised} examples exceeds the physical batch size {configured}")
+    return configured

@@ -88,15 +88,18 @@ class CheckedBookKeeping:
         self.verified = False
         self.active = True
 
-    def clipped_sum(self, xb: torch.Tensor, yb: torch.Tensor, out: Sums, reference: Callable) -> int | None:
+    def clipped_sum(
+        self, xb: torch.Tensor, yb: torch.Tensor, out: Sums, reference: Callable, batch_size: int | None = None
+    ) -> int | None:
         """Add the batch's clipped sum to ``out`` and return its count of non-finite examples;
         None when nothing was added and the caller must use the vmap path. ``reference(xb, yb)``
-        gives the per-example gradients of the vmap path."""
+        gives the per-example gradients of the vmap path; ``batch_size``, the configured
+        physical batch size (:func:`dpcore.clipping.clipped_sum`)."""
         try:
             if self.verified:
-                return self.clipper.clipped_sum(xb, yb, self.clip_norm, out)
+                return self.clipper.clipped_sum(xb, yb, self.clip_norm, out, batch_size)
             if xb.shape[0] >= 2:
-                return self._verify(xb, yb, out, reference)
+                return self._verify(xb, yb, out, reference, batch_size)
         except bookkeeping.Unsupported as e:  # raised before anything is added
             self._leave(str(e))
         return None
@@ -107,17 +110,19 @@ class CheckedBookKeeping:
         )
         self.active = False
 
-    def _verify(self, xb: torch.Tensor, yb: torch.Tensor, out: Sums, reference: Callable) -> int:
+    def _verify(
+        self, xb: torch.Tensor, yb: torch.Tensor, out: Sums, reference: Callable, batch_size: int | None
+    ) -> int:
         """Check the formulas on this batch; keep book-keeping only if they agree. The sum added
         is the path that will be used from here on: book-keeping's if they agree, else the
         reference. (So a run restored from a checkpoint, which verifies again on its first batch,
         adds bit for bit what the uninterrupted run added there.)"""
         fast: Sums = {}
-        fast_bad = self.clipper.clipped_sum(xb, yb, self.clip_norm, fast)
+        fast_bad = self.clipper.clipped_sum(xb, yb, self.clip_norm, fast, batch_size)
         why = self.formulas_disagree(xb[:CHECK_EXAMPLES], yb[:CHECK_EXAMPLES])
         ref: Sums | None = None
         if why is None:  # no float64 copy: both paths from the float32 model, on the whole batch
-            ref, bad = clipped_sum(reference(xb, yb), self.clip_norm)
+            ref, bad = clipped_sum(reference(xb, yb), self.clip_norm, batch_size=batch_size)
             why = (
                 ""
                 if self._agree(fast, fast_bad, ref, bad)
@@ -125,7 +130,7 @@ class CheckedBookKeeping:
             )
         if why:
             if ref is None:
-                ref, bad = clipped_sum(reference(xb, yb), self.clip_norm)
+                ref, bad = clipped_sum(reference(xb, yb), self.clip_norm, batch_size=batch_size)
             self._leave(why)
         else:
             self.verified = True

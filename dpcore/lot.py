@@ -52,7 +52,9 @@ class ClippedLot:
         # docs/benchmarks/float_sensitivity.py. In float64 that rounding is about 2⁻²⁹ of it. The
         # sums within each physical batch are float64 too (dpcore.clipping.weighted_sum).
         self.sums = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
-        self.examples = self.nonfinite = 0
+        # batch_sums: how many sums were added into the lot's (each a rounding of every element,
+        # which dpcore.clipping.float_sensitivity counts): counted on the host.
+        self.examples = self.nonfinite = self.batch_sums = 0
         self.open = False
         self.saved: Params | None = None  # DP-SAT: θ while the weights are shifted
 
@@ -70,17 +72,22 @@ class ClippedLot:
     def _add(self, xb: torch.Tensor, yb: torch.Tensor, step: int) -> None:
         xb = self.augmented(xb) if self.augment is not None else xb
         fast = self.fast is not None and self.fast.active
-        bad = self.fast.clipped_sum(xb, yb, self.sums, self.grad_sampler) if fast else None
+        # Every clip factor is taken at the configured physical batch size, never at the batch's
+        # own (dpcore.clipping.rounding_floor): the last batch of a Poisson lot holds a number of
+        # examples that depends on the data.
+        size = self.physical_batch_size
+        bad = self.fast.clipped_sum(xb, yb, self.sums, self.grad_sampler, size) if fast else None
         if bad is None:
             vectors = self.method.per_example(self.grad_sampler, xb, yb, step)
             per_sample, at_theta = vectors if vectors is not None else (self.grad_sampler(xb, yb), None)
-            _, bad = clipped_sum(per_sample, self.clip_norm, out=self.sums, ord=self.norm_ord)
+            _, bad = clipped_sum(per_sample, self.clip_norm, out=self.sums, ord=self.norm_ord, batch_size=size)
             if self.diag is not None:  # the diagnostics are about the plain gradients at θ
                 if at_theta is None:
                     at_theta = per_sample if self.saved is None else self.grad_sampler(xb, yb, params=self.saved)
                 self.diag.accumulate(at_theta)
         self.nonfinite += bad
         self.examples += xb.shape[0]
+        self.batch_sums += 1
 
     def augmented(self, xb: torch.Tensor) -> torch.Tensor:
         out, k = self.augment(xb), self.multiplicity
@@ -110,6 +117,7 @@ class ClippedLot:
             flat.index_add_(0, mine.to(flat.device), ones)
             start += s.numel()
         self.examples += len(coords)
+        self.batch_sums += 1
 
     def restore(self) -> None:
         """Put the weights back exactly where the lot found them (DP-SAT)."""
@@ -119,7 +127,7 @@ class ClippedLot:
     def reset(self) -> None:
         if self.sums:
             torch._foreach_zero_(list(self.sums.values()))
-        self.examples = self.nonfinite = 0
+        self.examples = self.nonfinite = self.batch_sums = 0
         self.open = False
         if self.diag is not None:
             self.diag.reset()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..clipping import gamma, rounding_floor, weighted_sum
+from ..clipping import gamma, rounding_batch_size, rounding_floor, weighted_sum
 
 
 class Unsupported(Exception):
@@ -47,20 +47,30 @@ class SquaredNorms:
     says why). A ghost form also adds the rounding its clipped sum's product can take
     (:meth:`add_rounding`), which :meth:`total` folds in (:func:`dpcore.clipping.rounding_floor`)."""
 
-    def __init__(self, batch: int, device: torch.device):
+    def __init__(self, batch: int, device: torch.device, rounding_batch: int | None = None):
         self.batch, self.device = batch, device
+        # The configured physical batch size, at which the rounding bound is taken (see total()).
+        self.rounding_batch = rounding_batch_size(batch, rounding_batch)
         self.terms: list[torch.Tensor] = []
         self.rows: dict[torch.dtype, list[torch.Tensor]] = {}
-        self.rounding: list[torch.Tensor] = []
+        self.rounding: list[tuple[int, int, torch.Tensor]] = []
 
-    def add_rounding(self, term: torch.Tensor) -> None:
-        """(γ_k·β_i)² (float64 [B]) for a clipped sum whose product runs over k terms per batch
-        whose magnitudes add up to β_i for example i (a ghost form's per-position products)."""
-        if term.shape != (self.batch,) or term.dtype != torch.float64:
+    def add_rounding(self, magnitude_sq: torch.Tensor, terms: int, more: int = 1) -> None:
+        """The rounding of a clipped sum whose terms are not the examples' shares: a product that
+        runs over ``terms`` terms per example in each batch (a ghost form's positions), whose
+        magnitudes add up to β_i for example i (``magnitude_sq``: β_i², float64 [B]), and then
+        through ``more`` roundings. :meth:`total` counts the batch's terms at the configured batch
+        size, k = rounding_batch·terms + more, and holds (γ_k·β_i)² to the example's share of the
+        margin. A form whose clipped sum adds anything but its examples' shares (each example's
+        exact contribution, as a materialised or one-position form adds it) must call this."""
+        if magnitude_sq.shape != (self.batch,) or magnitude_sq.dtype != torch.float64:
             raise Unsupported(
-                f"a layer form added a rounding term of {term.dtype} {tuple(term.shape)}, not float64 ({self.batch},)"
+                f"a layer form added a rounding term of {magnitude_sq.dtype} {tuple(magnitude_sq.shape)}, "
+                f"not float64 ({self.batch},)"
             )
-        self.rounding.append(term)
+        if terms < 1 or more < 0:
+            raise ValueError(f"a rounding term needs terms ≥ 1 and more ≥ 0 (got {terms}, {more})")
+        self.rounding.append((terms, more, magnitude_sq))
 
     def add_rows(self, rows: torch.Tensor) -> None:
         if rows.dim() != 2 or rows.shape[0] != self.batch:
@@ -95,9 +105,10 @@ class SquaredNorms:
         else:
             sq = terms[0].clone() if len(terms) == 1 else torch.stack(terms).sum(0)
         extra = None
-        if self.rounding:
-            extra = self.rounding[0] if len(self.rounding) == 1 else torch.stack(self.rounding).sum(0)
-        return rounding_floor(sq, self.batch, extra)
+        for terms, more, magnitude_sq in self.rounding:
+            term = gamma(self.rounding_batch * terms + more) ** 2 * magnitude_sq
+            extra = term if extra is None else extra + term
+        return rounding_floor(sq, self.rounding_batch, extra)
 
 
 # drop_bad(t): the rows of examples with a non-finite gradient set to exactly zero (never NaN·0).
@@ -233,7 +244,7 @@ class GhostPart(Part):
         # The sum over (example, position) runs in float64: over examples for the reason of
         # dpcore.clipping.weighted_sum, and over positions so that each example's share keeps the
         # norm the factor was computed for (float32 accumulation over many positions could exceed
-        # the 1e-6 clipping margin).
+        # the clipping margin, dpcore.clipping.CLIP_MARGIN).
         if self.channels_first:  # (f·G) [c, example·position] times A [d, example·position]ᵀ: one matmul
             Gf = by_channel(G, torch.float64).mul_(f.view(1, -1, 1))
             w = Gf.view(Gf.shape[0], -1) @ channel_rows(A, torch.float64).t()
@@ -300,19 +311,20 @@ def weight_and_bias(
     (channels first: [B, d, T] and [B, c, T]; else [B, T, d] and [B, T, c]), its examples'
     squared norms added into ``sq``: per-example weight gradients where they are the cheaper
     exact form, else the ghost form."""
-    s, W, rounding = weight_sq_norms(A, G, channels_first, ctx)
+    s, W, magnitude_sq = weight_sq_norms(A, G, channels_first, ctx)
     sq += s
-    if rounding is not None:
-        sq.add_rounding(rounding)
+    if magnitude_sq is not None:  # the ghost form: one product over (example, position), then the multiply
+        sq.add_rounding(magnitude_sq, terms=A.shape[2] if channels_first else A.shape[1])
     bias_g = bias_per_example(m, G.sum(2 if channels_first else 1), sq)
     return MaterialisedPart(m, W, bias_g) if W is not None else GhostPart(m, A, G, channels_first, bias_g)
 
 
 def weight_sq_norms(A: torch.Tensor, G: torch.Tensor, channels_first: bool, ctx: Context):
-    """(‖W_i‖_F² per example in float64, the per-example gradients W_i or None, the rounding
-    term of :meth:`SquaredNorms.add_rounding` or None), by the cheaper exact form: W_i = G_iᵀA_i
+    """(‖W_i‖_F² per example in float64, the per-example gradients W_i or None, the magnitudes
+    β_i² of :meth:`SquaredNorms.add_rounding` or None), by the cheaper exact form: W_i = G_iᵀA_i
     materialised, or the ghost Σ_{t,s}(a_t·a_s)(g_t·g_s), whose clipped sum is one product over
-    B·T (example, position) terms: (γ_{B·T+1}·β_i)², β_i = Σ_t ‖a_t‖·‖g_t‖."""
+    the batch's (example, position) terms (T per example) and a multiply by f_i:
+    β_i = Σ_t ‖a_t‖·‖g_t‖."""
     if channels_first:  # A [B, d, T], G [B, c, T]
         B, d, T = A.shape
         c = G.shape[1]
@@ -353,7 +365,7 @@ def weight_sq_norms(A: torch.Tensor, G: torch.Tensor, channels_first: bool, ctx:
     allowance = 2 * (d + c + 2 * T + 4) * u * beta.square()
     # The clipped sum's product (GhostPart) passes each term f_i·g_t·a_tᵀ through B·T + 1 roundings
     # (f_i·g_t, the product, B·T − 1 additions in any order): β_i bounds the magnitudes it rounds.
-    return sq + allowance, None, (gamma(B * T + 1) * beta).square()
+    return sq + allowance, None, beta.square()
 
 
 # -- normalisation layers (GroupNorm, LayerNorm) ----------------------------------------------------

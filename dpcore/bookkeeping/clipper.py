@@ -153,19 +153,29 @@ class BookKeepingClipper:
                 raise Unsupported(f"layer {name} does not see the batch on dim 0 with gradients")
         return out, {name: rec[0][:2] for name, rec in records.items()}
 
-    def clipped_sum(self, x: torch.Tensor, y: torch.Tensor, clip_norm: float, out: dict[str, torch.Tensor]) -> int:
+    def clipped_sum(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        clip_norm: float,
+        out: dict[str, torch.Tensor],
+        batch_size: int | None = None,
+    ) -> int:
         """Add Σ_i clip(g_i) into ``out`` (a dict of parameter name → tensor). Returns the
-        number of examples skipped for a non-finite gradient."""
+        number of examples skipped for a non-finite gradient. ``batch_size``: the configured
+        physical batch size, at least the batch's (the default), at which the bound on rounding
+        is taken (:func:`dpcore.clipping.rounding_floor`)."""
         if x.shape[0] == 0:
             return 0
-        sq, parts, exact = self._measure(x, y, clip_norm)
+        sq, parts, exact = self._measure(x, y, clip_norm, batch_size)
         factors, finite = clip_factors(sq.sqrt(), clip_norm)
         n_bad = self.nonfinite(finite)  # the batch's one read of the device
         if exact is not None and n_bad:
-            # A norm is not finite: a float32 square may have overflowed, so every row norm is
+            # A norm is not finite: a float32 square may have overflowed, so the row norms are
             # measured again in float64 (as measure() does), and the count read again.
-            del sq, parts, factors, finite  # the first pass's per-example gradients go first
-            sq, parts = exact()
+            del parts, factors, finite  # the first pass's per-example gradients go first
+            first, (sq, parts) = sq, exact()
+            sq = self.kept_where_finite(first, sq)
             factors, finite = clip_factors(sq.sqrt(), clip_norm)
             n_bad = self.nonfinite(finite)
         del exact  # the activations and output gradients it holds
@@ -197,18 +207,30 @@ class BookKeepingClipper:
             torch._foreach_add_(targets, values)
         return n_bad
 
-    def measure(self, x: torch.Tensor, y: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, list]:
+    def measure(
+        self, x: torch.Tensor, y: torch.Tensor, clip_norm: float, batch_size: int | None = None
+    ) -> tuple[torch.Tensor, list]:
         """(each example's squared gradient norm, float64 [B]; each layer's part). The parts give
         Σ_i f_i·grad_i for any factors through :meth:`contributions`. ``clip_norm`` sets the
-        precision the norms need (see :func:`dpcore.bookkeeping.base.row_sq_norms`)."""
-        sq, parts, exact = self._measure(x, y, clip_norm)
+        precision the norms need (see :func:`dpcore.bookkeeping.base.row_sq_norms`);
+        ``batch_size`` as in :meth:`clipped_sum`."""
+        sq, parts, exact = self._measure(x, y, clip_norm, batch_size)
         if exact is not None and not bool(torch.isfinite(sq).all()):
-            # A float32 square overflowed (or a gradient is not finite): all row norms in float64.
-            del sq, parts  # the first pass's per-example gradients go before the second's are made
-            sq, parts = exact()
+            # A float32 square overflowed (or a gradient is not finite): the row norms in float64.
+            del parts  # the first pass's per-example gradients go before the second's are made
+            first, (sq, parts) = sq, exact()
+            sq = self.kept_where_finite(first, sq)
         return sq, parts
 
-    def _measure(self, x: torch.Tensor, y: torch.Tensor, clip_norm: float):
+    @staticmethod
+    def kept_where_finite(first: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+        """The first pass's squared norms where they are finite, the float64 pass's elsewhere: an
+        example's norm, and so its factor, never depends on whether another example in its batch
+        overflowed (the per-example gradients are the same in both passes; only how their rows
+        are measured differs)."""
+        return torch.where(torch.isfinite(first), first, exact)
+
+    def _measure(self, x: torch.Tensor, y: torch.Tensor, clip_norm: float, batch_size: int | None):
         """:meth:`measure` without its read of the device: (sq, parts, exact), ``exact`` None
         where every row norm was summed in float64, else a callable that measures the batch
         again that way, for a batch where a float32 square may have overflowed (a norm that is
@@ -229,18 +251,20 @@ class BookKeepingClipper:
         # the clipped sum (per-example gradients, or the activations of a ghost form).
         ctx = Context(clip_norm=clip_norm, max_elements=self.MAX_PER_EXAMPLE_ELEMENTS)
         with formulas(x):  # autocast off, whatever region the caller opened
-            sq, parts = self._forms(rec, grads, x, ctx)
+            sq, parts = self._forms(rec, grads, x, ctx, batch_size)
         if not ctx.float32_rows:
             return sq, parts, None
 
         def exact():
             with formulas(x):
-                return self._forms(rec, grads, x, Context(clip_norm, ctx.max_elements, exact_rows=True))
+                return self._forms(rec, grads, x, Context(clip_norm, ctx.max_elements, exact_rows=True), batch_size)
 
         return sq, parts, exact
 
-    def _forms(self, rec: dict, grads, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, list]:
-        sq = SquaredNorms(x.shape[0], x.device)
+    def _forms(
+        self, rec: dict, grads, x: torch.Tensor, ctx: Context, batch_size: int | None
+    ) -> tuple[torch.Tensor, list]:
+        sq = SquaredNorms(x.shape[0], x.device, batch_size)
         parts = []
         for (name, m, form), g in zip(self.layers, grads):
             a, z = rec[name]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..clipping import gamma
 from ..layers import WS_EPS
 from .base import GhostPart, bias_per_example, by_channel
 from .conv import ConvForm, conv_per_example
@@ -68,8 +67,11 @@ class WSJacobian:
         share above C."""
         return self.centred_sq_norms(*centred(A, G))
 
-    def centred_sq_norms(self, A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-        """:meth:`ghost_sq_norms` from the operands :func:`centred` made."""
+    def centred_sq_norms(
+        self, A: torch.Tensor, G: torch.Tensor, magnitudes: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """:meth:`ghost_sq_norms` from the operands :func:`centred` made (``magnitudes``: their
+        :meth:`filter_magnitudes`, if already formed)."""
         B, n, T = A.shape
         flat = A.transpose(0, 1).reshape(n, B * T)  # no copy where A came from centred()
         aa = A.transpose(1, 2) @ A  # [B, T, T]
@@ -78,7 +80,7 @@ class WSJacobian:
         # product would be only T wide).
         w_a = (self.w_hat @ flat).view(-1, B, T)  # [out, B, T]: ŵ_oᵀÃ_t
         w_v = (w_a * G.transpose(0, 1)).sum(2).t()  # [B, out]: ŵ_oᵀṽ_o = Σ_t g_t·ŵ_oᵀÃ_t
-        bound = self.filter_magnitudes(A, G).square()
+        bound = (self.filter_magnitudes(A, G) if magnitudes is None else magnitudes).square()
         allowance = 8.0 * (self.n + T) * torch.finfo(torch.float64).eps * bound
         per_filter = (vv - (2.0 - self.kappa) * w_v.square() / self.n + allowance).clamp_min(0.0)
         return (per_filter / self.s.view(1, -1).square()).sum(1)
@@ -89,15 +91,15 @@ class WSJacobian:
         filter o's per-example gradient add up to in magnitude."""
         return (G.abs() * torch.linalg.vector_norm(A, dim=1, keepdim=True)).sum(2)
 
-    def rounding(self, A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-        """The rounding term of :meth:`~dpcore.bookkeeping.base.SquaredNorms.add_rounding` for
-        the clipped sum: one product over B·T (example, position) terms, then the VJP. Filter o's
-        error e_o maps to P(e_o)/s_o, P a projection (norm ≤ 1), and the VJP's own rounding of
-        the sum (a mean over n, ŵᵀv over n, three updates) is within 3·γ_{n+4} of its size: so
-        (γ_k·β_i)² with k = B·T + 3·(n + 4) and β_i² = Σ_o (Σ_t ‖Ã_t‖·|g_{t,o}|)²/s_o²."""
-        B, _, T = A.shape
-        beta_sq = (self.filter_magnitudes(A, G) / self.s.view(1, -1)).square().sum(1)
-        return gamma(B * T + 3 * (self.n + 4)) ** 2 * beta_sq
+    def add_rounding(self, sq, magnitudes: torch.Tensor, positions: int) -> None:
+        """Add into ``sq`` (:meth:`~dpcore.bookkeeping.base.SquaredNorms.add_rounding`) the
+        rounding of the clipped sum: one product over the batch's (example, position) terms, then
+        the VJP. Filter o's error e_o maps to P(e_o)/s_o, P a projection (norm ≤ 1), and the
+        VJP's own rounding of the sum (a mean over n, ŵᵀv over n, three updates) is within
+        3·γ_{n+4} of its size: so γ_k with k = (batch)·T + 3·(n + 4), and
+        β_i² = Σ_o (Σ_t ‖Ã_t‖·|g_{t,o}|)²/s_o² from the :meth:`filter_magnitudes`."""
+        beta_sq = (magnitudes / self.s.view(1, -1)).square().sum(1)
+        sq.add_rounding(beta_sq, terms=positions, more=3 * (self.n + 4))
 
 
 class WSConvForm(ConvForm):
@@ -112,6 +114,7 @@ class WSConvForm(ConvForm):
         # discards the mean direction (ŵ ⟂ 1), so the sum is the same as with the patches as
         # recorded, and the float64 copy is made once.
         A, G = centred(A, G)
-        sq += jac.centred_sq_norms(A, G)
-        sq.add_rounding(jac.rounding(A, G))
+        magnitudes = jac.filter_magnitudes(A, G)
+        sq += jac.centred_sq_norms(A, G, magnitudes)
+        jac.add_rounding(sq, magnitudes, positions=A.shape[2])
         return GhostPart(m, A, G, True, bias_g, post=jac.vjp)

@@ -166,7 +166,7 @@ def _fedavg_scores(dim, canaries, reps, sigma, q, clip, seed, workers):
     ledger = _scratch_ledger()
     probe = torch.zeros(dim)
     probe[0] = 3.0 * clip
-    clipped_value = float(clip_update(probe, clip)[0][0])  # what the client sends: S(1 − 1e-6)
+    clipped_value = float(clip_update(probe, clip)[0][0])  # what the client sends: S(1 − m), m = CLIP_MARGIN
     scores, inside = [], []
     for r in range(reps):
         inc = _membership(members, dim, canaries)

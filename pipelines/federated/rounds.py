@@ -116,7 +116,9 @@ def run_federated(cfg: FederatedConfig | None = None, faults: ActorFault | None 
         history, round_seconds = [], []
         done, pool = 0, None
         audit = None
-        if cfg.audit_canaries:  # canary clients, simulated on the server: their clipped update is S(1 − 1e-6)·e_j
+        if (
+            cfg.audit_canaries
+        ):  # canary clients, simulated on the server: their clipped update is S(1 − m)·e_j (m = CLIP_MARGIN)
             coords = torch.randperm(d, generator=torch.Generator().manual_seed(cfg.init_seed + 7919))[
                 : cfg.audit_canaries
             ]
@@ -175,7 +177,7 @@ def run_federated(cfg: FederatedConfig | None = None, faults: ActorFault | None 
                             torch.full((len(joined),), s * (1.0 - dpcore.clipping.CLIP_MARGIN), dtype=torch.float64),
                         )
                         count += len(joined)
-                        bits = None if bits is None else bits + len(joined)  # ‖S(1 − 1e-6)e_j‖ ≤ S
+                        bits = None if bits is None else bits + len(joined)  # ‖S(1 − m)e_j‖ ≤ S
                     noised = dp.release(total, count=count, bits_sum=bits, step=r)
                     if audit is not None:  # white-box score: the released update along each canary's coordinate
                         audit["scores"] += noised[audit["coords"]].double()

@@ -311,6 +311,9 @@ class Worker:
             # (Whether the first-batch check later fell back to vmap depends on the private data,
             # so it is not logged here: only the workers' warning says so.)
             self.tracker.tag("clipping.chosen", self.private.optimizer.clipping)
+            # The most one example can move a lot's computed sum, in units of C, with every rounding
+            # (dpcore.clipping.float_sensitivity): from N, the physical batch size and the workers.
+            self.tracker.tag("clipping.float_sensitivity", f"{self.private.optimizer.float_sensitivity:.7f}")
             if self.cfg.model.startswith("hf:"):  # 'auto' was resolved by the plan, from the model folder (public)
                 self.tracker.tag("text.pooling", self.model.pooling)
             if fitted is not None:

@@ -534,8 +534,8 @@ def test_a_ghost_norm_is_never_below_the_exact_one_when_positions_cancel(channel
         G = torch.stack([g, -(g * (1 - 2.0**-22))], 1 if channels_first else 0).unsqueeze(0)
         Ad, Gd = (A[0].T, G[0].T) if channels_first else (A[0], G[0])
         exact = float((Gd.double().T @ Ad.double()).norm())
-        sq, W, rounding = weight_sq_norms(A, G, channels_first, Context(clip_norm=1.0, max_elements=0))
-        assert W is None and rounding is not None  # the ghost form, with its rounding term
+        sq, W, magnitude_sq = weight_sq_norms(A, G, channels_first, Context(clip_norm=1.0, max_elements=0))
+        assert W is None and magnitude_sq is not None  # the ghost form, with its terms' magnitudes
         assert float(sq.sqrt()) >= exact
 
 

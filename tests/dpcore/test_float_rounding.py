@@ -14,17 +14,22 @@ from torch import nn
 
 import dpcore
 from dpcore.bookkeeping.base import Context, SquaredNorms, weight_and_bias
+from dpcore.bookkeeping.clipper import BookKeepingClipper
 from dpcore.bookkeeping.embedding import EmbeddingForm
-from dpcore.bookkeeping.wsconv import WSJacobian, centred
+from dpcore.bookkeeping.wsconv import WSConvForm, WSJacobian, centred
 from dpcore.clipping import (
     CLIP_MARGIN,
     NORM_ERROR,
     ROUNDING_SHARE,
+    bound_for_pieces,
     clip_factors,
     covered_lot_size,
     float_sensitivity,
     gamma,
+    per_sample_norms,
+    rounding_floor,
 )
+from dpcore.grad_sample import PerSampleGradients
 from dpcore.layers import WSConv2d
 
 from ..helpers import ce
@@ -62,11 +67,11 @@ def test_the_readme_states_the_covered_lot_sizes_it_computes():
         assert stated in readme, (batch, stated)
 
 
-def _ghost_linear(G, A):
+def _ghost_linear(G, A, rounding_batch=None):
     """A Linear layer's ghost form on [B, T, d] inputs A and [B, T, c] output gradients G:
     (the squared norms to clip on, the plain squared norms, the part)."""
     m = nn.Linear(A.shape[2], G.shape[2], bias=False)
-    sq = SquaredNorms(A.shape[0], A.device)
+    sq = SquaredNorms(A.shape[0], A.device, rounding_batch)
     part = weight_and_bias(m, A, G, False, sq, Context(clip_norm=1.0, max_elements=0))
     plain = torch.stack(sq.terms).sum(0)
     return sq.total(), plain, part
@@ -99,31 +104,151 @@ def test_a_ghost_example_whose_positions_cancel_takes_at_most_its_share_of_round
 
 
 def test_natural_ghost_examples_keep_their_norms():
-    """Random inputs and gradients over 64 positions (β/‖g‖ near √T = 8, far below ρ/γ): the
-    cap changes no example's norm."""
+    """Random inputs and gradients over 64 positions (β/‖g‖ near √T = 8), counted at a
+    configured batch of 64 (ρ/γ_{64·64+1} = 128): the cap changes no example's norm. (It binds
+    for natural examples where B·T^1.5 nears 2¹⁹: README, "What the guarantee does not cover".)"""
     torch.manual_seed(4)
     A, G = torch.randn(16, 64, 32), torch.randn(16, 64, 24)
-    total, plain, _ = _ghost_linear(G, A)
+    total, plain, _ = _ghost_linear(G, A, rounding_batch=64)
     assert torch.equal(total, plain)
+    beta = (A.double().norm(dim=2) * G.double().norm(dim=2)).sum(1)
+    ratio = beta / plain.sqrt()
+    assert float(ratio.max()) < 16 < ROUNDING_SHARE / gamma(64 * 64 + 1) / 4  # not near the cap
 
 
 def test_a_weight_standardised_ghost_form_adds_the_rounding_of_its_product_and_vjp():
     """The WSConv2d ghost form's rounding term: γ_k²·Σ_o (Σ_t ‖Ã_t‖·|g_{t,o}|)²/s_o² with
-    k = B·T + 3·(n + 4), computed here from the patches directly."""
+    k = B·T + 3·(n + 4) at the configured batch B, computed here from the patches directly, and
+    folded into the norms the form's examples are clipped on."""
     torch.manual_seed(5)
     m = WSConv2d(3, 5, 3, padding=1).double()
     a, g = torch.randn(2, 3, 6, 6, dtype=torch.float64), torch.randn(2, 5, 6, 6, dtype=torch.float64)
     A = torch.nn.functional.unfold(a, 3, padding=1)  # [B, n=27, T=36]
+    sq = SquaredNorms(2, A.device, rounding_batch=4)
+    WSConvForm().ghost(m, A, g.reshape(2, 5, -1), sq, Context(clip_norm=1.0, max_elements=0))
     jac = WSJacobian(m)
     Ac, Gc = centred(A, g.reshape(2, 5, -1))
-    got = jac.rounding(Ac, Gc)
     s = jac.s.view(-1)
     want = torch.zeros(2, dtype=torch.float64)
     for i in range(2):
         for o in range(5):
             mag = sum(float(Ac[i, :, t].norm()) * abs(float(Gc[i, o, t])) for t in range(36))
             want[i] += (mag / float(s[o])) ** 2
-    torch.testing.assert_close(got, gamma(2 * 36 + 3 * (27 + 4)) ** 2 * want, rtol=1e-12, atol=0)
+    plain = (
+        torch.stack(sq.terms).sum(0) + torch.linalg.vector_norm(torch.cat(sq.rows[torch.float64], 1), dim=1).square()
+    )
+    extra = gamma(4 * 36 + 3 * (27 + 4)) ** 2 * want
+    torch.testing.assert_close(sq.total(), rounding_floor(plain, 4, extra), rtol=1e-12, atol=0)
+    ((terms, more, magnitude_sq),) = sq.rounding
+    assert (terms, more) == (36, 3 * (27 + 4))
+    torch.testing.assert_close(magnitude_sq, want, rtol=1e-12, atol=0)
+
+
+def _ghost_model(d=8, c=4):
+    """A Linear layer over T positions whose outputs are summed: book-keeping's ghost form
+    where materialising is over budget (``max_elements=0``)."""
+
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(d, c, bias=False, dtype=torch.float64)
+
+        def forward(self, x):
+            return self.lin(x).sum(1)
+
+    return Positions()
+
+
+def test_an_examples_factor_does_not_depend_on_how_many_examples_share_its_batch():
+    """Example 0's two positions nearly cancel, so its rounding cap binds. Its norm to clip on,
+    and every other example's, is the same in a batch of 5 and in the batch without example 4
+    (the last batch of a Poisson lot, which one example more or less shortens): the cap is
+    taken at the configured physical batch size (8), bit for bit. At each batch's own size it
+    is not (what the clipper did before)."""
+    torch.manual_seed(7)
+    model = _ghost_model()
+    clipper = BookKeepingClipper(model, ce)
+    clipper.MAX_PER_EXAMPLE_ELEMENTS = 0  # the ghost form
+    x = torch.randn(5, 2, 8, dtype=torch.float64)
+    x[0, 1] = -(1 - 2.0**-40) * x[0, 0]  # example 0: positions that cancel
+    y = torch.randint(0, 4, (5,))
+    full, _ = clipper.measure(x, y, 1.0, batch_size=8)
+    short, _ = clipper.measure(x[:4], y[:4], 1.0, batch_size=8)
+    exact = per_sample_norms(PerSampleGradients(model, ce)(x, y)).square()
+    assert float(full[0]) > 1e6 * float(exact[0])  # example 0 is capped
+    torch.testing.assert_close(full[1:], exact[1:], rtol=1e-12, atol=0)  # the others are not
+    assert torch.equal(full[:4], short)
+    own_full, _ = clipper.measure(x, y, 1.0)
+    own_short, _ = clipper.measure(x[:4], y[:4], 1.0)
+    assert not torch.equal(own_full[:4], own_short)
+    with pytest.raises(ValueError, match="exceeds the physical batch size"):
+        clipper.measure(x, y, 1.0, batch_size=4)
+
+
+def test_removing_an_example_moves_the_lots_sum_by_its_share_alone_when_the_cap_scales_every_norm(monkeypatch):
+    """The vmap path's cap (γ_{B+2} > ρ: every norm scaled by γ/ρ) made large enough to bind
+    by a smaller ρ, between γ_6 and γ_7, for a DPOptimizer with physical batches of 8: a lot of
+    5 examples and the same lot without its last one differ by that example's clipped share
+    alone (to float64 rounding), since the factors are taken at the configured batch size. At
+    the batch's own size, the other four examples' factors would change with it (γ_7 > ρ >
+    γ_6): a difference far above C."""
+    monkeypatch.setattr(dpcore.clipping, "ROUNDING_SHARE", 6.5 * 2.0**-53)
+    torch.manual_seed(8)
+    x, y = torch.randn(5, 3) * 10, torch.randint(0, 2, (5,))
+
+    def lot_sum(n):
+        model = nn.Linear(3, 2)
+        torch.nn.init.constant_(model.weight, 0.5)
+        torch.nn.init.zeros_(model.bias)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = _optimizer(1000, 8, model=model, clipping="vmap")
+        opt.accumulate(x[:n], y[:n])
+        return torch.cat([opt.lot.sums[k].flatten() for k in ("weight", "bias")]), opt
+
+    with_it, opt = lot_sum(5)
+    without, _ = lot_sum(4)
+    per_sample = opt.grad_sampler(x[4:], y[4:])
+    share, _ = dpcore.clipping.clipped_sum(per_sample, 1.0, batch_size=8)
+    share = torch.cat([share[k].flatten() for k in ("weight", "bias")])
+    assert float(share.norm()) <= 1.0
+    torch.testing.assert_close(with_it - without, share, rtol=0, atol=1e-12)
+
+
+def test_a_batch_remeasured_for_an_overflow_keeps_the_other_examples_norms():
+    """Example 0's inputs are so large that its float32 squares overflow, so the batch's rows
+    are measured again in float64; the other examples keep the norms their float32 measurement
+    gave, bit for bit (as in a batch without example 0), and example 0 is clipped, not skipped."""
+    torch.manual_seed(9)
+
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 4, bias=False)
+
+        def forward(self, x):
+            return self.lin(x).sum(1)
+
+    clipper = BookKeepingClipper(Positions(), ce)
+    x, y = torch.randn(4, 2, 8), torch.randint(0, 4, (4,))
+    x[0] *= 1e20
+    sq, _ = clipper.measure(x, y, 1.0)
+    alone, _ = clipper.measure(x[1:], y[1:], 1.0)
+    assert torch.isfinite(sq).all()
+    assert torch.equal(sq[1:], alone)
+    sums = {}
+    assert clipper.clipped_sum(x, y, 1.0, sums) == 0
+    rest = {}
+    clipper.clipped_sum(x[1:], y[1:], 1.0, rest)
+    assert float((sums["lin.weight"] - rest["lin.weight"]).norm()) <= 1.0
+
+
+def test_a_non_finite_norm_or_an_overflowing_floor_skips_the_example():
+    sq = torch.tensor([float("nan"), 1.0, 4.0], dtype=torch.float64)
+    floor = rounding_floor(sq, 8, torch.tensor([0.0, 0.0, 1e300], dtype=torch.float64))
+    assert math.isnan(float(floor[0])) and float(floor[1]) == 1.0 and math.isinf(float(floor[2]))
+    factors, finite = clip_factors(floor.sqrt(), 1.0)
+    assert finite.tolist() == [False, True, False] and factors.tolist()[0] == factors.tolist()[2] == 0.0
 
 
 def test_a_token_tables_batch_sum_has_one_row_per_token():
@@ -147,8 +272,8 @@ def test_a_token_tables_batch_sum_has_one_row_per_token():
     torch.testing.assert_close(update.dense(), want, rtol=1e-12, atol=1e-14)
 
 
-def _optimizer(dataset_size, batch):
-    model = nn.Linear(3, 2)
+def _optimizer(dataset_size, batch, model=None, **kw):
+    model = nn.Linear(3, 2) if model is None else model
     return dpcore.DPOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1),
         model=model,
@@ -160,6 +285,7 @@ def _optimizer(dataset_size, batch):
         randomness=dpcore.SeededRandomness(0),
         ledger=dpcore.PrivacyLedger(None, 1e-5),
         physical_batch_size=batch,
+        **kw,
     )
 
 
@@ -173,3 +299,30 @@ def test_the_optimizer_warns_where_the_dataset_could_form_an_uncovered_lot():
     assert opt.float_sensitivity > 1
     with pytest.warns(UserWarning, match="floating point"):  # a smaller physical batch covers less
         _optimizer(600_000, 256).physical_batch_size = 1
+
+
+def test_a_lot_added_in_more_pieces_than_physical_batches_is_bounded_for_its_pieces():
+    """Each piece passed to accumulate is its own batch sum, one more rounding of the lot's:
+    the optimizer counts them (on the host) and, where a lot took more than ⌈N/B⌉, takes the
+    bound for that many, with the warning where it exceeds 1."""
+    opt = _optimizer(100, 4)
+    x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    for k in range(3):
+        opt.accumulate(x[2 * k : 2 * k + 2], y[2 * k : 2 * k + 2])
+    assert opt.lot.batch_sums == 3
+    opt.step()
+    assert opt.lot.batch_sums == 0 and opt.float_sensitivity == float_sensitivity(100, 4)
+    n = 100_000
+    full = float_sensitivity(n, 256)
+    assert bound_for_pieces(full, n, 256, 1, math.ceil(n / 256)) == full
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="floating point")
+        assert bound_for_pieces(full, n, 256, 1, n) == float_sensitivity(n, 256, sums=n) < 1  # pieces of 1
+    with pytest.warns(UserWarning, match="added in 5,000,000 pieces"):
+        assert bound_for_pieces(full, n, 256, 1, 5_000_000) > 1
+    opt = _optimizer(n, 256)
+    opt.accumulate(x, y)
+    opt.lot.batch_sums = 5_000_000  # as if the lot had come in that many pieces
+    with pytest.warns(UserWarning, match="added in 5,000,000 pieces"):
+        opt.step()
+    assert opt.float_sensitivity == float_sensitivity(n, 256, sums=5_000_000) > 1

@@ -97,6 +97,8 @@ def test_lora_on_the_real_corpus_on_a_ray_worker(corpus, minilm, tmp_path, runs,
     mlflow.set_tracking_uri(cfg.tracking_uri)
     run_ = mlflow.get_run(out["run_id"])
     assert run_.data.tags.get("clipping.chosen") == "bookkeeping"
+    # the floating-point bound for 256 examples: the share (1 − 10⁻⁴)·C and almost nothing more
+    assert 1 - 1e-4 < float(run_.data.tags["clipping.float_sensitivity"]) < 1 - 0.99e-4
     # pooling 'auto', resolved once by the plan from the model folder (it declares mean pooling)
     assert out["spec"].config["pooling"] == "mean" and run_.data.tags.get("text.pooling") == "mean"
     assert out["registered_model"].startswith("dp-spamassassin-hf_all-MiniLM-L6-v2 v")
