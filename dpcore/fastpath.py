@@ -3,9 +3,10 @@
 Book-keeping clipping (:mod:`dpcore.bookkeeping`) gets each example's norm from one forward and
 one activation-only backward. It assumes the model treats the examples of a batch
 independently along dim 0, which no cheap check can prove, so :class:`CheckedBookKeeping`
-trusts it only after its formulas matched the per-example (vmap) reference, in float64, on the
-first real physical batch of two or more examples. On any difference, or anything it cannot
-handle at run time, it warns and the step stays on the vmap path for good.
+trusts it only after its formulas matched the per-example (vmap) reference, in float64, before
+the first physical batch is summed: on inputs shaped like that batch's but drawn from a fixed
+seed, so that the path a run takes does not depend on its private data. On any difference, or
+anything it cannot handle at run time, it warns and the step stays on the vmap path for good.
 """
 
 from __future__ import annotations
@@ -50,10 +51,35 @@ def choose_clipping(
     return clipping
 
 
-# The first batch's check runs the formulas on a float64 copy of the model, on this many of the
-# batch's examples (all of them if fewer): enough for any mixing of examples to show, and cheap
-# beside the run (the vmap reference in float64 is the check's cost).
+# The check runs the formulas on a float64 copy of the model, on this many examples: enough for any
+# mixing of examples to show, and cheap beside the run (the vmap reference in float64 is its cost).
 CHECK_EXAMPLES = 8
+# The check's inputs are drawn from this seed (on the CPU, then moved), in the first batch's shapes
+# and dtypes (:func:`check_inputs`).
+CHECK_SEED = 20_231
+
+
+def check_inputs(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``CHECK_EXAMPLES`` inputs and labels for the formula check, made like ``xb`` and ``yb`` but
+    from ``CHECK_SEED`` alone: nothing of the batch is read but its shapes, dtypes and device.
+    Features are standard normal, token ids lie below the model's smallest token table (2
+    without one), integer labels are 0 or 1 (valid for any classifier), and float targets lie in
+    [0, 1) (valid for a binary cross-entropy as for a regression)."""
+    gen = torch.Generator().manual_seed(CHECK_SEED)
+    tables = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+
+    def draw(like: torch.Tensor, features: bool) -> torch.Tensor:
+        shape = (CHECK_EXAMPLES, *like.shape[1:])
+        if like.is_floating_point():
+            t = (torch.randn if features else torch.rand)(shape, generator=gen, dtype=like.dtype)
+        else:
+            high = min(tables, default=2) if features and like.dtype != torch.bool else 2
+            t = torch.randint(0, high, shape, generator=gen).to(like.dtype)
+        return t.to(like.device)
+
+    return draw(xb, True), draw(yb, False)
+
+
 # In float64 the two paths agree to ~1e-16 of the scale where the formulas are right (measured
 # on ResNet-9 and WRN-16-4, whose float32 backward is ill-conditioned; docs/benchmarks/README.md);
 # a wrong formula, a mixing of examples or an in-place edit parts them by orders of magnitude more.
@@ -61,7 +87,8 @@ FORMULA_RTOL = 1e-9
 
 
 class CheckedBookKeeping:
-    """Book-keeping clipping, used once its formulas agreed with the vmap reference on a real batch.
+    """Book-keeping clipping, used once its formulas agreed with the vmap reference (on the check's
+    inputs, :func:`check_inputs`).
 
     What the check proves, and what it leaves to rounding. Book-keeping's clip factor for an
     example is computed from the norm of the very vector it adds for that example (the
@@ -76,8 +103,8 @@ class CheckedBookKeeping:
     the vmap reference, to :data:`FORMULA_RTOL` of their scale. (Comparing the float32 sums
     with each other instead would measure the two paths' rounding: on an ill-conditioned float32
     network the per-example and the batched backward part by far more than the formulas do.)
-    A model that cannot be copied or run in float64 is compared in float32 on the whole batch,
-    to 1e-5 of the sum's scale. (With a bf16 forward, the float64 check is the same: autocast
+    A model that cannot be copied or run in float64 is compared in float32, to 1e-5 of the sum's
+    scale. (With a bf16 forward, the float64 check is the same: autocast
     leaves float64 alone.) The float32 kernels are tested on their own
     (``tests/dpcore/test_native_kernel.py``, ``tests/dpcore/test_bookkeeping_clipping.py``).
     """
@@ -96,10 +123,13 @@ class CheckedBookKeeping:
         gives the per-example gradients of the vmap path; ``batch_size``, the configured
         physical batch size (:func:`dpcore.clipping.clipped_sum`)."""
         try:
-            if self.verified:
-                return self.clipper.clipped_sum(xb, yb, self.clip_norm, out, batch_size)
-            if xb.shape[0] >= 2:
-                return self._verify(xb, yb, out, reference, batch_size)
+            if not self.verified:
+                why = self._verify(xb, yb, reference)
+                if why:
+                    self._leave(why)
+                    return None
+                self.verified = True
+            return self.clipper.clipped_sum(xb, yb, self.clip_norm, out, batch_size)
         except bookkeeping.Unsupported as e:  # raised before anything is added
             self._leave(str(e))
         return None
@@ -110,33 +140,20 @@ class CheckedBookKeeping:
         )
         self.active = False
 
-    def _verify(
-        self, xb: torch.Tensor, yb: torch.Tensor, out: Sums, reference: Callable, batch_size: int | None
-    ) -> int:
-        """Check the formulas on this batch; keep book-keeping only if they agree. The sum added
-        is the path that will be used from here on: book-keeping's if they agree, else the
-        reference. (So a run restored from a checkpoint, which verifies again on its first batch,
-        adds bit for bit what the uninterrupted run added there.)"""
-        fast: Sums = {}
-        fast_bad = self.clipper.clipped_sum(xb, yb, self.clip_norm, fast, batch_size)
-        why = self.formulas_disagree(xb[:CHECK_EXAMPLES], yb[:CHECK_EXAMPLES])
-        ref: Sums | None = None
-        if why is None:  # no float64 copy: both paths from the float32 model, on the whole batch
-            ref, bad = clipped_sum(reference(xb, yb), self.clip_norm, batch_size=batch_size)
-            why = (
-                ""
-                if self._agree(fast, fast_bad, ref, bad)
-                else "its clipped sum differs from the per-example (vmap) reference"
-            )
-        if why:
-            if ref is None:
-                ref, bad = clipped_sum(reference(xb, yb), self.clip_norm, batch_size=batch_size)
-            self._leave(why)
-        else:
-            self.verified = True
-        for k, v in (ref if why else fast).items():
-            out[k].add_(v.to(out[k].dtype))
-        return bad if why else fast_bad
+    def _verify(self, xb: torch.Tensor, yb: torch.Tensor, reference: Callable) -> str:
+        """Why the formulas disagree with the vmap reference ("" if they agree), checked on
+        inputs shaped like the first batch's but drawn from a fixed seed (:func:`check_inputs`),
+        never on the batch itself: which path the run takes, and so how its per-example
+        gradients are rounded, must not depend on the private data."""
+        x, y = check_inputs(self.model, xb, yb)
+        why = self.formulas_disagree(x, y)
+        if why is None:  # no float64 copy: both paths from the float32 model
+            fast: Sums = {}
+            fast_bad = self.clipper.clipped_sum(x, y, self.clip_norm, fast)
+            ref, bad = clipped_sum(reference(x, y), self.clip_norm)
+            agree = self._agree(fast, fast_bad, ref, bad)
+            why = "" if agree else "its clipped sum differs from the per-example (vmap) reference"
+        return why
 
     def _agree(self, fast: Sums, fast_bad: int, ref: Sums, bad: int) -> bool:
         scale = max(float(v.abs().max()) for v in ref.values()) if ref else 0.0

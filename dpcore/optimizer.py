@@ -61,7 +61,7 @@ class DPOptimizer:
         add_noise, reduce_fn: in sharded training, only rank 0 adds noise, and ``reduce_fn``
             sums the tensors across ranks in place.
         clipping: ``"vmap"`` (default; any model), ``"bookkeeping"`` (Linear, Conv2d, WSConv2d,
-            GroupNorm; faster; checked against vmap on the first real batch) or ``"auto"``
+            GroupNorm; faster; checked against vmap at the first batch) or ``"auto"``
             (book-keeping where it applies, else vmap). :attr:`clipping` says which is in use.
         method, ascent, bam_variant: ``"dpsgd"``, ``"bam"`` or ``"dpsat"``, with λ or ρ (a
             number or a schedule of the 0-based step) and BAM's variant (:mod:`dpcore.methods`).

@@ -308,8 +308,8 @@ class Worker:
         self.tracker = MetricsFile(plan.run_dir) if rank == 0 else None
         if self.tracker is not None:
             # The path clipping="auto" chose from the model and method, before any data was seen.
-            # (Whether the first-batch check later fell back to vmap depends on the private data,
-            # so it is not logged here: only the workers' warning says so.)
+            # (Whether book-keeping's check later falls back to vmap is decided at the first batch,
+            # on inputs drawn from a fixed seed, not the batch: the workers' warning says so.)
             self.tracker.tag("clipping.chosen", self.private.optimizer.clipping)
             # The most one example can move a lot's computed sum, in units of C, with every rounding
             # (dpcore.clipping.float_sensitivity): from N, the physical batch size and the workers.

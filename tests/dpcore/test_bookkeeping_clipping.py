@@ -952,3 +952,30 @@ def test_small_rows_of_several_layers_are_summed_together_as_each_alone():
             r.param.shape
         )
         assert bool(((v.double() - alone.double()).abs() <= bound.double()).all())
+
+
+def test_the_check_reads_nothing_of_the_first_batch_but_its_shapes():
+    """The formula check runs on inputs drawn from a fixed seed in the batch's shapes and dtypes
+    (so the path a run takes cannot depend on its private data): the same for two batches of
+    different values and sizes, token ids within the model's table, labels 0 or 1, float targets
+    in [0, 1); and a first batch of one example is checked like any other."""
+    from dpcore.fastpath import CHECK_EXAMPLES, check_inputs
+
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Embedding(7, 4), nn.Flatten(), nn.Linear(12, 3))
+    x1, y1 = torch.randint(0, 7, (16, 3)), torch.randint(0, 3, (16,))
+    x2, y2 = torch.randint(0, 7, (5, 3)), torch.randint(0, 3, (5,))
+    a, b = check_inputs(model, x1, y1), check_inputs(model, x2, y2)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    assert a[0].shape == (CHECK_EXAMPLES, 3) and a[0].dtype == x1.dtype and 0 <= int(a[0].min()) <= int(a[0].max()) < 7
+    assert set(a[1].tolist()) <= {0, 1} and a[1].shape == (CHECK_EXAMPLES,)
+    xf, yf = check_inputs(nn.Linear(4, 1), torch.randn(9, 4, dtype=torch.float64), torch.rand(9, 1))
+    assert xf.dtype == torch.float64 and yf.dtype == torch.float32 and 0 <= float(yf.min()) <= float(yf.max()) < 1
+    opt = _bk_optimizer(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no fall-back
+        opt.accumulate(x1[:1], y1[:1])
+    assert opt._fast_verified and opt.clipping == "bookkeeping"
+    ref, _ = _reference(model, x1[:1], y1[:1], 0.01)
+    for k, v in ref.items():
+        assert torch.allclose(opt._sum[k].to(v.dtype), v, atol=1e-7)
