@@ -49,11 +49,34 @@ NORM_ERROR = 5.4e-7
 # ρ: the most rounding an example's terms may take within their physical batch, relative to C
 # (:func:`rounding_floor`). 2⁻³⁴ ≈ 5.8e-11 is γ_n of a sum of n ≈ 500,000 terms: a materialised
 # layer's batch sum (n = B + 2, B the configured physical batch size) never reaches it, and a ghost
-# form's (n = B·T + 1) reaches it only where β_i/‖g_i‖ exceeds ρ/γ_{B·T+1}: 128 at B = 64 and
-# T = 64, where natural examples give about √T = 8; they reach it where B·T^1.5 nears 2¹⁹
-# (docs/benchmarks/README.md).
+# form's (n = :func:`ghost_roundings`) reaches it only where β_i/‖g_i‖ exceeds ρ/γ_n, about 120
+# where natural examples give about √T (docs/benchmarks/README.md).
 ROUNDING_SHARE = 2.0**-34
 UNIT_ROUNDOFF = 2.0**-53  # float64
+
+
+# A ghost form's clipped sum runs over (example, position) terms in products of whole examples,
+# at most this many terms each where T allows (:func:`ghost_chunk` examples), whose results are
+# then added: each term passes through :func:`ghost_roundings` roundings, e·T + 1 + ⌈B/e⌉ (4,101
+# at B = 256, T = 64), where one product over the batch would take B·T + 1 (16,385 there). With
+# one product, ρ/γ_{B·T+1} ≈ 2¹⁹/(B·T) fell below the √T that natural examples give where B·T^1.5
+# nears 2¹⁹; in chunks the cap starts near β_i/‖g_i‖ = 128 (up to T = 4,096), above √T for T up to
+# about 6,000 positions.
+GHOST_CHUNK_TERMS = 4096
+
+
+def ghost_chunk(positions: int) -> int:
+    """How many examples a ghost form's product takes at a time: GHOST_CHUNK_TERMS // T, at least 1."""
+    return max(1, GHOST_CHUNK_TERMS // positions)
+
+
+def ghost_roundings(batch: int, positions: int) -> int:
+    """The most roundings a term of a ghost form's clipped sum passes through, in batches of up to
+    ``batch`` examples with ``positions`` positions each: its multiply by f_i, its product, the
+    additions within its chunk of e = :func:`ghost_chunk` examples (e·T − 1), and those of the
+    ⌈batch/e⌉ chunks' results; e·T + 1 + ⌈batch/e⌉ (one to spare), e at most ``batch``."""
+    e = min(ghost_chunk(positions), batch)
+    return e * positions + 1 + math.ceil(batch / e)
 
 
 def gamma(n: int) -> float:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..clipping import gamma, rounding_batch_size, rounding_floor, weighted_sum
+from ..clipping import gamma, ghost_chunk, ghost_roundings, rounding_batch_size, rounding_floor, weighted_sum
 
 
 class Unsupported(Exception):
@@ -55,22 +55,25 @@ class SquaredNorms:
         self.rows: dict[torch.dtype, list[torch.Tensor]] = {}
         self.rounding: list[tuple[int, int, torch.Tensor]] = []
 
-    def add_rounding(self, magnitude_sq: torch.Tensor, terms: int, more: int = 1) -> None:
-        """The rounding of a clipped sum whose terms are not the examples' shares: a product that
-        runs over ``terms`` terms per example in each batch (a ghost form's positions), whose
-        magnitudes add up to β_i for example i (``magnitude_sq``: β_i², float64 [B]), and then
-        through ``more`` roundings. :meth:`total` counts the batch's terms at the configured batch
-        size, k = rounding_batch·terms + more, and holds (γ_k·β_i)² to the example's share of the
-        margin. A form whose clipped sum adds anything but its examples' shares (each example's
-        exact contribution, as a materialised or one-position form adds it) must call this."""
+    def add_rounding(self, magnitude_sq: torch.Tensor, positions: int, more: int = 0) -> None:
+        """The rounding of a ghost form's clipped sum (:class:`GhostPart`), whose terms are not
+        the examples' shares but their per-position products: ``positions`` per example, whose
+        magnitudes add up to β_i for example i (``magnitude_sq``: β_i², float64 [B]), summed in
+        chunks of whole examples and then passed through ``more`` further roundings (a
+        standardisation's VJP). :meth:`total` counts the roundings at the configured batch size,
+        k = ghost_roundings(rounding_batch, positions) + more
+        (:func:`dpcore.clipping.ghost_roundings`), and holds (γ_k·β_i)² to the example's share of
+        the margin. A form whose clipped sum adds anything but its examples' shares (each
+        example's exact contribution, as a materialised or one-position form adds it) must call
+        this."""
         if magnitude_sq.shape != (self.batch,) or magnitude_sq.dtype != torch.float64:
             raise Unsupported(
                 f"a layer form added a rounding term of {magnitude_sq.dtype} {tuple(magnitude_sq.shape)}, "
                 f"not float64 ({self.batch},)"
             )
-        if terms < 1 or more < 0:
-            raise ValueError(f"a rounding term needs terms ≥ 1 and more ≥ 0 (got {terms}, {more})")
-        self.rounding.append((terms, more, magnitude_sq))
+        if positions < 1 or more < 0:
+            raise ValueError(f"a rounding term needs positions ≥ 1 and more ≥ 0 (got {positions}, {more})")
+        self.rounding.append((positions, more, magnitude_sq))
 
     def add_rows(self, rows: torch.Tensor) -> None:
         if rows.dim() != 2 or rows.shape[0] != self.batch:
@@ -105,8 +108,8 @@ class SquaredNorms:
         else:
             sq = terms[0].clone() if len(terms) == 1 else torch.stack(terms).sum(0)
         extra = None
-        for terms, more, magnitude_sq in self.rounding:
-            term = gamma(self.rounding_batch * terms + more) ** 2 * magnitude_sq
+        for positions, more, magnitude_sq in self.rounding:
+            term = gamma(ghost_roundings(self.rounding_batch, positions) + more) ** 2 * magnitude_sq
             extra = term if extra is None else extra + term
         return rounding_floor(sq, self.rounding_batch, extra)
 
@@ -245,12 +248,22 @@ class GhostPart(Part):
         # dpcore.clipping.weighted_sum, and over positions so that each example's share keeps the
         # norm the factor was computed for (float32 accumulation over many positions could exceed
         # the clipping margin, dpcore.clipping.CLIP_MARGIN).
-        if self.channels_first:  # (f·G) [c, example·position] times A [d, example·position]ᵀ: one matmul
+        # The product runs over whole examples, ghost_chunk(T) at a time, each chunk's result
+        # added into the sum: every term then passes through ghost_roundings(B, T) roundings
+        # (SquaredNorms.add_rounding counts them at the configured batch size), far fewer than the
+        # B·T + 1 of one product over the batch, so that natural examples stay clear of the cap.
+        if self.channels_first:  # (f·G) [c, example·position] times A [d, example·position]ᵀ
             Gf = by_channel(G, torch.float64).mul_(f.view(1, -1, 1))
-            w = Gf.view(Gf.shape[0], -1) @ channel_rows(A, torch.float64).t()
-        else:  # (f·G) over all (example, position) rows, transposed, times A: one matmul
+            X, Y = Gf.view(Gf.shape[0], -1), channel_rows(A, torch.float64).t()
+            T = G.shape[2]
+        else:  # (f·G) over the (example, position) rows, transposed, times A
             Gf = G.to(torch.float64) * f.view(-1, 1, 1)
-            w = Gf.reshape(-1, Gf.shape[2]).t() @ A.to(torch.float64).reshape(-1, A.shape[2])
+            X, Y = Gf.reshape(-1, Gf.shape[2]).t(), A.to(torch.float64).reshape(-1, A.shape[2])
+            T = G.shape[1]
+        step = ghost_chunk(T) * T
+        w = X[:, :step] @ Y[:step]
+        for k in range(step, X.shape[1], step):
+            w.addmm_(X[:, k : k + step], Y[k : k + step])
         if self.post is not None:  # the standardisation's VJP is linear: applied to the sum
             w = self.post(w)
         out = [("weight", w.reshape(self.m.weight.shape))]
@@ -314,7 +327,7 @@ def weight_and_bias(
     s, W, magnitude_sq = weight_sq_norms(A, G, channels_first, ctx)
     sq += s
     if magnitude_sq is not None:  # the ghost form: one product over (example, position), then the multiply
-        sq.add_rounding(magnitude_sq, terms=A.shape[2] if channels_first else A.shape[1])
+        sq.add_rounding(magnitude_sq, positions=A.shape[2] if channels_first else A.shape[1])
     bias_g = bias_per_example(m, G.sum(2 if channels_first else 1), sq)
     return MaterialisedPart(m, W, bias_g) if W is not None else GhostPart(m, A, G, channels_first, bias_g)
 
@@ -322,9 +335,8 @@ def weight_and_bias(
 def weight_sq_norms(A: torch.Tensor, G: torch.Tensor, channels_first: bool, ctx: Context):
     """(‖W_i‖_F² per example in float64, the per-example gradients W_i or None, the magnitudes
     β_i² of :meth:`SquaredNorms.add_rounding` or None), by the cheaper exact form: W_i = G_iᵀA_i
-    materialised, or the ghost Σ_{t,s}(a_t·a_s)(g_t·g_s), whose clipped sum is one product over
-    the batch's (example, position) terms (T per example) and a multiply by f_i:
-    β_i = Σ_t ‖a_t‖·‖g_t‖."""
+    materialised, or the ghost Σ_{t,s}(a_t·a_s)(g_t·g_s), whose clipped sum runs over the batch's
+    (example, position) terms (T per example), each multiplied by f_i: β_i = Σ_t ‖a_t‖·‖g_t‖."""
     if channels_first:  # A [B, d, T], G [B, c, T]
         B, d, T = A.shape
         c = G.shape[1]
@@ -363,8 +375,9 @@ def weight_sq_norms(A: torch.Tensor, G: torch.Tensor, channels_first: bool, ctx:
     beta = (torch.linalg.vector_norm(A64, dim=dim) * torch.linalg.vector_norm(G64, dim=dim)).sum(1)
     u = torch.finfo(torch.float64).eps / 2  # the unit roundoff
     allowance = 2 * (d + c + 2 * T + 4) * u * beta.square()
-    # The clipped sum's product (GhostPart) passes each term f_i·g_t·a_tᵀ through B·T + 1 roundings
-    # (f_i·g_t, the product, B·T − 1 additions in any order): β_i bounds the magnitudes it rounds.
+    # The clipped sum (GhostPart) passes each term f_i·g_t·a_tᵀ through ghost_roundings(B, T)
+    # roundings (f_i·g_t, the products, the additions within and across chunks, in any order): β_i
+    # bounds the magnitudes it rounds.
     return sq + allowance, None, beta.square()
 
 

@@ -96,10 +96,10 @@ class WSJacobian:
         rounding of the clipped sum: one product over the batch's (example, position) terms, then
         the VJP. Filter o's error e_o maps to P(e_o)/s_o, P a projection (norm ≤ 1), and the
         VJP's own rounding of the sum (a mean over n, ŵᵀv over n, three updates) is within
-        3·γ_{n+4} of its size: so γ_k with k = (batch)·T + 3·(n + 4), and
+        3·γ_{n+4} of its size: so γ_k with k = ghost_roundings(batch, T) + 3·(n + 4), and
         β_i² = Σ_o (Σ_t ‖Ã_t‖·|g_{t,o}|)²/s_o² from the :meth:`filter_magnitudes`."""
         beta_sq = (magnitudes / self.s.view(1, -1)).square().sum(1)
-        sq.add_rounding(beta_sq, terms=positions, more=3 * (self.n + 4))
+        sq.add_rounding(beta_sq, positions=positions, more=3 * (self.n + 4))
 
 
 class WSConvForm(ConvForm):

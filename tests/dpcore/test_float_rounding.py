@@ -26,6 +26,7 @@ from dpcore.clipping import (
     covered_lot_size,
     float_sensitivity,
     gamma,
+    ghost_roundings,
     per_sample_norms,
     rounding_floor,
 )
@@ -92,7 +93,8 @@ def test_a_ghost_example_whose_positions_cancel_takes_at_most_its_share_of_round
     G[1] *= 0.5 / float(torch.outer(G[1].sum(0), a).norm())  # example 1's gradient: norm C/2
     total, plain, _ = _ghost_linear(G, A)
     beta = float((A.norm(dim=2) * G.norm(dim=2)).sum(1)[1])
-    k = gamma(2 * 2 + 1)
+    k = gamma(2 * 2 + 1 + 1)  # one product over the batch's 2·2 terms, one chunk: ghost_roundings(2, 2)
+    assert ghost_roundings(2, 2) == 2 * 2 + 1 + 1
     assert float(total[0]) == float(plain[0])
     f = float(clip_factors(total.sqrt(), C)[0][1])
     assert f * k * beta <= ROUNDING_SHARE * C * (1 + 1e-12)
@@ -104,16 +106,36 @@ def test_a_ghost_example_whose_positions_cancel_takes_at_most_its_share_of_round
 
 
 def test_natural_ghost_examples_keep_their_norms():
-    """Random inputs and gradients over 64 positions (β/‖g‖ near √T = 8), counted at a
-    configured batch of 64 (ρ/γ_{64·64+1} = 128): the cap changes no example's norm. (It binds
-    for natural examples where B·T^1.5 nears 2¹⁹: README, "What the guarantee does not cover".)"""
+    """Random inputs and gradients over 256 positions (β/‖g‖ near √T = 16), counted at a
+    configured batch of 256: one product over the batch's 65,536 terms would cap every example
+    (ρ/γ_{B·T+1} ≈ 8), but the product runs in chunks of 16 examples (ρ/γ ≈ 127), and the cap
+    changes no example's norm."""
     torch.manual_seed(4)
-    A, G = torch.randn(16, 64, 32), torch.randn(16, 64, 24)
-    total, plain, _ = _ghost_linear(G, A, rounding_batch=64)
+    A, G = torch.randn(16, 256, 8), torch.randn(16, 256, 6)
+    total, plain, _ = _ghost_linear(G, A, rounding_batch=256)
     assert torch.equal(total, plain)
     beta = (A.double().norm(dim=2) * G.double().norm(dim=2)).sum(1)
     ratio = beta / plain.sqrt()
-    assert float(ratio.max()) < 16 < ROUNDING_SHARE / gamma(64 * 64 + 1) / 4  # not near the cap
+    assert ROUNDING_SHARE / gamma(256 * 256 + 1) < float(ratio.min())  # one product: all capped
+    assert 4 * float(ratio.max()) < ROUNDING_SHARE / gamma(ghost_roundings(256, 256))  # chunks: far off
+
+
+def test_the_ghost_sum_in_chunks_of_examples_equals_the_per_example_sum():
+    """40 examples of 256 positions: the product runs in 3 chunks (16, 16, 8 examples), and the
+    clipped sum equals Σ_i f_i·G_iᵀA_i formed example by example, for a Linear and a convolution
+    layout."""
+    torch.manual_seed(12)
+    A, G = torch.randn(40, 256, 8, dtype=torch.float64), torch.randn(40, 256, 6, dtype=torch.float64)
+    f = torch.rand(40, dtype=torch.float64)
+    want = sum(f[i] * G[i].t() @ A[i] for i in range(40))
+    _, _, part = _ghost_linear(G, A)
+    ((_, got),) = part.contributions(f, lambda t: t)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    m = nn.Conv1d(8, 6, 1, bias=False)  # channels first: [B, d, T] and [B, c, T]
+    sq = SquaredNorms(40, A.device)
+    part = weight_and_bias(m, A.transpose(1, 2), G.transpose(1, 2), True, sq, Context(clip_norm=1.0, max_elements=0))
+    ((_, got),) = part.contributions(f, lambda t: t)
+    torch.testing.assert_close(got.reshape(6, 8), want, rtol=1e-12, atol=1e-12)
 
 
 def test_a_weight_standardised_ghost_form_adds_the_rounding_of_its_product_and_vjp():
@@ -137,10 +159,10 @@ def test_a_weight_standardised_ghost_form_adds_the_rounding_of_its_product_and_v
     plain = (
         torch.stack(sq.terms).sum(0) + torch.linalg.vector_norm(torch.cat(sq.rows[torch.float64], 1), dim=1).square()
     )
-    extra = gamma(4 * 36 + 3 * (27 + 4)) ** 2 * want
+    extra = gamma(4 * 36 + 1 + 1 + 3 * (27 + 4)) ** 2 * want  # one chunk of the 4 configured examples
     torch.testing.assert_close(sq.total(), rounding_floor(plain, 4, extra), rtol=1e-12, atol=0)
-    ((terms, more, magnitude_sq),) = sq.rounding
-    assert (terms, more) == (36, 3 * (27 + 4))
+    ((positions, more, magnitude_sq),) = sq.rounding
+    assert (positions, more) == (36, 3 * (27 + 4))
     torch.testing.assert_close(magnitude_sq, want, rtol=1e-12, atol=0)
 
 
