@@ -124,42 +124,38 @@ def covered_lot_size(batch: int, workers: int = 1) -> int:
     return lo
 
 
-def warn_if_uncovered(dataset_size: int, batch: int, workers: int = 1, sums: int | None = None) -> float:
+def warn_if_uncovered(dataset_size: int, batch: int, workers: int = 1) -> float:
     """:func:`float_sensitivity` for the largest lot a dataset of ``dataset_size`` can give (all
     of it), with a warning where it exceeds 1: there the margin does not cover the worst-case
     rounding of the sums, and the guarantee, like other DP-SGD libraries', takes the
-    sensitivity to be C. ``sums``: the batch sums a lot was added in, where more than ⌈N/B⌉.
-    Returns the bound."""
-    bound = float_sensitivity(dataset_size, batch, workers, sums)
+    sensitivity to be C. Returns the bound."""
+    bound = float_sensitivity(dataset_size, batch, workers)
     if bound > 1.0:
-        pieces = (
-            f"in physical batches of {batch}"
-            if sums is None
-            else f"added in {sums:,} pieces (more than the {math.ceil(dataset_size / batch):,} physical batches of {batch} it needs)"
-        )
         warnings.warn(
-            f"floating point: a lot of up to N={dataset_size:,} examples {pieces} on "
+            f"floating point: a lot of up to N={dataset_size:,} examples in physical batches of {batch} on "
             f"{workers} worker(s) could, in the worst case, let one example move the lot's sum by {bound:.7f}·C, "
             f"above the C the accountant assumes; the clipping margin covers lots of up to "
-            f"{covered_lot_size(batch, workers):,} examples in full physical batches "
-            f"(README, 'What the guarantee does not cover').",
+            f"{covered_lot_size(batch, workers):,} examples (README, 'What the guarantee does not cover').",
             stacklevel=3,
         )
     return bound
 
 
-def bound_for_pieces(current: float, dataset_size: int, batch: int, workers: int, sums: int) -> float:
-    """The bound after a lot that was added in ``sums`` batch sums: ``current`` (the bound for
-    lots in full physical batches, :func:`warn_if_uncovered`) where that is no more than ⌈N/B⌉,
-    else the larger of it and the bound for that many sums, with the warning where that is
-    above 1 and above ``current`` (a lot passed to ``accumulate`` in pieces smaller than the
-    physical batch: each piece is its own batch sum, and each sum rounds the lot's)."""
-    if sums <= math.ceil(dataset_size / batch):
-        return current
-    bound = float_sensitivity(dataset_size, batch, workers, sums)
-    if bound > max(1.0, current):
-        warn_if_uncovered(dataset_size, batch, workers, sums)
-    return max(current, bound)
+def warn_if_pieces_uncovered(dataset_size: int, batch: int, workers: int, sums: int) -> bool:
+    """Warn where a lot was added in ``sums`` batch sums, more than the ⌈N/B⌉ that
+    :func:`warn_if_uncovered` counted (a lot passed to ``accumulate`` in pieces smaller than the
+    physical batch: each piece is its own batch sum, and each sum rounds the lot's), and the
+    bound for that many exceeds 1. Returns whether it warned. The message states no count and
+    no bound: with small pieces their number follows the lot's size, which is private."""
+    if sums <= math.ceil(dataset_size / batch) or float_sensitivity(dataset_size, batch, workers, sums) <= 1.0:
+        return False
+    warnings.warn(
+        f"floating point: a lot was added in more pieces than the physical batches of {batch} it needs, and so many "
+        "batch sums round the lot's sum by more than the clipping margin covers; pass each lot whole, or in pieces "
+        "of at least the physical batch size (README, 'What the guarantee does not cover').",
+        stacklevel=3,
+    )
+    return True
 
 
 def rounding_floor(sq: torch.Tensor, batch: int, extra: torch.Tensor | None = None) -> torch.Tensor:

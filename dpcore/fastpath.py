@@ -59,17 +59,20 @@ CHECK_EXAMPLES = 8
 CHECK_SEED = 20_231
 
 
-def check_inputs(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``CHECK_EXAMPLES`` inputs and labels for the formula check, made like ``xb`` and ``yb`` but
-    from ``CHECK_SEED`` alone: nothing of the batch is read but its shapes, dtypes and device.
-    Features are standard normal, token ids lie below the model's smallest token table (2
-    without one), integer labels are 0 or 1 (valid for any classifier), and float targets lie in
+def check_inputs(
+    model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, examples: int = CHECK_EXAMPLES
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``examples`` inputs and labels for the formula check, made like ``xb`` and ``yb`` but from
+    ``CHECK_SEED`` alone: nothing of the batch is read but its shapes, dtypes and device.
+    Features are standard normal, token ids lie below the model's smallest token table of two
+    rows or more (2 without one; a one-row table, such as RoBERTa's token types, can only be
+    read at 0), integer labels are 0 or 1 (valid for any classifier), and float targets lie in
     [0, 1) (valid for a binary cross-entropy as for a regression)."""
     gen = torch.Generator().manual_seed(CHECK_SEED)
-    tables = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    tables = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding) and m.num_embeddings >= 2]
 
     def draw(like: torch.Tensor, features: bool) -> torch.Tensor:
-        shape = (CHECK_EXAMPLES, *like.shape[1:])
+        shape = (examples, *like.shape[1:])
         if like.is_floating_point():
             t = (torch.randn if features else torch.rand)(shape, generator=gen, dtype=like.dtype)
         else:
@@ -124,7 +127,7 @@ class CheckedBookKeeping:
         physical batch size (:func:`dpcore.clipping.clipped_sum`)."""
         try:
             if not self.verified:
-                why = self._verify(xb, yb, reference)
+                why = self._verify(xb, yb, reference, batch_size)
                 if why:
                     self._leave(why)
                     return None
@@ -140,17 +143,20 @@ class CheckedBookKeeping:
         )
         self.active = False
 
-    def _verify(self, xb: torch.Tensor, yb: torch.Tensor, reference: Callable) -> str:
+    def _verify(self, xb: torch.Tensor, yb: torch.Tensor, reference: Callable, batch_size: int | None) -> str:
         """Why the formulas disagree with the vmap reference ("" if they agree), checked on
         inputs shaped like the first batch's but drawn from a fixed seed (:func:`check_inputs`),
         never on the batch itself: which path the run takes, and so how its per-example
-        gradients are rounded, must not depend on the private data."""
-        x, y = check_inputs(self.model, xb, yb)
-        why = self.formulas_disagree(x, y)
+        gradients are rounded, must not depend on the private data. The check's book-keeping
+        takes the forms, and the rounding cap, that training takes at the configured batch size
+        ``batch_size``."""
+        examples = CHECK_EXAMPLES if batch_size is None else min(CHECK_EXAMPLES, batch_size)
+        x, y = check_inputs(self.model, xb, yb, examples)
+        why = self.formulas_disagree(x, y, batch_size)
         if why is None:  # no float64 copy: both paths from the float32 model
             fast: Sums = {}
-            fast_bad = self.clipper.clipped_sum(x, y, self.clip_norm, fast)
-            ref, bad = clipped_sum(reference(x, y), self.clip_norm)
+            fast_bad = self.clipper.clipped_sum(x, y, self.clip_norm, fast, batch_size)
+            ref, bad = clipped_sum(reference(x, y), self.clip_norm, batch_size=batch_size)
             agree = self._agree(fast, fast_bad, ref, bad)
             why = "" if agree else "its clipped sum differs from the per-example (vmap) reference"
         return why
@@ -164,15 +170,18 @@ class CheckedBookKeeping:
             and all(torch.allclose(fast[k].to(ref[k].dtype), ref[k], rtol=0.0, atol=tol) for k in ref)
         )
 
-    def formulas_disagree(self, x: torch.Tensor, y: torch.Tensor) -> str | None:
+    def formulas_disagree(self, x: torch.Tensor, y: torch.Tensor, batch_size: int | None = None) -> str | None:
         """On a float64 copy of the model: "" if book-keeping's squared norms and clipped sums
         (at C and at the median norm) equal the vmap reference's to :data:`FORMULA_RTOL` of
-        their scale, else what differs; None if the model cannot be copied or run in float64."""
+        their scale, else what differs; None if the model cannot be copied or run in float64.
+        Book-keeping takes the forms the training clipper takes at ``batch_size`` (its element
+        budget, the configured batch size), so the forms the run will use are the ones checked."""
         try:
             model64 = copy.deepcopy(self.model).double()
             x64 = x.double() if x.is_floating_point() else x
             clipper = bookkeeping.BookKeepingClipper(model64, self.loss_fn)
-            sq, parts = clipper.measure(x64, y, self.clip_norm)
+            clipper.MAX_PER_EXAMPLE_ELEMENTS = self.clipper.MAX_PER_EXAMPLE_ELEMENTS
+            sq, parts = clipper.measure(x64, y, self.clip_norm, batch_size)
             with warnings.catch_warnings():  # torch's note that an op (attention) has no vmap rule: 8 examples, once
                 warnings.filterwarnings(
                     "ignore", message="There is a performance drop because we have not yet implemented"
@@ -184,8 +193,8 @@ class CheckedBookKeeping:
         finite = torch.isfinite(ref_sq)
         if not torch.equal(finite, torch.isfinite(sq)):
             return "its non-finite examples differ from the per-example (vmap) reference"
-        if not bool(finite.any()):
-            return ""
+        if not bool(finite.any()):  # nothing was compared: not a pass
+            return "the check's inputs gave no example a finite gradient"
         scale = float(ref_sq[finite].max())
         if float((sq[finite] - ref_sq[finite]).abs().max()) > FORMULA_RTOL * scale:
             worst = float(((sq[finite] - ref_sq[finite]).abs() / max(scale, 1e-300)).max())

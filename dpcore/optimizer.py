@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import memory
-from .clipping import bound_for_pieces, per_sample_norms, warn_if_uncovered
+from .clipping import per_sample_norms, warn_if_pieces_uncovered, warn_if_uncovered
 from .diagnostics import LotDiagnostics
 from .errors import DPConfigError
 from .events import PoissonGaussian, PoissonLaplace
@@ -215,9 +215,7 @@ class DPOptimizer:
         step the wrapped optimizer on it."""
         sums = [self.lot.sums[n] for n in self.params]
         params = list(self.params.values())
-        self.float_sensitivity = bound_for_pieces(
-            self.float_sensitivity, self.dataset_size, self.physical_batch_size, self.workers, self.lot.batch_sums
-        )
+        warn_if_pieces_uncovered(self.dataset_size, self.physical_batch_size, self.workers, self.lot.batch_sums)
         diag = self.lot.diag
         try:
             clean = [s.clone() for s in sums] if diag is not None else None

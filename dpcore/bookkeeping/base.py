@@ -33,6 +33,18 @@ class Context:
     max_elements: int
     exact_rows: bool = False
     float32_rows: list = field(default_factory=list)
+    # The configured physical batch size (None: each batch's own size). A form chooses between
+    # materialising and its ghost form by it, never by the batch's own size: the last batch of a
+    # Poisson lot holds a number of examples that depends on the data, and the two forms add
+    # different vectors for an example (the ghost form's are capped, the materialised ones are
+    # rounded in float32), so a choice by the batch's size would let one example change the
+    # others' contributions.
+    batch_size: int | None = None
+
+    def materialises(self, per_example: int, batch: int) -> bool:
+        """Whether per-example tensors of ``per_example`` elements fit ``max_elements`` for a
+        batch of ``batch`` examples, counted at the configured batch size where one is set."""
+        return (batch if self.batch_size is None else self.batch_size) * per_example <= self.max_elements
 
 
 class SquaredNorms:
@@ -351,7 +363,7 @@ def weight_sq_norms(A: torch.Tensor, G: torch.Tensor, channels_first: bool, ctx:
         )
         return sq, None, None  # its terms are the shares themselves (rounding_floor's first term)
     # (Convolutions reach here only when materialising is over budget: the ghost form.)
-    if not channels_first and B * c * d <= ctx.max_elements and T * d * c <= 4 * T * T * (d + c):
+    if not channels_first and ctx.materialises(c * d, B) and T * d * c <= 4 * T * T * (d + c):
         W = G.transpose(1, 2) @ A  # [B, c, d]
         return row_sq_norms(W.reshape(B, -1), ctx), W, None
     A64, G64 = A.double(), G.double()

@@ -249,7 +249,7 @@ class BookKeepingClipper:
             grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
         # Each layer's form adds its examples' squared norms into sq and keeps what it needs for
         # the clipped sum (per-example gradients, or the activations of a ghost form).
-        ctx = Context(clip_norm=clip_norm, max_elements=self.MAX_PER_EXAMPLE_ELEMENTS)
+        ctx = Context(clip_norm=clip_norm, max_elements=self.MAX_PER_EXAMPLE_ELEMENTS, batch_size=batch_size)
         with formulas(x):  # autocast off, whatever region the caller opened
             sq, parts = self._forms(rec, grads, x, ctx, batch_size)
         if not ctx.float32_rows:
@@ -257,7 +257,8 @@ class BookKeepingClipper:
 
         def exact():
             with formulas(x):
-                return self._forms(rec, grads, x, Context(clip_norm, ctx.max_elements, exact_rows=True), batch_size)
+                again = Context(clip_norm, ctx.max_elements, exact_rows=True, batch_size=batch_size)
+                return self._forms(rec, grads, x, again, batch_size)
 
         return sq, parts, exact
 

@@ -96,7 +96,7 @@ class ConvForm(LayerForm):
     def per_example(self, m: nn.Conv2d, a, g, sq, ctx: Context):
         batch = a.shape[0]
         G = g.reshape(batch, g.shape[1], -1)  # [B, c, T]
-        if batch * m.weight.numel() <= ctx.max_elements:
+        if ctx.materialises(m.weight.numel(), batch):
             W, w_sq = self.weight_per_example(m, a, g)  # [B, out, in·kh·kw]
             sq += w_sq if w_sq is not None else row_sq_norms(W.reshape(batch, -1), ctx)
             return MaterialisedPart(m, W, bias_per_example(m, G.sum(2), sq))

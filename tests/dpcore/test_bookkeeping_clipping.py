@@ -979,3 +979,39 @@ def test_the_check_reads_nothing_of_the_first_batch_but_its_shapes():
     ref, _ = _reference(model, x1[:1], y1[:1], 0.01)
     for k, v in ref.items():
         assert torch.allclose(opt._sum[k].to(v.dtype), v, atol=1e-7)
+
+
+class Sqrt(nn.Module):
+    def forward(self, x):
+        return torch.sqrt(x)
+
+
+def test_the_check_runs_on_its_own_inputs_and_a_check_that_compares_nothing_is_not_a_pass(monkeypatch):
+    """_verify hands the formula check the inputs of check_inputs, not the batch's; and where
+    those inputs give no example a finite gradient (the square root of standard normal features),
+    nothing was compared, so the run stays on vmap, with a warning that says why."""
+    from dpcore import fastpath
+
+    torch.manual_seed(12)
+    model = nn.Sequential(nn.Linear(32, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(16, 32), torch.randint(0, 3, (16,))
+    seen = []
+    real = fastpath.CheckedBookKeeping.formulas_disagree
+
+    def spy(self, xc, yc, batch_size=None):
+        seen.append((xc.clone(), yc.clone(), batch_size))
+        return real(self, xc, yc, batch_size)
+
+    monkeypatch.setattr(fastpath.CheckedBookKeeping, "formulas_disagree", spy)
+    opt = _bk_optimizer(model)
+    opt.accumulate(x, y)
+    assert opt._fast_verified
+    ((xc, yc, size),) = seen
+    want = fastpath.check_inputs(model, x, y)
+    assert torch.equal(xc, want[0]) and torch.equal(yc, want[1]) and size == 16
+    monkeypatch.undo()
+    rooted = nn.Sequential(Sqrt(), nn.Linear(32, 3))
+    opt = _bk_optimizer(rooted)
+    with pytest.warns(UserWarning, match="gave no example a finite gradient.*using the vmap path"):
+        opt.accumulate(x.abs(), y)  # the real batch is fine: the check's inputs are not
+    assert opt.clipping == "vmap"
