@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .clipping import CLIP_MARGIN
 from .errors import DPConfigError
 from .events import Gaussian, PoissonGaussian, PrivacyEvent
 from .ledger import PrivacyLedger
@@ -115,7 +116,10 @@ def release_gram(
     event = pca_event(noise_multiplier, sample_rate)
     if ledger is not None:
         ledger.check(event)  # before the rows are even sampled
-    a = normalized_rows(x)
+    # Each row's term a·aᵀ has Frobenius norm ‖a‖² = 1 exactly, but the float64 product's
+    # rounding depends on every row (about N²·2⁻⁵³ of the sum); rows scaled to 1 − m, the
+    # clipping margin, leave it that room (up to about 10⁶ rows, as the clipped sums' bound).
+    a = normalized_rows(x) * (1.0 - CLIP_MARGIN)
     if sample_rate < 1.0:
         a = a[randomness.uniform(a.shape[0]) < sample_rate]
     gram = a.T @ a

@@ -459,6 +459,17 @@ def test_parameter_ema_follows_de_et_al_with_warmup():
 
 # ------------------------------------------------------------------------------------------
 # DP-PCA
+def test_dp_pcas_rows_keep_the_clipping_margin():
+    """Each row's term in the released Gram matrix has Frobenius norm (1 − m)², m = CLIP_MARGIN:
+    the room the float64 product's rounding needs (σ made negligible here to read it)."""
+    from dpcore.clipping import CLIP_MARGIN
+
+    x = torch.randn(50, 6)
+    with pytest.warns(dpcore.SeededRandomnessWarning):
+        released, _ = dpcore.pca.release_gram(x, 1e-12, dpcore.SeededRandomness(0), ledger=None)
+    assert float(torch.trace(released)) == pytest.approx(50 * (1 - CLIP_MARGIN) ** 2, rel=1e-12)
+
+
 def test_dp_pca_noise_has_the_stated_scale_and_is_symmetric():
     torch.manual_seed(0)
     x = torch.randn(500, 1, 8, 8) * 7 + 2
