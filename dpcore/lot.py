@@ -57,6 +57,8 @@ class ClippedLot:
         self.examples = self.nonfinite = self.batch_sums = 0
         self.open = False
         self.saved: Params | None = None  # DP-SAT: θ while the weights are shifted
+        # An example's shape (input, label) from the first batch on: it must not change (see _add).
+        self.example_shape: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def begin(self, step: int, previous: Params | None) -> None:
         """Open the lot (once): the method may move the weights for it (DP-SAT)."""
@@ -70,6 +72,7 @@ class ClippedLot:
             self._add(x[start : start + self.physical_batch_size], y[start : start + self.physical_batch_size], step)
 
     def _add(self, xb: torch.Tensor, yb: torch.Tensor, step: int) -> None:
+        self._check_example_shape(xb, yb)
         xb = self.augmented(xb) if self.augment is not None else xb
         fast = self.fast is not None and self.fast.active
         # Every clip factor is taken at the configured physical batch size, never at the batch's
@@ -88,6 +91,23 @@ class ClippedLot:
         self.nonfinite += bad
         self.examples += xb.shape[0]
         self.batch_sums += 1
+
+    def _check_example_shape(self, xb: torch.Tensor, yb: torch.Tensor) -> None:
+        """Refuse an example shape other than the first batch's. A shape that changes between
+        batches means each example was shaped by its batch (a loader that pads a batch to its
+        longest sequence): then one example's presence changes the others' inputs, and, on the
+        book-keeping path, the layer forms (materialised or ghost, chosen by the positions per
+        example) and so the rounding of every other example's share. Pad to a fixed length."""
+        shape = (tuple(xb.shape[1:]), tuple(yb.shape[1:]))
+        if self.example_shape is None:
+            self.example_shape = shape
+        elif shape != self.example_shape:
+            raise DPConfigError(
+                f"an example's shape changed between physical batches, from input {list(self.example_shape[0])}, "
+                f"label {list(self.example_shape[1])} to input {list(shape[0])}, label {list(shape[1])}. Under DP each "
+                "example must be prepared on its own: a loader that pads each batch to its longest sequence lets one "
+                "example change the others' inputs. Pad (or crop) every example to one fixed shape."
+            )
 
     def augmented(self, xb: torch.Tensor) -> torch.Tensor:
         out, k = self.augment(xb), self.multiplicity

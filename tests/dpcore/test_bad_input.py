@@ -91,3 +91,42 @@ def test_a_bad_config_spends_nothing_even_with_a_journal(tmp_path):
             **{**GOOD, "lot_size": 5000},
         )
     assert not journal.exists()
+
+
+class _Tokens(torch.nn.Module):
+    """Embedding, then a Linear over the positions, mean-pooled: the shape of a text classifier."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(20, 6)
+        self.proj = torch.nn.Linear(6, 3)
+
+    def forward(self, ids):
+        return self.proj(self.embed(ids)).mean(dim=1)
+
+
+@pytest.mark.parametrize("clipping", ["vmap", "bookkeeping"])
+def test_an_example_shape_that_changes_between_batches_is_refused(clipping):
+    """A loader that pads each batch to its longest sequence lets one example change the others'
+    inputs (and, on the book-keeping path, the layer forms that round their shares): a second
+    batch whose examples have another shape is refused, the lot is dropped, nothing is spent."""
+    torch.manual_seed(0)
+    model = _Tokens()
+    private = dpcore.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, seed=0, clipping=clipping, **GOOD
+    )
+    opt = private.optimizer
+    ids, labels = torch.randint(0, 20, (8, 12)), torch.randint(0, 3, (8,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dpcore.SeededRandomnessWarning)
+        opt.accumulate(ids, labels)
+        opt.step()
+        opt.accumulate(ids[:4], labels[:4])  # the same shape in a smaller batch: fine
+        before = [p.detach().clone() for p in model.parameters()]
+        spent = private.ledger.epsilon()
+        with pytest.raises(dpcore.DPConfigError, match=r"from input \[12\], label \[\] to input \[17\].*fixed shape"):
+            opt.accumulate(torch.randint(0, 20, (4, 17)), labels[:4])
+    assert opt.clipping == clipping
+    assert not opt.lot.open and opt.lot.examples == 0  # the lot was dropped whole
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert private.ledger.epsilon() == spent
