@@ -229,6 +229,12 @@ F64_PIECE_BYTES_DEFAULT = 256 * 2**20
 ADD_GROUP_BYTES = 16 * 2**20
 
 
+def kept_rows(rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``rows`` with each row where ``keep`` ([B] bool) is False set to exactly zero: a
+    non-finite example contributes nothing (multiplying it by a factor of 0 would give NaN)."""
+    return torch.where(keep.view(-1, *([1] * (rows.dim() - 1))), rows, rows.new_zeros(()))
+
+
 def weighted_sum(factors: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     """Σ_i factors[i]·X[i] over X's first dimension, in float64, every sum over the examples
     accumulated in float64: a float64 tensor of shape ``X.shape[1:]``.
@@ -297,7 +303,7 @@ def _clipped_sum(per_sample, clip_norm, out, ord, batch_size):
     result = {} if out is None else out
     for name, grad in per_sample.items():
         if n_bad:
-            grad = torch.where(finite.view(-1, *([1] * (grad.dim() - 1))), grad, grad.new_zeros(()))
+            grad = kept_rows(grad, finite)
         contrib = weighted_sum(factors, grad)  # float64 (see weighted_sum)
         if name in result:
             result[name].add_(contrib)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .clipping import clip_factors, per_sample_norms
+from .clipping import clip_factors, kept_rows, per_sample_norms
 
 Params = dict[str, torch.Tensor]
 
@@ -45,7 +45,7 @@ class LotDiagnostics:
         finite = finite & torch.isfinite(norms)
         unit = torch.where(finite & (norms > 0), 1.0 / norms.clamp_min(1e-300), torch.zeros_like(norms))
         for n in self.params:
-            gi = torch.where(finite.view(-1, *([1] * (g[n].dim() - 1))), g[n], g[n].new_zeros(()))
+            gi = kept_rows(g[n], finite)
             self._acc[f"sum:{n}"].add_(gi.sum(0))
             self._acc[f"clipped:{n}"].add_(torch.einsum("i,i...->...", factors.to(gi.dtype), gi))
             self._acc[f"unit:{n}"].add_(torch.einsum("i,i...->...", unit.to(gi.dtype), gi))

@@ -40,6 +40,10 @@ class Context:
     # rounded in float32), so a choice by the batch's size would let one example change the
     # others' contributions.
     batch_size: int | None = None
+    # Where a list is given, each form appends the [B] float64 allowance it added to the norms on
+    # purpose (the ghost form's, so that a norm is never below the exact one): the check against
+    # vmap expects that much of a difference (dpcore.fastpath.CheckedBookKeeping).
+    allowances: list | None = None
 
     def materialises(self, per_example: int, batch: int) -> bool:
         """Whether per-example tensors of ``per_example`` elements fit ``max_elements`` for a
@@ -387,6 +391,8 @@ def weight_sq_norms(A: torch.Tensor, G: torch.Tensor, channels_first: bool, ctx:
     beta = (torch.linalg.vector_norm(A64, dim=dim) * torch.linalg.vector_norm(G64, dim=dim)).sum(1)
     u = torch.finfo(torch.float64).eps / 2  # the unit roundoff
     allowance = 2 * (d + c + 2 * T + 4) * u * beta.square()
+    if ctx.allowances is not None:
+        ctx.allowances.append(allowance)
     # The clipped sum (GhostPart) passes each term f_i·g_t·a_tᵀ through ghost_roundings(B, T)
     # roundings (f_i·g_t, the products, the additions within and across chunks, in any order): β_i
     # bounds the magnitudes it rounds.

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..clipping import ADD_GROUP_BYTES, clip_factors
+from ..clipping import ADD_GROUP_BYTES, clip_factors, kept_rows
 from ..grad_sample import LossFn
 from ..precision import check_autocast, formulas, forward_autocast, widen
 from .base import Context, RowUpdate, SmallRows, SquaredNorms, Unsupported, small_rows_sums
@@ -208,13 +208,19 @@ class BookKeepingClipper:
         return n_bad
 
     def measure(
-        self, x: torch.Tensor, y: torch.Tensor, clip_norm: float, batch_size: int | None = None
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        clip_norm: float,
+        batch_size: int | None = None,
+        allowances: list | None = None,
     ) -> tuple[torch.Tensor, list]:
         """(each example's squared gradient norm, float64 [B]; each layer's part). The parts give
         Σ_i f_i·grad_i for any factors through :meth:`contributions`. ``clip_norm`` sets the
         precision the norms need (see :func:`dpcore.bookkeeping.base.row_sq_norms`);
-        ``batch_size`` as in :meth:`clipped_sum`."""
-        sq, parts, exact = self._measure(x, y, clip_norm, batch_size)
+        ``batch_size`` as in :meth:`clipped_sum`; ``allowances``, a list the forms append the
+        allowances they added to the norms to (:class:`dpcore.bookkeeping.base.Context`)."""
+        sq, parts, exact = self._measure(x, y, clip_norm, batch_size, allowances)
         if exact is not None and not bool(torch.isfinite(sq).all()):
             # A float32 square overflowed (or a gradient is not finite): the row norms in float64.
             del parts  # the first pass's per-example gradients go before the second's are made
@@ -230,7 +236,9 @@ class BookKeepingClipper:
         are measured differs)."""
         return torch.where(torch.isfinite(first), first, exact)
 
-    def _measure(self, x: torch.Tensor, y: torch.Tensor, clip_norm: float, batch_size: int | None):
+    def _measure(
+        self, x: torch.Tensor, y: torch.Tensor, clip_norm: float, batch_size: int | None, allowances: list | None = None
+    ):
         """:meth:`measure` without its read of the device: (sq, parts, exact), ``exact`` None
         where every row norm was summed in float64, else a callable that measures the batch
         again that way, for a batch where a float32 square may have overflowed (a norm that is
@@ -249,7 +257,12 @@ class BookKeepingClipper:
             grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
         # Each layer's form adds its examples' squared norms into sq and keeps what it needs for
         # the clipped sum (per-example gradients, or the activations of a ghost form).
-        ctx = Context(clip_norm=clip_norm, max_elements=self.MAX_PER_EXAMPLE_ELEMENTS, batch_size=batch_size)
+        ctx = Context(
+            clip_norm=clip_norm,
+            max_elements=self.MAX_PER_EXAMPLE_ELEMENTS,
+            batch_size=batch_size,
+            allowances=allowances,
+        )
         with formulas(x):  # autocast off, whatever region the caller opened
             sq, parts = self._forms(rec, grads, x, ctx, batch_size)
         if not ctx.float32_rows:
@@ -297,12 +310,9 @@ class BookKeepingClipper:
         with formulas(factors):  # autocast off, whatever region the caller opened
             if n_bad is None:
                 n_bad = self.nonfinite(finite)
-            keep = finite.view(-1, 1)
 
             def drop_bad(t):  # skip-and-count: those rows contribute exactly zero (never NaN·0)
-                if t is None or not n_bad:
-                    return t
-                return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t, t.new_zeros(()))
+                return t if t is None or not n_bad else kept_rows(t, finite)
 
             small = []
             for name, part in parts:

@@ -1015,3 +1015,81 @@ def test_the_check_runs_on_its_own_inputs_and_a_check_that_compares_nothing_is_n
     with pytest.warns(UserWarning, match="gave no example a finite gradient.*using the vmap path"):
         opt.accumulate(x.abs(), y)  # the real batch is fine: the check's inputs are not
     assert opt.clipping == "vmap"
+
+
+def test_the_check_measures_with_the_training_clippers_element_budget(monkeypatch):
+    """The float64 check's clipper takes the training clipper's element budget, so it chooses
+    the forms (materialised or ghost) that training will take, not its class default's."""
+    from dpcore.bookkeeping import base
+
+    torch.manual_seed(13)
+    model = nn.Sequential(nn.Linear(32, 8), nn.Tanh(), nn.Flatten(), nn.Linear(40, 3))
+    x, y = torch.randn(16, 5, 32), torch.randint(0, 3, (16,))  # the first Linear runs over 5 positions
+    opt = _bk_optimizer(model)
+    budget = 7  # below any layer's per-example gradient: every form is the ghost one
+    assert budget != opt.lot.fast.clipper.MAX_PER_EXAMPLE_ELEMENTS
+    opt.lot.fast.clipper.MAX_PER_EXAMPLE_ELEMENTS = budget
+    seen = []
+    real = base.Context.materialises
+
+    def spy(self, per_example, batch):
+        seen.append(self.max_elements)
+        return real(self, per_example, batch)
+
+    monkeypatch.setattr(base.Context, "materialises", spy)
+    opt.accumulate(x, y)
+    assert opt._fast_verified and seen and set(seen) == {budget}
+
+
+class Mirror(nn.Module):
+    """Each position, then its negation, scaled: a following Linear's terms cancel in pairs, so
+    its per-example gradient is zero while its terms' magnitudes β are large."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x):
+        return torch.cat([x, -x], dim=1) * self.scale
+
+
+class MeanOverPositions(nn.Module):
+    def forward(self, z):
+        return z.mean(1)
+
+
+def test_the_check_expects_the_ghost_forms_allowance_and_measures_sums_by_their_shares(monkeypatch):
+    """A wide ghost-form Linear whose positions cancel (as long sequences through wide layers
+    do, in part): the allowance the ghost norm adds for its float64 rounding, 2(d + c + 2T + 4)·u·β²,
+    is far above FORMULA_RTOL of the norms' scale, and its clipped sums cancel between examples.
+    The check expects the allowance and measures the sums against Σ_i f_i·‖g_i‖, so it passes
+    (it refused such models, which then ran on vmap); a norm off by more than twice the
+    allowance still fails it."""
+    import copy
+
+    from dpcore import fastpath
+    from dpcore.bookkeeping import base
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Mirror(30.0), nn.Linear(2048, 2048, bias=False), MeanOverPositions(), nn.Linear(2048, 2))
+    x, y = torch.randn(8, 8, 2048), torch.randint(0, 2, (8,))
+    allowances = []
+    model64 = copy.deepcopy(model).double()
+    sq, _ = BookKeepingClipper(model64, F.cross_entropy).measure(x.double(), y, 1.0, 8, allowances)
+    (allowance,) = allowances  # the ghost form of the wide Linear (the head has one position)
+    assert float(allowance.min()) > 100 * fastpath.FORMULA_RTOL * float(sq.max())  # the case is exercised
+    check = fastpath.CheckedBookKeeping(model, F.cross_entropy, 1.0)
+    assert check.formulas_disagree(x, y, 8) == ""
+
+    real = base.weight_sq_norms
+
+    def off(A, G, channels_first, ctx):  # the same form, its norm 3 allowances too large
+        s, W, magnitude_sq = real(A, G, channels_first, ctx)
+        if magnitude_sq is None:
+            return s, W, magnitude_sq
+        d, c, T = A.shape[2], G.shape[2], A.shape[1]
+        u = torch.finfo(torch.float64).eps / 2
+        return s + 3 * 2 * (d + c + 2 * T + 4) * u * magnitude_sq, W, magnitude_sq
+
+    monkeypatch.setattr(base, "weight_sq_norms", off)
+    assert "per-example norms differ" in check.formulas_disagree(x, y, 8)
