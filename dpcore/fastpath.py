@@ -12,6 +12,7 @@ anything it cannot handle at run time, it warns and the step stays on the vmap p
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections.abc import Callable
 
@@ -202,15 +203,21 @@ class CheckedBookKeeping:
         # A ghost form adds to its norm an allowance for its own float64 rounding, of about
         # (d + c + 2T)·u·β², β the sum of its terms' magnitudes: where an example's positions
         # cancel (wide layers over long sequences), that can exceed FORMULA_RTOL of the scale.
-        # It is expected, twice over (the allowance, and the rounding it allows for).
+        # The allowance only raises a norm (a smaller factor, safe), so it is expected above the
+        # reference, twice over (the allowance, and the rounding it allows for), and never
+        # below it: a norm under the reference by more than FORMULA_RTOL of the scale fails,
+        # whatever allowance its form reported.
         expected = 2 * sum(allowances, torch.zeros_like(sq))
-        excess = (sq - ref_sq).abs() - expected
-        if float(excess[finite].max()) > FORMULA_RTOL * scale:
-            worst = float((excess[finite] / max(scale, 1e-300)).max())
-            return (
-                f"its per-example norms differ from the per-example (vmap) reference, by {worst:.1e} of their "
-                "scale in float64 beyond its forms' allowance for rounding"
-            )
+        under = ref_sq - sq
+        over = sq - ref_sq - expected
+        for gap, how in ((under, "below"), (over, "above")):
+            if float(gap[finite].max()) > FORMULA_RTOL * scale:
+                worst = float((gap[finite] / max(scale, 1e-300)).max())
+                beyond = " beyond its forms' allowance for rounding" if how == "above" else ""
+                return (
+                    f"its per-example norms are {how} the per-example (vmap) reference's, by {worst:.1e} of "
+                    f"their scale in float64{beyond}"
+                )
         median = float(ref_sq[finite].sqrt().median())
         for bound in dict.fromkeys(b for b in (self.clip_norm, median) if b > 0):
             # Both sums take the same factors (book-keeping's): the norms were compared above, and
@@ -223,7 +230,8 @@ class CheckedBookKeeping:
             # The scale is what the shares add up to in magnitude, Σ_i f_i·‖g_i‖ (a sum whose
             # shares cancel between examples would make any rounding look large beside it).
             sum_scale = float((factors * ref_sq.sqrt())[finite].sum())
-            worst = max(float((fast[k] - ref[k]).abs().max()) for k in ref)
+            # The difference is measured as one vector over every parameter (ℓ2), as the shares are.
+            worst = math.sqrt(sum(float((fast[k] - ref[k]).square().sum()) for k in ref))
             if worst > FORMULA_RTOL * sum_scale:
                 return (
                     f"its clipped sum at bound {bound:.3g} differs from the per-example (vmap) reference, "

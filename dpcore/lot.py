@@ -103,10 +103,10 @@ class ClippedLot:
             self.example_shape = shape
         elif shape != self.example_shape:
             raise DPConfigError(
-                f"an example's shape changed between physical batches, from input {list(self.example_shape[0])}, "
-                f"label {list(self.example_shape[1])} to input {list(shape[0])}, label {list(shape[1])}. Under DP each "
-                "example must be prepared on its own: a loader that pads each batch to its longest sequence lets one "
-                "example change the others' inputs. Pad (or crop) every example to one fixed shape."
+                f"an example's shape changed from the run's first batch's (input {list(self.example_shape[0])}, "
+                f"label {list(self.example_shape[1])}). Under DP each example must be prepared on its own: a loader "
+                "that pads each batch to its longest sequence lets one example change the others' inputs. Pad (or "
+                "crop) every example to one fixed shape."
             )
 
     def augmented(self, xb: torch.Tensor) -> torch.Tensor:

@@ -314,13 +314,16 @@ class DPOptimizer:
         return out
 
     def state_dict(self) -> dict:
-        """Wrapped optimizer state, steps taken, the noise stream's state (empty in secure mode)
-        and the last released gradient. The ledger and the sampler have state_dicts of their own."""
+        """Wrapped optimizer state, steps taken, the noise stream's state (empty in secure mode),
+        the last released gradient and the example shape the run took from its first batch (a
+        resumed run keeps refusing another). The ledger and the sampler have state_dicts of
+        their own."""
         return {
             "optimizer": self.optimizer.state_dict(),
             "steps_taken": self.steps_taken,
             "randomness": self.randomness.state_dict(),
             "previous_private_gradient": self._prev_private,
+            "example_shape": self.lot.example_shape,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -329,5 +332,8 @@ class DPOptimizer:
         self.randomness.load_state_dict(state["randomness"])
         prev = state.get("previous_private_gradient")
         self._prev_private = None if prev is None else {n: t.clone() for n, t in prev.items()}
+        shape = state.get("example_shape")  # absent from checkpoints written before it was kept
+        if shape is not None:
+            self.lot.example_shape = (tuple(shape[0]), tuple(shape[1]))
         self.lot.saved = None  # the model's weights come from the checkpoint, not from a lot in flight
         self.lot.reset()

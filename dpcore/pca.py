@@ -1,11 +1,13 @@
 """DP-PCA (Abadi et al. 2016, §4): a private linear projection of the inputs.
 
-1. Flatten the inputs and normalise each row to unit L2 norm (the rows of A). A zero row stays 0.
+1. Flatten the inputs and normalise each row to L2 norm 1 − m, m the clipping margin
+   (:data:`dpcore.clipping.CLIP_MARGIN`, room for the float64 product's rounding): the rows
+   of A. A zero or non-finite row becomes 0.
 2. Release AᵀA + E, with E symmetric: its upper triangle (diagonal included) is i.i.d.
    N(0, σ²) and mirrored below. Adding or removing one example changes AᵀA by aaᵀ, whose
-   upper triangle has L2 norm ≤ ‖aaᵀ‖_F = ‖a‖² ≤ 1: the sensitivity is 1, so this is the
-   Gaussian mechanism with noise multiplier σ on the upper triangle (which determines the
-   released matrix).
+   upper triangle has L2 norm ≤ ‖aaᵀ‖_F = ‖a‖² ≤ (1 − m)² < 1, rounding included: the
+   sensitivity is 1, so this is the Gaussian mechanism with noise multiplier σ on the upper
+   triangle (which determines the released matrix).
 3. The top-k eigenvectors of the released matrix are the projection: the model's first,
    frozen stage (:class:`PCAProjection`, a buffer, so no gradient and no privacy cost).
 

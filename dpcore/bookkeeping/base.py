@@ -40,9 +40,10 @@ class Context:
     # rounded in float32), so a choice by the batch's size would let one example change the
     # others' contributions.
     batch_size: int | None = None
-    # Where a list is given, each form appends the [B] float64 allowance it added to the norms on
-    # purpose (the ghost form's, so that a norm is never below the exact one): the check against
-    # vmap expects that much of a difference (dpcore.fastpath.CheckedBookKeeping).
+    # Where a list is given, each form that adds an allowance to the norms on purpose (the ghost
+    # Linear/conv form, weight_sq_norms, and the weight-standardised conv's, so that a norm is
+    # never below the exact one) appends it, [B] float64: the check against vmap expects that
+    # much of a difference above the exact norm, and none below (dpcore.fastpath.CheckedBookKeeping).
     allowances: list | None = None
 
     def materialises(self, per_example: int, batch: int) -> bool:

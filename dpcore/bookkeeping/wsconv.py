@@ -68,10 +68,15 @@ class WSJacobian:
         return self.centred_sq_norms(*centred(A, G))
 
     def centred_sq_norms(
-        self, A: torch.Tensor, G: torch.Tensor, magnitudes: torch.Tensor | None = None
+        self,
+        A: torch.Tensor,
+        G: torch.Tensor,
+        magnitudes: torch.Tensor | None = None,
+        allowances: list | None = None,
     ) -> torch.Tensor:
         """:meth:`ghost_sq_norms` from the operands :func:`centred` made (``magnitudes``: their
-        :meth:`filter_magnitudes`, if already formed)."""
+        :meth:`filter_magnitudes`, if already formed); the [B] allowance added to the norms is
+        appended to ``allowances`` where one is given (:class:`~dpcore.bookkeeping.base.Context`)."""
         B, n, T = A.shape
         flat = A.transpose(0, 1).reshape(n, B * T)  # no copy where A came from centred()
         aa = A.transpose(1, 2) @ A  # [B, T, T]
@@ -83,6 +88,8 @@ class WSJacobian:
         bound = (self.filter_magnitudes(A, G) if magnitudes is None else magnitudes).square()
         allowance = 8.0 * (self.n + T) * torch.finfo(torch.float64).eps * bound
         per_filter = (vv - (2.0 - self.kappa) * w_v.square() / self.n + allowance).clamp_min(0.0)
+        if allowances is not None:
+            allowances.append((allowance / self.s.view(1, -1).square()).sum(1))
         return (per_filter / self.s.view(1, -1).square()).sum(1)
 
     @staticmethod
@@ -115,6 +122,6 @@ class WSConvForm(ConvForm):
         # recorded, and the float64 copy is made once.
         A, G = centred(A, G)
         magnitudes = jac.filter_magnitudes(A, G)
-        sq += jac.centred_sq_norms(A, G, magnitudes)
+        sq += jac.centred_sq_norms(A, G, magnitudes, ctx.allowances)
         jac.add_rounding(sq, magnitudes, positions=A.shape[2])
         return GhostPart(m, A, G, True, bias_g, post=jac.vjp)

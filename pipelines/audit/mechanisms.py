@@ -31,8 +31,9 @@ neighbouring inputs, through the real code path of each mechanism:
   (:func:`dpcore.federated.clip_update`); absent clients cannot be sampled. ``workers=2``
   forms the sum from two partial sums, as two actors do.
 * ``pca``: :func:`dpcore.pca.release_gram` (DP-PCA's release; the eigendecomposition after it
-  is post-processing) on canary rows e_j (j < c, each present with probability ½); the score
-  of coordinate j is the released matrix's diagonal entry (j, j).
+  is post-processing) on canary rows e_j (j < c, each present with probability ½; one adds
+  (1 − m)²·e_j e_jᵀ, m the clipping margin); the score of coordinate j is the released
+  matrix's diagonal entry (j, j).
 
 The scores go to :func:`dpcore.audit.distinguishing_epsilon_lower_bound`, and the claimed ε
 of one release is the ledger's. A correct mechanism gives ε_lb ≤ ε; noise too small by √2

@@ -2,6 +2,7 @@
 example's share ≤ C, skips non-finite examples the same way, and falls back to the vmap path
 for anything it cannot handle."""
 
+import copy
 import math
 import warnings
 
@@ -13,7 +14,7 @@ from torch import nn
 import dpcore
 from dpcore import native
 from dpcore.bookkeeping import BookKeepingClipper, Unsupported, supports, unsupported_parameters
-from dpcore.clipping import clip_factors, clipped_sum
+from dpcore.clipping import clip_factors, clipped_sum, per_sample_norms
 from dpcore.grad_sample import PerSampleGradients
 from pipelines.models import build_model, resnet9
 
@@ -714,8 +715,8 @@ def test_the_check_compares_norms_so_a_form_that_underestimates_them_is_refused(
         big._fast.clipper.clipped_sum(x, y, 1e6, fast)
         ref, _ = _reference(model, x, y, 1e6)
         assert all(torch.allclose(fast[k], ref[k], atol=1e-6) for k in ref)
-        assert "per-example norms differ" in big._fast.formulas_disagree(x, y)
-        with pytest.warns(UserWarning, match="per-example norms differ.*using the vmap path"):
+        assert "per-example norms are below" in big._fast.formulas_disagree(x, y)
+        with pytest.warns(UserWarning, match="per-example norms are below.*using the vmap path"):
             big.accumulate(x, y)
         assert big.clipping == "vmap"
     finally:
@@ -752,7 +753,7 @@ def test_a_model_that_cannot_run_in_float64_is_checked_in_float32(mixing):
 def test_the_float64_check_refuses_a_model_that_mixes_examples():
     torch.manual_seed(5)
     opt = _bk_optimizer(nn.Sequential(nn.Linear(4, 8), Center(), nn.Tanh(), nn.Linear(8, 3)))
-    assert "differ" in opt._fast.formulas_disagree(torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    assert "per-example (vmap) reference" in opt._fast.formulas_disagree(torch.randn(8, 4), torch.randint(0, 3, (8,)))
 
 
 @pytest.mark.parametrize("offset", [0.0, 1e3, 1e6, 1e8])
@@ -762,6 +763,7 @@ def test_ws_ghost_norms_never_underestimate_even_when_the_terms_cancel(offset):
     nearly equal numbers. The ghost norm must stay ≥ the exact norm of the materialised VJP
     (float64), and within 1e-9 of it when nothing cancels."""
     from dpcore.bookkeeping.wsconv import WSJacobian as _WSJacobian
+    from dpcore.bookkeeping.wsconv import centred
     from dpcore.layers import WSConv2d
 
     torch.manual_seed(16)
@@ -781,6 +783,12 @@ def test_ws_ghost_norms_never_underestimate_even_when_the_terms_cancel(offset):
         assert torch.allclose(ghost, exact, rtol=1e-9, atol=0)
     else:
         assert (ghost <= exact + 1e-6 * (exact + 1.0) * (offset**2)).all()
+    # The allowance it reports (what the float64 check expects above the exact norm) covers
+    # what it added: the check does not refuse the layer for its own allowance.
+    allowances = []
+    assert torch.equal(jac.centred_sq_norms(*centred(A, G), allowances=allowances), ghost)
+    (allowance,) = allowances
+    assert (ghost - exact <= 2 * allowance).all()
 
 
 def test_auto_clipping_picks_book_keeping_only_where_it_applies():
@@ -1063,9 +1071,8 @@ def test_the_check_expects_the_ghost_forms_allowance_and_measures_sums_by_their_
     do, in part): the allowance the ghost norm adds for its float64 rounding, 2(d + c + 2T + 4)·u·β²,
     is far above FORMULA_RTOL of the norms' scale, and its clipped sums cancel between examples.
     The check expects the allowance and measures the sums against Σ_i f_i·‖g_i‖, so it passes
-    (it refused such models, which then ran on vmap); a norm off by more than twice the
-    allowance still fails it."""
-    import copy
+    (it refused such models, which then ran on vmap); a norm above the exact one by more than
+    twice the allowance, or below it by more than FORMULA_RTOL of the scale, still fails it."""
 
     from dpcore import fastpath
     from dpcore.bookkeeping import base
@@ -1083,13 +1090,45 @@ def test_the_check_expects_the_ghost_forms_allowance_and_measures_sums_by_their_
 
     real = base.weight_sq_norms
 
-    def off(A, G, channels_first, ctx):  # the same form, its norm 3 allowances too large
-        s, W, magnitude_sq = real(A, G, channels_first, ctx)
-        if magnitude_sq is None:
-            return s, W, magnitude_sq
-        d, c, T = A.shape[2], G.shape[2], A.shape[1]
-        u = torch.finfo(torch.float64).eps / 2
-        return s + 3 * 2 * (d + c + 2 * T + 4) * u * magnitude_sq, W, magnitude_sq
+    def off_by(k):  # the same form (and the same reported allowance), its norm k allowances off
+        def form(A, G, channels_first, ctx):
+            s, W, magnitude_sq = real(A, G, channels_first, ctx)
+            if magnitude_sq is None:
+                return s, W, magnitude_sq
+            d, c, T = A.shape[2], G.shape[2], A.shape[1]
+            u = torch.finfo(torch.float64).eps / 2
+            return s + k * 2 * (d + c + 2 * T + 4) * u * magnitude_sq, W, magnitude_sq
 
-    monkeypatch.setattr(base, "weight_sq_norms", off)
-    assert "per-example norms differ" in check.formulas_disagree(x, y, 8)
+        return form
+
+    monkeypatch.setattr(base, "weight_sq_norms", off_by(3))
+    assert "per-example norms are above" in check.formulas_disagree(x, y, 8)
+    # The allowance is expected above the exact norm only: a form that reports it but lands
+    # below (here by two allowances, inside the width a two-sided test would allow) would let
+    # an example's share exceed C, and is refused.
+    monkeypatch.setattr(base, "weight_sq_norms", off_by(-2))
+    assert "per-example norms are below" in check.formulas_disagree(x, y, 8)
+
+
+def test_the_check_measures_a_sums_difference_over_all_its_elements(monkeypatch):
+    """The clipped sums' difference is one vector over every parameter, measured in ℓ2 as the
+    shares are: an error spread thinly over a wide layer (each element under FORMULA_RTOL of
+    Σ_i f_i·‖g_i‖, the whole well above it) is refused, though no single element shows it."""
+    from dpcore import fastpath
+
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 3))
+    x, y = torch.randn(8, 256), torch.randint(0, 3, (8,))
+    check = fastpath.CheckedBookKeeping(model, ce, 1.0)
+    assert check.formulas_disagree(x, y, 8) == ""
+    per_example = PerSampleGradients(copy.deepcopy(model).double(), ce)(x.double(), y)
+    shares = float(per_sample_norms(per_example).sum())  # Σ_i ‖g_i‖ ≥ Σ_i f_i·‖g_i‖ at any bound
+    n = sum(v.numel() for v in per_example.values())
+    each = 4 * fastpath.FORMULA_RTOL * shares / n**0.5  # in ℓ2, 4·FORMULA_RTOL of Σ_i ‖g_i‖
+    real = BookKeepingClipper.contributions
+
+    def spread(self, *args, **kwargs):
+        return [(k, v + each) for k, v in real(self, *args, **kwargs)]
+
+    monkeypatch.setattr(BookKeepingClipper, "contributions", spread)
+    assert "clipped sum at bound 1 differs" in check.formulas_disagree(x, y, 8)
