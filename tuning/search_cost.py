@@ -19,7 +19,7 @@ bounded here without looking at any trial's result:
 K is fixed before the first trial: the sweep starts at most ``n_trials`` + ``max_failed_trials``
 trials (complete, pruned, failed and retried ones alike: a retry is a trial of its own), so
 the bound does not depend on how many trials happened to fail. A seeded sweep gives each trial
-a seed of its own (:func:`tuning.sweep.trial_seed`), so no two trials share their noise. The
+a seed of its own (:func:`tuning.trials.trial_seed`), so no two trials share their noise. The
 bound exists only where the set of mechanisms is finite and RDP can account them: a lot size
 or epochs searched over a range (not ``choices``), Laplace noise, or ``diagnostics`` (which
 logs statistics without noise) gives none, and the reason is logged instead.

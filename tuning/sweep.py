@@ -24,12 +24,9 @@ and the total (ε, δ) of releasing the best trial is accounted by RDP (:mod:`tu
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -43,104 +40,7 @@ from .config import MEDIAN_PRUNER, SweepConfig, check_feasible, make_storage
 from .pruning import TrialPruner
 from .results import best_trial, finalise, finish_trial
 from .space import check_against, default_space, parse_space
-
-
-def _trial_task():
-    import ray
-
-    @ray.remote(num_cpus=0, max_retries=0)
-    def run_trial(
-        cfg_dict: dict,
-        parent_run_id: str,
-        tags: dict,
-        pruner: TrialPruner | None,
-        heartbeat: dict | None,
-        pid_file: str,
-        hook=None,
-        memory_share: float = 1.0,
-    ) -> dict:
-        """One trial: the main job as a child run. Sends the trial's heartbeat while it runs
-        (first thing, before the heavy imports)."""
-        Path(pid_file).write_text(str(os.getpid()))
-        stop = threading.Event()
-        if heartbeat is not None:
-            import optuna
-
-            storage = optuna.storages.RDBStorage(
-                heartbeat["storage"], heartbeat_interval=heartbeat["interval"], grace_period=heartbeat["grace"]
-            )
-
-            def beat():
-                while True:
-                    with contextlib.suppress(Exception):
-                        storage.record_heartbeat(heartbeat["trial_id"])
-                    if stop.wait(heartbeat["interval"]):
-                        return
-
-            threading.Thread(target=beat, daemon=True).start()
-        import warnings as _w
-
-        from pipelines.config import config_from_dict
-        from pipelines.train import run
-
-        try:
-            if hook is not None:
-                hook(cfg_dict)
-            with _w.catch_warnings():
-                _w.simplefilter("ignore", dpcore.SeededRandomnessWarning)
-                out = run(
-                    config_from_dict(cfg_dict),
-                    parent_run_id=parent_run_id,
-                    extra_tags=tags,
-                    pruner=pruner,
-                    memory_share=memory_share,
-                )
-        finally:
-            stop.set()
-        keys = (
-            "run_id",
-            "val_accuracy",
-            "test_accuracy",
-            "epsilon",
-            "noise_multiplier",
-            "sample_rate",
-            "steps",
-            "seconds",
-            "checkpoint",
-            "pruned",
-        )
-        summary = {k: out[k] for k in keys}
-        summary["val_examples"] = out["spec"].split_info.get("val_examples")
-        summary["ledger_sigmas"] = sorted({e.noise_multiplier for e in out["ledger"].entries if e.step > 0})
-        return summary
-
-    return run_trial
-
-
-def trial_seed(seed: int | None, number: int) -> int | None:
-    """A seeded sweep's trial seed: its own for each trial, so that no two trials draw the same
-    noise (the search's bound composes independent trials). None stays None (secure noise)."""
-    if seed is None:
-        return None
-    import hashlib
-
-    return int.from_bytes(hashlib.sha256(f"dp-sweep-trial:{seed}:{number}".encode()).digest()[:4], "little")
-
-
-class Progress:
-    def __init__(self, total: int, enabled: bool, stream=sys.stderr):
-        self.total, self.enabled, self.stream = total, enabled, stream
-        self.t0 = time.monotonic()
-
-    def show(self, done: int, running: int, best: tuple | None, note: str = "") -> None:
-        if not self.enabled:
-            return
-        b = "–" if best is None else f"{best[1]:.4f} (trial {best[0]})"
-        self.stream.write(
-            f"[sweep] trials {done}/{self.total} done, {running} running, best validation accuracy {b}, "
-            f"{time.monotonic() - self.t0:5.0f}s{('  ' + note) if note else ''}\n"
-        )
-        self.stream.flush()
+from .trials import Progress, trial_seed, trial_task
 
 
 def run_sweep(
@@ -209,34 +109,7 @@ def run_sweep(
         )
         raw_space = {**raw_space, "lot_size": {"choices": lot_choices}}
         space = parse_space(raw_space, n)
-    sel = None
-    if sweep.private_selection is not None:
-        searched = {"lot_size", "epochs"} & set(space.names)
-        if searched:
-            raise dpcore.DPConfigError(
-                f"--private-selection needs every trial to be the same mechanism: fix {', '.join(sorted(searched))} in the base "
-                "config (every trial then has the same q, σ and steps) and search lr, λ/ρ, the clip norm or the optimizer."
-            )
-        found = search_cost.mechanisms(base, space, n)  # lot size and epochs fixed: one mechanism
-        if isinstance(found, str):
-            raise dpcore.DPConfigError(
-                f"--private-selection accounts the search by RDP, which cannot account it: {found}."
-            )
-        (mech,) = found
-        event = selection.selection_event(
-            selection.trial_event(mech.groups(), sweep.selection_noise_multiplier),
-            sweep.selection_mean,
-            sweep.private_selection,
-            sweep.selection_shape,
-        )
-        sel = {
-            "event": event,
-            "total_epsilon": selection.total_epsilon(event, base.target_delta),
-            "sigma": mech.noise_multiplier,
-            "q": mech.sample_rate,
-            "steps": mech.max_releases,
-            "score_noise": sweep.selection_noise_multiplier,
-        }
+    sel = _selection(sweep, base, space, n)
     # Without private selection: a bound on the whole search's cost to the training split,
     # fixed before any trial runs (or the reason there is none).
     bound = search_cost.search_bound(base, space, n) if sel is None else None
@@ -291,26 +164,7 @@ def run_sweep(
 
     # ---- MLflow parent ------------------------------------------------------------------
     client = MlflowClient(tracking_uri)
-    if sel is None:
-        selection_tag = (
-            "not accounted: the best trial is chosen on a validation split held out from the training data, "
-            "whose privacy is not accounted; each trial's ε covers its training only"
-        )
-    else:
-        selection_tag = (
-            f"accounted (Papernot & Steinke 2022): K ~ {sweep.private_selection}(mean {sweep.selection_mean:g}"
-            f"{'' if sweep.private_selection == 'poisson' else f', shape {sweep.selection_shape:g}'}), noisy validation "
-            f"count σ={sweep.selection_noise_multiplier:g}; total ε={sel['total_epsilon']:.4g} at δ={base.target_delta:g} (RDP)"
-        )
-    parent_tags = {
-        "dp.target_epsilon": f"{base.target_epsilon:g}",
-        "dp.delta": f"{base.target_delta:g}",
-        "dp.selection": selection_tag,
-        "sweep.sampler": sweep.sampler,
-        "sweep.pruner": sweep.pruner,
-        "sweep.space": space.describe(),
-        "sweep.n_trials": str(n_trials),
-    }
+    parent_tags = _parent_tags(sweep, base, space, sel, n_trials)
     storage_tag = redact(sweep.storage)
     with tracking.mlflow_run(
         client,
@@ -338,7 +192,7 @@ def run_sweep(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", dpcore.SeededRandomnessWarning)
             with ray_cluster(dataclasses.replace(base, num_workers=max(base.num_workers, sweep.max_concurrent))):
-                run_trial = _trial_task()
+                run_trial = trial_task()
                 inflight: dict = {}  # ObjectRef -> (trial, params)
                 while True:
                     optuna.storages.fail_stale_trials(study)
@@ -358,35 +212,8 @@ def run_sweep(
                         trial = study.ask()
                         params = space.suggest(trial)
                         storage.record_heartbeat(trial._trial_id)
-                        cfg = dataclasses.replace(
-                            base,
-                            **params,
-                            seed=trial_seed(base.seed, trial.number),
-                            run_name=f"{sweep.study}-trial-{trial.number}",
-                            log_model=False,
-                            quiet=True,
-                            registered_model="none",
-                        )
-                        tags = {
-                            "optuna.study": sweep.study,
-                            "optuna.trial_number": str(trial.number),
-                            "optuna.trial_id": str(trial._trial_id),
-                        }
-                        opt = None
-                        if sweep.pruner == "median":
-                            opt = TrialPruner(sweep.storage, sweep.study, trial._trial_id, MEDIAN_PRUNER)
-                        hb = {
-                            "storage": sweep.storage,
-                            "interval": sweep.heartbeat_interval,
-                            "grace": sweep.grace_period,
-                            "trial_id": trial._trial_id,
-                        }
                         ref = run_trial.remote(
-                            cfg.to_dict(),
-                            parent_id,
-                            tags,
-                            opt,
-                            hb,
+                            *_trial_args(sweep, base, trial, params, parent_id),
                             str(run_dir / f"trial-{trial.number}.pid"),
                             trial_hook,
                             1.0 / sweep.max_concurrent,  # trials at once share the nodes' memory
@@ -420,6 +247,92 @@ def run_sweep(
         summary["stopped"] = stopped if stop else None
         summary["_search"] = (bound, max(cap, len(study.trials)))  # for a preset's total; not printed
         return summary
+
+
+def _trial_args(sweep: SweepConfig, base, trial, params: dict, parent_id: str) -> tuple:
+    """The first arguments of :func:`tuning.trials.trial_task`'s task for one trial: its config
+    (the base with the trial's parameters and own seed, no model logged), the parent run, its
+    tags, its pruner and its heartbeat."""
+    cfg = dataclasses.replace(
+        base,
+        **params,
+        seed=trial_seed(base.seed, trial.number),
+        run_name=f"{sweep.study}-trial-{trial.number}",
+        log_model=False,
+        quiet=True,
+        registered_model="none",
+    )
+    tags = {
+        "optuna.study": sweep.study,
+        "optuna.trial_number": str(trial.number),
+        "optuna.trial_id": str(trial._trial_id),
+    }
+    pruner = None
+    if sweep.pruner == "median":
+        pruner = TrialPruner(sweep.storage, sweep.study, trial._trial_id, MEDIAN_PRUNER)
+    heartbeat = {
+        "storage": sweep.storage,
+        "interval": sweep.heartbeat_interval,
+        "grace": sweep.grace_period,
+        "trial_id": trial._trial_id,
+    }
+    return cfg.to_dict(), parent_id, tags, pruner, heartbeat
+
+
+def _selection(sweep: SweepConfig, base, space, n: int) -> dict | None:
+    """With ``--private-selection``: the selection's privacy event, its total ε and the one
+    mechanism every trial runs (σ, q, steps); None without it. Raises where the search cannot
+    be accounted (lot size or epochs searched, or a mechanism RDP cannot compose)."""
+    if sweep.private_selection is None:
+        return None
+    searched = {"lot_size", "epochs"} & set(space.names)
+    if searched:
+        raise dpcore.DPConfigError(
+            f"--private-selection needs every trial to be the same mechanism: fix {', '.join(sorted(searched))} in the base "
+            "config (every trial then has the same q, σ and steps) and search lr, λ/ρ, the clip norm or the optimizer."
+        )
+    found = search_cost.mechanisms(base, space, n)  # lot size and epochs fixed: one mechanism
+    if isinstance(found, str):
+        raise dpcore.DPConfigError(f"--private-selection accounts the search by RDP, which cannot account it: {found}.")
+    (mech,) = found
+    event = selection.selection_event(
+        selection.trial_event(mech.groups(), sweep.selection_noise_multiplier),
+        sweep.selection_mean,
+        sweep.private_selection,
+        sweep.selection_shape,
+    )
+    return {
+        "event": event,
+        "total_epsilon": selection.total_epsilon(event, base.target_delta),
+        "sigma": mech.noise_multiplier,
+        "q": mech.sample_rate,
+        "steps": mech.max_releases,
+        "score_noise": sweep.selection_noise_multiplier,
+    }
+
+
+def _parent_tags(sweep: SweepConfig, base, space, sel: dict | None, n_trials: int) -> dict:
+    """The sweep's parent run's tags: the target, how the selection is accounted, the search."""
+    if sel is None:
+        selection_tag = (
+            "not accounted: the best trial is chosen on a validation split held out from the training data, "
+            "whose privacy is not accounted; each trial's ε covers its training only"
+        )
+    else:
+        selection_tag = (
+            f"accounted (Papernot & Steinke 2022): K ~ {sweep.private_selection}(mean {sweep.selection_mean:g}"
+            f"{'' if sweep.private_selection == 'poisson' else f', shape {sweep.selection_shape:g}'}), noisy validation "
+            f"count σ={sweep.selection_noise_multiplier:g}; total ε={sel['total_epsilon']:.4g} at δ={base.target_delta:g} (RDP)"
+        )
+    return {
+        "dp.target_epsilon": f"{base.target_epsilon:g}",
+        "dp.delta": f"{base.target_delta:g}",
+        "dp.selection": selection_tag,
+        "sweep.sampler": sweep.sampler,
+        "sweep.pruner": sweep.pruner,
+        "sweep.space": space.describe(),
+        "sweep.n_trials": str(n_trials),
+    }
 
 
 def run_preset(sweep: SweepConfig, base) -> dict:

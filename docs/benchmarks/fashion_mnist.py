@@ -194,7 +194,7 @@ def opacus_train(
     from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 
     import dpcore
-    from pipelines.train.worker import make_optimizer
+    from pipelines.train.build import make_optimizer
 
     (xtr, ytr), (xva, yva), (xte, yte) = data["train"], data["val"], data["test"]
     n, q, sigma = len(ytr), spec.sample_rate, spec.noise_multiplier
@@ -367,8 +367,8 @@ def speed_child(mode: str, config: Path, workdir: Path) -> dict:
     """One epoch of lots in this process (2 torch threads): non-private, Opacus or dpcore."""
     import dpcore
     from pipelines.allocator import keep_freed_memory
+    from pipelines.train.build import make_optimizer
     from pipelines.train.placement import memory_status
-    from pipelines.train.worker import make_optimizer
 
     keep_freed_memory()  # as the workers do
     torch.set_num_threads(2)

@@ -92,8 +92,8 @@ def non_private(cfg, spec, data, seed: int, lr: float, head_lr: float | None = N
     import dataclasses
 
     cfg = dataclasses.replace(cfg, lr=lr, head_lr=head_lr)
+    from pipelines.train.build import make_optimizer
     from pipelines.train.report import evaluate
-    from pipelines.train.worker import make_optimizer
 
     (xtr, ytr), (xva, yva), (xte, yte) = data["train"], data["val"], data["test"]
     module = trained_module(cfg, spec, seed)

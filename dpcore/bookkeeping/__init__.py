@@ -15,7 +15,8 @@ of the *activations only* (Bu et al. 2023, "book-keeping"):
 
 The forms, one file each: ``linear.py`` (``nn.Linear``, on vectors or sequences), ``conv.py``
 (``nn.Conv2d``), ``wsconv.py`` (:class:`dpcore.layers.WSConv2d`), ``groupnorm.py``,
-``layernorm.py`` and ``embedding.py`` (``nn.Embedding``). A new
+``layernorm.py`` and ``embedding.py`` (``nn.Embedding``), over the pieces they share
+(``base.py``; ``sums.py``, the sparse and small-row sums the clipper adds up). A new
 layer type is one file with a :class:`LayerForm` subclass, one :func:`register_layer` line
 below, and one test against vmap (``tests/dpcore/test_bookkeeping_clipping.py``).
 
@@ -23,7 +24,8 @@ Models with any trainable parameter outside a registered layer (raw ``nn.Paramet
 projections, grouped convolutions, ...), layers used more than once per forward, or a loss that
 does not vmap, are not handled here: :func:`supports` says so and the caller uses the reference
 path. Because the forms assume that examples are independent, :mod:`dpcore.fastpath` checks
-them against vmap, in float64, on a real batch before they are used.
+them against vmap, in float64, before the first batch is summed (on inputs drawn from a
+fixed seed in that batch's shapes, never the batch itself).
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ from torch import nn
 from ..clipping import ADD_GROUP_BYTES, clip_factors, kept_rows
 from ..grad_sample import LossFn
 from ..precision import check_autocast, formulas, forward_autocast, widen
-from .base import Context, RowUpdate, SmallRows, SquaredNorms, Unsupported, small_rows_sums
+from .base import Context, SquaredNorms, Unsupported
 from .registry import form_for
+from .sums import RowUpdate, SmallRows, small_rows_sums
 
 
 def altered(m: nn.Module) -> bool:

@@ -7,7 +7,7 @@ its tokens x_t. Only the rows of the tokens it holds are non-zero, so the form k
 the vocabulary. Each pair's share f_i·S is formed in float64 (the very vector whose norm was
 measured), the batch's shares of each token are summed (float64, at most B terms, as in any
 layer's batch sum), and that one row per token is added into its row of the running sum
-(:class:`~dpcore.bookkeeping.base.RowUpdate`): no tensor of the table's size is formed per
+(:class:`~dpcore.bookkeeping.sums.RowUpdate`): no tensor of the table's size is formed per
 batch, and a row of the lot's sum takes one addition per batch, as every other parameter does
 (:func:`dpcore.clipping.float_sensitivity`). Positions holding ``padding_idx`` get no gradient,
 as in ``nn.Embedding``.
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import Context, LayerForm, Part, RowUpdate, Unsupported
+from .base import Context, LayerForm, Part, Unsupported
+from .sums import RowUpdate
 
 
 @dataclass

@@ -103,8 +103,8 @@ def load_final_model(plan: RunPlan, checkpoint_path: str):
     """The run's model from a checkpoint: the EMA average when the run keeps one."""
     import torch
 
+    from .build import load_pca
     from .checkpoint import EMA_MODEL_FILE, MODEL_FILE
-    from .worker import load_pca
 
     cfg = config_from_dict(plan.config)
     model = build_run_model(cfg, tuple(plan.input_shape), plan.num_classes, load_pca(plan))

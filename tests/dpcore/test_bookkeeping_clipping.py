@@ -940,7 +940,7 @@ def test_squared_norms_sum_every_term_and_row_once():
 def test_small_rows_of_several_layers_are_summed_together_as_each_alone():
     """Biases and norm layers' per-example rows, formed into their clipped sums together per
     dtype: each sum equals its own Σ_i f_i·rows_i, float64 in its parameter's shape."""
-    from dpcore.bookkeeping.base import SmallRows, small_rows_sums
+    from dpcore.bookkeeping.sums import SmallRows, small_rows_sums
 
     g = torch.Generator().manual_seed(1)
     B = 6

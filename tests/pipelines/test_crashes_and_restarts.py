@@ -37,7 +37,7 @@ def test_aggregated_noise_has_std_sigma_C_with_one_or_two_ray_workers(ray_cluste
         import torch.nn.functional as F  # noqa: F401
 
         import dpcore as dc
-        from pipelines.train.worker import allreduce_sum
+        from pipelines.train.build import allreduce_sum
 
         ctx = ray.train.get_context()
         rank, world = ctx.get_world_rank(), ctx.get_world_size()

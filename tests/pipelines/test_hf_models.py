@@ -87,7 +87,7 @@ def test_head_lr_puts_the_new_head_in_a_group_of_its_own(minilm, rank):
     model that is not hf:."""
     import dpcore
     from pipelines.config import TrainConfig
-    from pipelines.train.worker import make_optimizer
+    from pipelines.train.build import make_optimizer
 
     model, _ = _load(minilm, rank=rank)
     from pipelines.config.train import ModelConfig

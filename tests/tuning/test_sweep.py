@@ -283,7 +283,7 @@ def test_with_private_selection_a_failed_trial_is_one_of_the_k_runs(ray_cluster,
 
 
 def test_a_seeded_sweep_gives_each_trial_a_seed_of_its_own():
-    from tuning.sweep import trial_seed
+    from tuning.trials import trial_seed
 
     seeds = [trial_seed(5, n) for n in range(50)]
     assert len(set(seeds)) == 50 and all(isinstance(s, int) and s >= 0 for s in seeds)
