@@ -103,9 +103,10 @@ class CheckedBookKeeping:
     layer's input in place, or a layer form that does not match its layer. Such an error is
     structural, so it shows in float64, where rounding cannot hide it or pass for it: the check
     compares, on a float64 copy of the model, every example's squared norm with the vmap
-    reference, to :data:`FORMULA_RTOL` of their scale beyond the allowance a ghost form adds
-    for its own float64 rounding, and the clipped sums at two bounds (C, and the median norm, so
-    that the factors differ between examples), both paths at book-keeping's factors, to
+    reference: never below it by more than :data:`FORMULA_RTOL` of their scale, and above it by
+    no more than that plus twice the allowance a ghost form adds for its own float64 rounding;
+    and the clipped sums at two bounds (C, and the median norm, so that the factors differ
+    between examples), both paths at book-keeping's factors, their ℓ2 difference to
     :data:`FORMULA_RTOL` of what the shares add up to in magnitude. (Comparing the float32 sums
     with each other instead would measure the two paths' rounding: on an ill-conditioned float32
     network the per-example and the batched backward part by far more than the formulas do.)
