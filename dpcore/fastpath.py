@@ -88,6 +88,10 @@ def check_inputs(
 # on ResNet-9 and WRN-16-4, whose float32 backward is ill-conditioned; docs/benchmarks/README.md);
 # a wrong formula, a mixing of examples or an in-place edit parts them by orders of magnitude more.
 FORMULA_RTOL = 1e-9
+# Nor is any example's norm below the reference's by more than this much of its own (squared):
+# loose beside the two paths' float64 rounding of natural examples, and, were a form to fall short
+# by it in training, a share would reach at most C·(1 − CLIP_MARGIN)·√(1 + 1e-7), inside the margin.
+BELOW_RTOL = 1e-7
 
 
 class CheckedBookKeeping:
@@ -103,8 +107,9 @@ class CheckedBookKeeping:
     layer's input in place, or a layer form that does not match its layer. Such an error is
     structural, so it shows in float64, where rounding cannot hide it or pass for it: the check
     compares, on a float64 copy of the model, every example's squared norm with the vmap
-    reference: never below it by more than :data:`FORMULA_RTOL` of their scale, and above it by
-    no more than that plus twice the allowance a ghost form adds for its own float64 rounding;
+    reference: never below it by more than :data:`FORMULA_RTOL` of their scale or
+    :data:`BELOW_RTOL` of its own, and above it by no more than that plus twice the allowance a
+    ghost form adds for its own float64 rounding (:meth:`norms_disagree`);
     and the clipped sums at two bounds (C, and the median norm, so that the factors differ
     between examples), both paths at book-keeping's factors, their ℓ2 difference to
     :data:`FORMULA_RTOL` of what the shares add up to in magnitude. (Comparing the float32 sums
@@ -185,8 +190,8 @@ class CheckedBookKeeping:
             x64 = x.double() if x.is_floating_point() else x
             clipper = bookkeeping.BookKeepingClipper(model64, self.loss_fn)
             clipper.MAX_PER_EXAMPLE_ELEMENTS = self.clipper.MAX_PER_EXAMPLE_ELEMENTS
-            allowances: list[torch.Tensor] = []
-            sq, parts = clipper.measure(x64, y, self.clip_norm, batch_size, allowances)
+            norms: list = []
+            sq, parts = clipper.measure(x64, y, self.clip_norm, batch_size, norms)
             with warnings.catch_warnings():  # torch's note that an op (attention) has no vmap rule: 8 examples, once
                 warnings.filterwarnings(
                     "ignore", message="There is a performance drop because we have not yet implemented"
@@ -200,25 +205,9 @@ class CheckedBookKeeping:
             return "its non-finite examples differ from the per-example (vmap) reference"
         if not bool(finite.any()):  # nothing was compared: not a pass
             return "the check's inputs gave no example a finite gradient"
-        scale = float(ref_sq[finite].max())
-        # A ghost form adds to its norm an allowance for its own float64 rounding, of about
-        # (d + c + 2T)·u·β², β the sum of its terms' magnitudes: where an example's positions
-        # cancel (wide layers over long sequences), that can exceed FORMULA_RTOL of the scale.
-        # The allowance only raises a norm (a smaller factor, safe), so it is expected above the
-        # reference, twice over (the allowance, and the rounding it allows for), and never
-        # below it: a norm under the reference by more than FORMULA_RTOL of the scale fails,
-        # whatever allowance its form reported.
-        expected = 2 * sum(allowances, torch.zeros_like(sq))
-        under = ref_sq - sq
-        over = sq - ref_sq - expected
-        for gap, how in ((under, "below"), (over, "above")):
-            if float(gap[finite].max()) > FORMULA_RTOL * scale:
-                worst = float((gap[finite] / max(scale, 1e-300)).max())
-                beyond = " beyond its forms' allowance for rounding" if how == "above" else ""
-                return (
-                    f"its per-example norms are {how} the per-example (vmap) reference's, by {worst:.1e} of "
-                    f"their scale in float64{beyond}"
-                )
+        why = self.norms_disagree(norms[-1], ref_sq, finite)
+        if why:
+            return why
         median = float(ref_sq[finite].sqrt().median())
         for bound in dict.fromkeys(b for b in (self.clip_norm, median) if b > 0):
             # Both sums take the same factors (book-keeping's): the norms were compared above, and
@@ -233,9 +222,46 @@ class CheckedBookKeeping:
             sum_scale = float((factors * ref_sq.sqrt())[finite].sum())
             # The difference is measured as one vector over every parameter (ℓ2), as the shares are.
             worst = math.sqrt(sum(float((fast[k] - ref[k]).square().sum()) for k in ref))
-            if worst > FORMULA_RTOL * sum_scale:
+            if not worst <= FORMULA_RTOL * sum_scale:  # a NaN in a sum fails too
                 return (
                     f"its clipped sum at bound {bound:.3g} differs from the per-example (vmap) reference, "
                     f"by {worst / max(sum_scale, 1e-300):.1e} of its shares' magnitude in float64"
+                )
+        return ""
+
+    @staticmethod
+    def norms_disagree(norms: bookkeeping.SquaredNorms, ref_sq: torch.Tensor, finite: torch.Tensor) -> str:
+        """Why book-keeping's squared norms (``norms``, as the forms measured them: with their
+        allowances, before any raise for the clipped sum's rounding) disagree with the vmap
+        reference's ``ref_sq`` on the ``finite`` examples ("" if they agree).
+
+        A ghost form adds to its norms an allowance for its own float64 rounding
+        (:meth:`~dpcore.bookkeeping.base.SquaredNorms.add_allowance`), of about (d + c + 2T)·u·β²,
+        β the sum of its terms' magnitudes: where an example's positions cancel (wide layers over
+        long sequences) that can exceed FORMULA_RTOL of the scale. The allowance only raises a
+        norm (a smaller factor, safe), so it is expected above the reference, twice over (the
+        allowance, and the rounding it allows for), and never below it. Below, a norm fails by
+        more than FORMULA_RTOL of the largest example's, or by more than :data:`BELOW_RTOL` of
+        its own example's (norms can spread over hundreds of orders of magnitude, and a small
+        one's shortfall would hide under the largest's scale)."""
+        measured, allowance = norms.measured()
+        ref, got, allowed = ref_sq[finite], measured[finite], allowance[finite]
+        scale = float(ref.max())
+        under, over = ref - got, got - ref - 2 * allowed
+        # (Where a norm is so small that its square is subnormal, its relative precision is lost:
+        # the per-example bound keeps a floor far below any normal number's.)
+        own = BELOW_RTOL * ref + torch.finfo(torch.float64).tiny / BELOW_RTOL
+        for gap, bound, how, of in (
+            (under, FORMULA_RTOL * scale, "below", "their scale"),
+            (under, own, "below", "its own example's"),
+            (over, FORMULA_RTOL * scale, "above", "their scale"),
+        ):
+            if not bool((gap <= bound).all()):  # a NaN fails too
+                size = scale if of == "their scale" else ref
+                worst = float((gap / torch.as_tensor(size, dtype=gap.dtype).clamp_min(1e-300)).max())
+                beyond = " beyond its forms' allowance for rounding" if how == "above" else ""
+                return (
+                    f"its per-example norms are {how} the per-example (vmap) reference's, by {worst:.1e} of "
+                    f"{of} in float64{beyond}"
                 )
         return ""

@@ -102,11 +102,12 @@ class ClippedLot:
         if self.example_shape is None:
             self.example_shape = shape
         elif shape != self.example_shape:
+            # Neither shape is printed: with a loader that pads each batch, both depend on the data.
+            which = " and ".join(w for w, a, b in zip(("input", "label"), shape, self.example_shape) if a != b)
             raise DPConfigError(
-                f"an example's shape changed from the run's first batch's (input {list(self.example_shape[0])}, "
-                f"label {list(self.example_shape[1])}). Under DP each example must be prepared on its own: a loader "
-                "that pads each batch to its longest sequence lets one example change the others' inputs. Pad (or "
-                "crop) every example to one fixed shape."
+                f"an example's {which} shape changed from the run's first batch's. Under DP each example must be "
+                "prepared on its own: a loader that pads each batch to its longest sequence lets one example change "
+                "the others' inputs. Pad (or crop) every example to one fixed shape."
             )
 
     def augmented(self, xb: torch.Tensor) -> torch.Tensor:

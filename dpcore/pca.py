@@ -18,12 +18,13 @@ the run's ledger (step 0: before training), composed with the training steps.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .clipping import CLIP_MARGIN
+from .clipping import CLIP_MARGIN, gamma
 from .errors import DPConfigError
 from .events import Gaussian, PoissonGaussian, PrivacyEvent
 from .ledger import PrivacyLedger
@@ -47,6 +48,26 @@ def pca_event(noise_multiplier: float, sample_rate: float = 1.0) -> PrivacyEvent
     if sample_rate == 1.0:
         return Gaussian(float(noise_multiplier))
     return PoissonGaussian(float(noise_multiplier), float(sample_rate))
+
+
+def gram_sensitivity(rows: int) -> float:
+    """The most one row can move the computed AᵀA (Frobenius norm) for ``rows`` rows of norm
+    1 − m: its own term, (1 − m)², and the rounding of the two computed products, each within
+    γ_{N+1}·Σ_i ‖a_i‖² = γ_{N+1}·N·(1 − m)² of its exact value (N products summed in any order,
+    then the symmetrisation's addition; Higham §3.1). At most 1 (the sensitivity the accountant
+    takes) up to :func:`covered_rows` rows."""
+    return (1.0 - CLIP_MARGIN) ** 2 * (1.0 + 2.0 * rows * gamma(rows + 1))
+
+
+def covered_rows() -> int:
+    """The most rows whose :func:`gram_sensitivity` is at most 1 (about 950,000)."""
+    lo, hi = 1, 2
+    while gram_sensitivity(hi) <= 1.0:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if gram_sensitivity(mid) <= 1.0 else (lo, mid)
+    return lo
 
 
 def normalized_rows(x: torch.Tensor) -> torch.Tensor:
@@ -120,7 +141,15 @@ def release_gram(
         ledger.check(event)  # before the rows are even sampled
     # Each row's term a·aᵀ has Frobenius norm ‖a‖² = 1 exactly, but the float64 product's
     # rounding depends on every row (about N²·2⁻⁵³ of the sum); rows scaled to 1 − m, the
-    # clipping margin, leave it that room (up to about 10⁶ rows, as the clipped sums' bound).
+    # clipping margin, leave it that room up to covered_rows() rows (gram_sensitivity).
+    if gram_sensitivity(x.shape[0]) > 1.0:  # N, like a dataset's size, is public
+        warnings.warn(
+            f"floating point: DP-PCA over {x.shape[0]:,} rows could, in the worst case, let one row move the "
+            f"computed AᵀA by {gram_sensitivity(x.shape[0]):.7f}, above the sensitivity 1 the accountant "
+            f"assumes; the clipping margin covers up to {covered_rows():,} rows. Pass fewer rows (a public "
+            "subsample) to stay within it.",
+            stacklevel=2,
+        )
     a = normalized_rows(x) * (1.0 - CLIP_MARGIN)
     if sample_rate < 1.0:
         a = a[randomness.uniform(a.shape[0]) < sample_rate]

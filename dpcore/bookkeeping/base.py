@@ -41,11 +41,6 @@ class Context:
     # rounded in float32), so a choice by the batch's size would let one example change the
     # others' contributions.
     batch_size: int | None = None
-    # Where a list is given, each form that adds an allowance to the norms on purpose (the ghost
-    # Linear/conv form, weight_sq_norms, and the weight-standardised conv's, so that a norm is
-    # never below the exact one) appends it, [B] float64: the check against vmap expects that
-    # much of a difference above the exact norm, and none below (dpcore.fastpath.CheckedBookKeeping).
-    allowances: list | None = None
 
     def materialises(self, per_example: int, batch: int) -> bool:
         """Whether per-example tensors of ``per_example`` elements fit ``max_elements`` for a
@@ -63,7 +58,10 @@ class SquaredNorms:
     read only then: a form must not change a tensor after adding it. A term or rows of another
     shape or dtype raise :class:`Unsupported` (the model then runs on vmap, with a warning that
     says why). A ghost form also adds the rounding its clipped sum's product can take
-    (:meth:`add_rounding`), which :meth:`total` folds in (:func:`dpcore.clipping.rounding_floor`)."""
+    (:meth:`add_rounding`), which :meth:`total` folds in (:func:`dpcore.clipping.rounding_floor`),
+    and the allowance for its own float64 rounding (:meth:`add_allowance`), which :meth:`total`
+    adds to the norms: a form adds its norms without it, so none can leave it out or take it
+    back, and the check against vmap reads what was added (:meth:`measured`)."""
 
     def __init__(self, batch: int, device: torch.device, rounding_batch: int | None = None):
         self.batch, self.device = batch, device
@@ -72,6 +70,21 @@ class SquaredNorms:
         self.terms: list[torch.Tensor] = []
         self.rows: dict[torch.dtype, list[torch.Tensor]] = {}
         self.rounding: list[tuple[int, int, torch.Tensor]] = []
+        self.allowances: list[torch.Tensor] = []
+
+    def add_allowance(self, allowance: torch.Tensor) -> None:
+        """An allowance (float64 [B], ≥ 0) for the float64 rounding of a form's own norms, where
+        an example's terms can cancel (a ghost form's Gram sums, a standardisation's subtraction):
+        at least what that rounding can take off the norm, so that the norm :meth:`total` gives
+        is never below the exact one. The check against vmap
+        (:class:`dpcore.fastpath.CheckedBookKeeping`) expects up to twice it above the exact
+        norm, and nothing below."""
+        if allowance.shape != (self.batch,) or allowance.dtype != torch.float64:
+            raise Unsupported(
+                f"a layer form added an allowance of {allowance.dtype} {tuple(allowance.shape)}, "
+                f"not float64 ({self.batch},)"
+            )
+        self.allowances.append(allowance.clamp_min(0.0))
 
     def add_rounding(self, magnitude_sq: torch.Tensor, positions: int, more: int = 0) -> None:
         """The rounding of a ghost form's clipped sum (:class:`GhostPart`), whose terms are not
@@ -113,10 +126,10 @@ class SquaredNorms:
         zeros = torch.zeros(self.batch, dtype=torch.float64, device=self.device)
         return self.__iadd__(zeros.index_add_(dim, index, source))
 
-    def total(self) -> torch.Tensor:
-        """The squared norms to clip on: each example's, never below the exact one, raised where
-        its rounding in the clipped sum would exceed its share of the margin
-        (:func:`dpcore.clipping.rounding_floor`; natural examples are not)."""
+    def measured(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each example's squared norm with the forms' allowances added, the allowances' sum),
+        float64 [B] each: the norms before :meth:`total` raises any for the clipped sum's
+        rounding."""
         terms = list(self.terms)
         for rows in self.rows.values():
             joined = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
@@ -125,6 +138,15 @@ class SquaredNorms:
             sq = torch.zeros(self.batch, dtype=torch.float64, device=self.device)
         else:
             sq = terms[0].clone() if len(terms) == 1 else torch.stack(terms).sum(0)
+        allowance = torch.zeros_like(sq) if not self.allowances else sum(self.allowances[1:], self.allowances[0])
+        return (sq + allowance if self.allowances else sq), allowance
+
+    def total(self) -> torch.Tensor:
+        """The squared norms to clip on: each example's with its forms' allowances
+        (:meth:`measured`), never below the exact one, raised where its rounding in the clipped
+        sum would exceed its share of the margin (:func:`dpcore.clipping.rounding_floor`;
+        natural examples are not)."""
+        sq, _ = self.measured()
         extra = None
         for positions, more, magnitude_sq in self.rounding:
             term = gamma(ghost_roundings(self.rounding_batch, positions) + more) ** 2 * magnitude_sq
@@ -300,6 +322,7 @@ def weight_and_bias(
     s, W, magnitude_sq = weight_sq_norms(A, G, channels_first, ctx)
     sq += s
     if magnitude_sq is not None:  # the ghost form: one product over (example, position), then the multiply
+        sq.add_allowance(ghost_allowance(A, G, channels_first, magnitude_sq))
         sq.add_rounding(magnitude_sq, positions=A.shape[2] if channels_first else A.shape[1])
     bias_g = bias_per_example(m, G.sum(2 if channels_first else 1), sq)
     return MaterialisedPart(m, W, bias_g) if W is not None else GhostPart(m, A, G, channels_first, bias_g)
@@ -309,7 +332,9 @@ def weight_sq_norms(A: torch.Tensor, G: torch.Tensor, channels_first: bool, ctx:
     """(‖W_i‖_F² per example in float64, the per-example gradients W_i or None, the magnitudes
     β_i² of :meth:`SquaredNorms.add_rounding` or None), by the cheaper exact form: W_i = G_iᵀA_i
     materialised, or the ghost Σ_{t,s}(a_t·a_s)(g_t·g_s), whose clipped sum runs over the batch's
-    (example, position) terms (T per example), each multiplied by f_i: β_i = Σ_t ‖a_t‖·‖g_t‖."""
+    (example, position) terms (T per example), each multiplied by f_i: β_i = Σ_t ‖a_t‖·‖g_t‖.
+    The ghost norms come without the allowance for their rounding (:func:`ghost_allowance`),
+    which can put them below the exact ones: :func:`weight_and_bias` adds it."""
     if channels_first:  # A [B, d, T], G [B, c, T]
         B, d, T = A.shape
         c = G.shape[1]
@@ -336,24 +361,33 @@ def weight_sq_norms(A: torch.Tensor, G: torch.Tensor, channels_first: bool, ctx:
         gg = G64 @ G64.transpose(1, 2)
     # Summed over s, then over t: each term takes part in at most 2T − 2 additions.
     sq = (aa * gg).sum(2).sum(1)
-    # An example's positions can pull in opposite directions; its gradient is then small next to
-    # its terms, and float64 rounding, relative to the terms, is not small next to its norm: the
-    # norm could come out below the exact one, and an example whose gradient rounds to zero
-    # would keep the factor 1 however large its terms, whose rounding in the clipped sum could
-    # then swallow another example's share. Each Gram entry is within γ_d·‖a_t‖‖a_s‖
-    # (γ_c·‖g_t‖‖g_s‖) of exact and the sums add γ_2T, so the error is at most about
-    # (d + c + 2T)·u·β², β = Σ_t ‖a_t‖·‖g_t‖: added (doubled), so that the norm is never below
-    # the exact one and f_i·β ≤ C/√(2(d + c + 2T)·u).
     dim = 1 if channels_first else 2
     beta = (torch.linalg.vector_norm(A64, dim=dim) * torch.linalg.vector_norm(G64, dim=dim)).sum(1)
-    u = torch.finfo(torch.float64).eps / 2  # the unit roundoff
-    allowance = 2 * (d + c + 2 * T + 4) * u * beta.square()
-    if ctx.allowances is not None:
-        ctx.allowances.append(allowance)
     # The clipped sum (GhostPart) passes each term f_i·g_t·a_tᵀ through ghost_roundings(B, T)
     # roundings (f_i·g_t, the products, the additions within and across chunks, in any order): β_i
-    # bounds the magnitudes it rounds.
-    return sq + allowance, None, beta.square()
+    # bounds the magnitudes it rounds. The norms come without their allowance
+    # (ghost_allowance), which the caller adds with SquaredNorms.add_allowance.
+    return sq, None, beta.square()
+
+
+def ghost_allowance(A: torch.Tensor, G: torch.Tensor, channels_first: bool, magnitude_sq: torch.Tensor) -> torch.Tensor:
+    """The allowance for the float64 rounding of the ghost norms of :func:`weight_sq_norms`
+    (inputs ``A`` and output gradients ``G`` laid out as there; ``magnitude_sq``: its β_i²).
+
+    An example's positions can pull in opposite directions; its gradient is then small next to
+    its terms, and float64 rounding, relative to the terms, is not small next to its norm: the
+    norm could come out below the exact one, and an example whose gradient rounds to zero
+    would keep the factor 1 however large its terms, whose rounding in the clipped sum could
+    then swallow another example's share. Each Gram entry is within γ_d·‖a_t‖‖a_s‖
+    (γ_c·‖g_t‖‖g_s‖) of exact and the sums add γ_2T, so the error is at most about
+    (d + c + 2T)·u·β², β = Σ_t ‖a_t‖·‖g_t‖: doubled, so that the norm is never below the exact
+    one and f_i·β ≤ C/√(2(d + c + 2T)·u)."""
+    if channels_first:  # A [B, d, T], G [B, c, T]
+        (d, T), c = A.shape[1:], G.shape[1]
+    else:  # A [B, T, d], G [B, T, c]
+        (T, d), c = A.shape[1:], G.shape[2]
+    u = torch.finfo(torch.float64).eps / 2  # the unit roundoff
+    return 2 * (d + c + 2 * T + 4) * u * magnitude_sq
 
 
 # -- normalisation layers (GroupNorm, LayerNorm) ----------------------------------------------------

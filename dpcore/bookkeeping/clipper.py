@@ -214,14 +214,15 @@ class BookKeepingClipper:
         y: torch.Tensor,
         clip_norm: float,
         batch_size: int | None = None,
-        allowances: list | None = None,
+        norms: list | None = None,
     ) -> tuple[torch.Tensor, list]:
         """(each example's squared gradient norm, float64 [B]; each layer's part). The parts give
         Σ_i f_i·grad_i for any factors through :meth:`contributions`. ``clip_norm`` sets the
         precision the norms need (see :func:`dpcore.bookkeeping.base.row_sq_norms`);
-        ``batch_size`` as in :meth:`clipped_sum`; ``allowances``, a list the forms append the
-        allowances they added to the norms to (:class:`dpcore.bookkeeping.base.Context`)."""
-        sq, parts, exact = self._measure(x, y, clip_norm, batch_size, allowances)
+        ``batch_size`` as in :meth:`clipped_sum`; ``norms``, a list the
+        :class:`~dpcore.bookkeeping.base.SquaredNorms` the forms added into is appended to (what
+        they measured and the allowances they added: :meth:`SquaredNorms.measured`)."""
+        sq, parts, exact = self._measure(x, y, clip_norm, batch_size, norms)
         if exact is not None and not bool(torch.isfinite(sq).all()):
             # A float32 square overflowed (or a gradient is not finite): the row norms in float64.
             del parts  # the first pass's per-example gradients go before the second's are made
@@ -238,7 +239,7 @@ class BookKeepingClipper:
         return torch.where(torch.isfinite(first), first, exact)
 
     def _measure(
-        self, x: torch.Tensor, y: torch.Tensor, clip_norm: float, batch_size: int | None, allowances: list | None = None
+        self, x: torch.Tensor, y: torch.Tensor, clip_norm: float, batch_size: int | None, norms: list | None = None
     ):
         """:meth:`measure` without its read of the device: (sq, parts, exact), ``exact`` None
         where every row norm was summed in float64, else a callable that measures the batch
@@ -258,28 +259,25 @@ class BookKeepingClipper:
             grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
         # Each layer's form adds its examples' squared norms into sq and keeps what it needs for
         # the clipped sum (per-example gradients, or the activations of a ghost form).
-        ctx = Context(
-            clip_norm=clip_norm,
-            max_elements=self.MAX_PER_EXAMPLE_ELEMENTS,
-            batch_size=batch_size,
-            allowances=allowances,
-        )
+        ctx = Context(clip_norm=clip_norm, max_elements=self.MAX_PER_EXAMPLE_ELEMENTS, batch_size=batch_size)
         with formulas(x):  # autocast off, whatever region the caller opened
-            sq, parts = self._forms(rec, grads, x, ctx, batch_size)
+            sq, parts = self._forms(rec, grads, x, ctx, batch_size, norms)
         if not ctx.float32_rows:
             return sq, parts, None
 
         def exact():
             with formulas(x):
                 again = Context(clip_norm, ctx.max_elements, exact_rows=True, batch_size=batch_size)
-                return self._forms(rec, grads, x, again, batch_size)
+                return self._forms(rec, grads, x, again, batch_size, norms)
 
         return sq, parts, exact
 
     def _forms(
-        self, rec: dict, grads, x: torch.Tensor, ctx: Context, batch_size: int | None
+        self, rec: dict, grads, x: torch.Tensor, ctx: Context, batch_size: int | None, norms: list | None = None
     ) -> tuple[torch.Tensor, list]:
         sq = SquaredNorms(x.shape[0], x.device, batch_size)
+        if norms is not None:
+            norms.append(sq)
         parts = []
         for (name, m, form), g in zip(self.layers, grads):
             a, z = rec[name]

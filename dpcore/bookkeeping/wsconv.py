@@ -65,18 +65,16 @@ class WSJacobian:
         added, 8·(n + T)·u·(Σ_t ‖Ã_t‖·|g_t|)², which bounds every term's magnitude: the
         result can only overestimate the norm, which costs a smaller clip factor, never a
         share above C."""
-        return self.centred_sq_norms(*centred(A, G))
+        sq, allowance = self.centred_sq_norms(*centred(A, G))
+        return sq + allowance
 
     def centred_sq_norms(
-        self,
-        A: torch.Tensor,
-        G: torch.Tensor,
-        magnitudes: torch.Tensor | None = None,
-        allowances: list | None = None,
-    ) -> torch.Tensor:
-        """:meth:`ghost_sq_norms` from the operands :func:`centred` made (``magnitudes``: their
-        :meth:`filter_magnitudes`, if already formed); the [B] allowance added to the norms is
-        appended to ``allowances`` where one is given (:class:`~dpcore.bookkeeping.base.Context`)."""
+        self, A: torch.Tensor, G: torch.Tensor, magnitudes: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norms of :meth:`ghost_sq_norms` without their allowance, which can be below the
+        exact ones; the allowance, [B]), from the operands :func:`centred` made (``magnitudes``:
+        their :meth:`filter_magnitudes`, if already formed). A form adds the allowance with
+        :meth:`~dpcore.bookkeeping.base.SquaredNorms.add_allowance`."""
         B, n, T = A.shape
         flat = A.transpose(0, 1).reshape(n, B * T)  # no copy where A came from centred()
         aa = A.transpose(1, 2) @ A  # [B, T, T]
@@ -87,10 +85,9 @@ class WSJacobian:
         w_v = (w_a * G.transpose(0, 1)).sum(2).t()  # [B, out]: ŵ_oᵀṽ_o = Σ_t g_t·ŵ_oᵀÃ_t
         bound = (self.filter_magnitudes(A, G) if magnitudes is None else magnitudes).square()
         allowance = 8.0 * (self.n + T) * torch.finfo(torch.float64).eps * bound
-        per_filter = (vv - (2.0 - self.kappa) * w_v.square() / self.n + allowance).clamp_min(0.0)
-        if allowances is not None:
-            allowances.append((allowance / self.s.view(1, -1).square()).sum(1))
-        return (per_filter / self.s.view(1, -1).square()).sum(1)
+        per_filter = (vv - (2.0 - self.kappa) * w_v.square() / self.n).clamp_min(0.0)
+        scale = self.s.view(1, -1).square()
+        return (per_filter / scale).sum(1), (allowance / scale).sum(1)
 
     @staticmethod
     def filter_magnitudes(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
@@ -122,6 +119,8 @@ class WSConvForm(ConvForm):
         # recorded, and the float64 copy is made once.
         A, G = centred(A, G)
         magnitudes = jac.filter_magnitudes(A, G)
-        sq += jac.centred_sq_norms(A, G, magnitudes, ctx.allowances)
+        norms, allowance = jac.centred_sq_norms(A, G, magnitudes)
+        sq += norms
+        sq.add_allowance(allowance)
         jac.add_rounding(sq, magnitudes, positions=A.shape[2])
         return GhostPart(m, A, G, True, bias_g, post=jac.vjp)

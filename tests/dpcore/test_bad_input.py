@@ -124,11 +124,10 @@ def test_an_example_shape_that_changes_between_batches_is_refused(clipping):
         opt.accumulate(ids[:4], labels[:4])  # the same shape in a smaller batch: fine
         before = [p.detach().clone() for p in model.parameters()]
         spent = private.ledger.epsilon()
-        with pytest.raises(
-            dpcore.DPConfigError, match=r"first batch's \(input \[12\], label \[\]\)\.*.*fixed shape"
-        ) as err:
+        with pytest.raises(dpcore.DPConfigError, match=r"example's input shape changed.*fixed shape") as err:
             opt.accumulate(torch.randint(0, 20, (4, 17)), labels[:4])
-    assert "17" not in str(err.value)  # the new shape depends on the data (padded to a batch's longest): not shown
+    # Neither shape is shown: padded to a batch's longest, both depend on the data.
+    assert "17" not in str(err.value) and "12" not in str(err.value)
     assert opt.clipping == clipping
     assert not opt.lot.open and opt.lot.examples == 0  # the lot was dropped whole
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

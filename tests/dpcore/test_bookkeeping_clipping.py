@@ -525,19 +525,27 @@ def test_a_ghost_norm_is_never_below_the_exact_one_when_positions_cancel(channel
     """An example whose two positions' terms almost cancel (g₂ = −(1 − 2⁻²²)·g₁ at the same
     input): its gradient is 2⁻²² of its terms, and float64 rounding of the Gram form, relative to
     the terms, is then not small next to its squared norm. The ghost norm carries an allowance
-    for that rounding: never below the exact norm (float64, from the same numbers), in 20 draws."""
-    from dpcore.bookkeeping.base import Context, weight_sq_norms
+    for that rounding, which the form adds through SquaredNorms.add_allowance, so that what it
+    adds is what the check against vmap expects: the norms to clip on are never below the exact
+    norm (float64, from the same numbers) in 20 draws, where those without it often are."""
+    from dpcore.bookkeeping.base import Context, GhostPart, SquaredNorms, weight_and_bias
 
     torch.manual_seed(21)
+    m = nn.Linear(64, 32, bias=False)
+    below = 0
     for _ in range(20):
         a, g = torch.randn(64) * 100, torch.randn(32) * 100
         A = torch.stack([a, a], 1 if channels_first else 0).unsqueeze(0)  # [1, d, 2] or [1, 2, d]
         G = torch.stack([g, -(g * (1 - 2.0**-22))], 1 if channels_first else 0).unsqueeze(0)
         Ad, Gd = (A[0].T, G[0].T) if channels_first else (A[0], G[0])
         exact = float((Gd.double().T @ Ad.double()).norm())
-        sq, W, magnitude_sq = weight_sq_norms(A, G, channels_first, Context(clip_norm=1.0, max_elements=0))
-        assert W is None and magnitude_sq is not None  # the ghost form, with its terms' magnitudes
-        assert float(sq.sqrt()) >= exact
+        sq = SquaredNorms(1, A.device)
+        part = weight_and_bias(m, A, G, channels_first, sq, Context(clip_norm=1.0, max_elements=0))
+        assert isinstance(part, GhostPart) and len(sq.allowances) == 1  # the ghost form, with its allowance
+        below += float(sq.terms[0].sqrt()) < exact
+        assert float(sq.measured()[0].sqrt()) >= exact
+        assert float(sq.total().sqrt()) >= exact
+    assert below >= 5  # without the allowance the norm is below the exact one (13 of the 20 draws)
 
 
 @pytest.mark.parametrize("J", [2.0**30, 2.0**45, 2.0**53, 2.0**60])
@@ -723,6 +731,64 @@ def test_the_check_compares_norms_so_a_form_that_underestimates_them_is_refused(
         LAYERS.pop(UnderNormedLinear)
 
 
+def test_the_check_refuses_a_norm_short_of_its_own_examples_even_where_the_largest_hides_it(monkeypatch):
+    """Norms can spread over many orders of magnitude (here 10⁰ to 10⁻⁷ between the examples'
+    inputs): a form whose norms fall 1e-5 short only on the small examples stays far inside
+    FORMULA_RTOL of the largest norm, and is refused by the bound on each example's own norm
+    (BELOW_RTOL); the same form on honest norms passes."""
+    from dpcore import fastpath
+    from dpcore.bookkeeping import LAYERS, SquaredNorms, register_layer
+    from dpcore.bookkeeping.linear import LinearForm
+
+    class ShortOnSmall(LinearForm):
+        short = 1e-5
+
+        def per_example(self, m, a, g, sq, ctx):
+            own = SquaredNorms(sq.batch, sq.device)
+            part = super().per_example(m, a, g, own, ctx)
+            t = own.total()
+            sq += torch.where(t < 1e-6 * t.max(), t * (1 - self.short), t)
+            return part
+
+    torch.manual_seed(3)
+    model = nn.Sequential(UnderNormedLinear(4, 3, bias=False))
+    x = torch.randn(8, 4) * (10.0 ** -torch.arange(8.0)).unsqueeze(1)
+    y = torch.randint(0, 3, (8,))
+    form = ShortOnSmall()
+    register_layer(UnderNormedLinear, form)
+    try:
+        check = fastpath.CheckedBookKeeping(model, ce, 1.0)
+        assert "below the per-example (vmap) reference's" in check.formulas_disagree(x, y)
+        assert "of its own example's" in check.formulas_disagree(x, y)
+        form.short = 0.0
+        assert check.formulas_disagree(x, y) == ""
+    finally:
+        LAYERS.pop(UnderNormedLinear)
+
+
+def test_the_check_refuses_a_clipped_sum_with_a_nan(monkeypatch):
+    """A book-keeping sum with a NaN element (on finite examples) differs from the reference:
+    the comparison is written so that a NaN fails it (a plain `difference > tolerance` is False
+    for a NaN, and let such a sum pass)."""
+    from dpcore import fastpath
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    check = fastpath.CheckedBookKeeping(model, ce, 1.0)
+    assert check.formulas_disagree(x, y, 8) == ""
+    real = BookKeepingClipper.contributions
+
+    def one_nan(self, *args, **kwargs):
+        (name, value), *rest = real(self, *args, **kwargs)
+        value = value.clone()
+        value.view(-1)[0] = float("nan")
+        return [(name, value), *rest]
+
+    monkeypatch.setattr(BookKeepingClipper, "contributions", one_nan)
+    assert "its clipped sum at bound" in check.formulas_disagree(x, y, 8)
+
+
 class ToFloat32(nn.Module):
     def forward(self, x):
         return x.float()
@@ -785,10 +851,45 @@ def test_ws_ghost_norms_never_underestimate_even_when_the_terms_cancel(offset):
         assert (ghost <= exact + 1e-6 * (exact + 1.0) * (offset**2)).all()
     # The allowance it reports (what the float64 check expects above the exact norm) covers
     # what it added: the check does not refuse the layer for its own allowance.
-    allowances = []
-    assert torch.equal(jac.centred_sq_norms(*centred(A, G), allowances=allowances), ghost)
-    (allowance,) = allowances
+    norms, allowance = jac.centred_sq_norms(*centred(A, G))
+    assert torch.equal(norms + allowance, ghost)
     assert (ghost - exact <= 2 * allowance).all()
+
+
+def test_the_ws_ghost_form_adds_its_allowance_where_the_gradient_lies_along_the_weights():
+    """Per-example gradients for ŵ almost along ŵ itself: the standardisation's VJP removes that
+    direction, and the ghost identity subtracts nearly equal numbers, so its norms without the
+    allowance come out below the exact ones (13 of 16 here). The form adds the allowance
+    (SquaredNorms.add_allowance), so the norms it clips on are never below the exact norm of the
+    vector its clipped sum adds (the VJP with the same ŵ and s, in long double from the same
+    float64 numbers)."""
+    import numpy as np
+
+    from dpcore.bookkeeping.base import Context, SquaredNorms
+    from dpcore.bookkeeping.wsconv import WSConvForm
+    from dpcore.bookkeeping.wsconv import WSJacobian as _WSJacobian
+    from dpcore.layers import WSConv2d
+
+    torch.manual_seed(16)
+    conv = WSConv2d(4, 6, 3, bias=False).double()
+    jac = _WSJacobian(conv)
+    B, n, o = 16, 36, 2
+    A = 1e3 * jac.w_hat[o].view(1, n, 1).expand(B, n, 1) + 1e-3 * torch.randn(B, n, 1, dtype=torch.float64)
+    G = torch.zeros(B, 6, 1, dtype=torch.float64)
+    G[:, o] = 1.0
+    sq = SquaredNorms(B, A.device)
+    WSConvForm().ghost(conv, A, G, sq, Context(clip_norm=1.0, max_elements=0))
+    L = np.longdouble
+    w_hat, s = jac.w_hat.numpy().astype(L), jac.s.numpy().astype(L)
+    exact = []
+    for a, g in zip(A.numpy().astype(L), G.numpy().astype(L)):
+        v = g @ a.T  # [out, n]
+        vjp = (v - v.mean(1, keepdims=True) - w_hat * ((v * w_hat).sum(1, keepdims=True) / n)) / s
+        exact.append(float((vjp**2).sum()))
+    exact = torch.tensor(exact, dtype=torch.float64)
+    assert int((torch.stack(sq.terms).sum(0) < exact).sum()) >= 4  # without the allowance: below
+    assert (sq.measured()[0] >= exact).all()
+    assert (sq.total() >= exact).all()
 
 
 def test_auto_clipping_picks_book_keeping_only_where_it_applies():
@@ -1080,10 +1181,10 @@ def test_the_check_expects_the_ghost_forms_allowance_and_measures_sums_by_their_
     torch.manual_seed(0)
     model = nn.Sequential(Mirror(30.0), nn.Linear(2048, 2048, bias=False), MeanOverPositions(), nn.Linear(2048, 2))
     x, y = torch.randn(8, 8, 2048), torch.randint(0, 2, (8,))
-    allowances = []
+    norms = []
     model64 = copy.deepcopy(model).double()
-    sq, _ = BookKeepingClipper(model64, F.cross_entropy).measure(x.double(), y, 1.0, 8, allowances)
-    (allowance,) = allowances  # the ghost form of the wide Linear (the head has one position)
+    sq, _ = BookKeepingClipper(model64, F.cross_entropy).measure(x.double(), y, 1.0, 8, norms)
+    (allowance,) = norms[0].allowances  # the ghost form of the wide Linear (the head has one position)
     assert float(allowance.min()) > 100 * fastpath.FORMULA_RTOL * float(sq.max())  # the case is exercised
     check = fastpath.CheckedBookKeeping(model, F.cross_entropy, 1.0)
     assert check.formulas_disagree(x, y, 8) == ""

@@ -74,7 +74,7 @@ def _ghost_linear(G, A, rounding_batch=None):
     m = nn.Linear(A.shape[2], G.shape[2], bias=False)
     sq = SquaredNorms(A.shape[0], A.device, rounding_batch)
     part = weight_and_bias(m, A, G, False, sq, Context(clip_norm=1.0, max_elements=0))
-    plain = torch.stack(sq.terms).sum(0)
+    plain, _ = sq.measured()  # with the ghost form's allowance, before the floor
     return sq.total(), plain, part
 
 
@@ -157,7 +157,9 @@ def test_a_weight_standardised_ghost_form_adds_the_rounding_of_its_product_and_v
             mag = sum(float(Ac[i, :, t].norm()) * abs(float(Gc[i, o, t])) for t in range(36))
             want[i] += (mag / float(s[o])) ** 2
     plain = (
-        torch.stack(sq.terms).sum(0) + torch.linalg.vector_norm(torch.cat(sq.rows[torch.float64], 1), dim=1).square()
+        torch.stack(sq.terms).sum(0)
+        + torch.linalg.vector_norm(torch.cat(sq.rows[torch.float64], 1), dim=1).square()
+        + torch.stack(sq.allowances).sum(0)
     )
     extra = gamma(4 * 36 + 1 + 1 + 3 * (27 + 4)) ** 2 * want  # one chunk of the 4 configured examples
     torch.testing.assert_close(sq.total(), rounding_floor(plain, 4, extra), rtol=1e-12, atol=0)

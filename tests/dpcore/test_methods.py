@@ -470,6 +470,32 @@ def test_dp_pcas_rows_keep_the_clipping_margin():
     assert float(torch.trace(released)) == pytest.approx(50 * (1 - CLIP_MARGIN) ** 2, rel=1e-12)
 
 
+def test_dp_pca_warns_above_the_rows_its_margin_covers():
+    """The Gram product's worst-case rounding grows as N²·u: the margin covers it up to
+    covered_rows() (about 950,000), and DP-PCA warns above that. The bound is checked on its
+    own: (1 − m)²·(1 + 2N·γ_{N+1}) crosses 1 between covered_rows() and one more row."""
+    from dpcore.clipping import UNIT_ROUNDOFF
+    from dpcore.pca import covered_rows, gram_sensitivity
+
+    n = covered_rows()
+    assert 900_000 < n < 1_000_000
+
+    def by_hand(rows):
+        g = (rows + 1) * UNIT_ROUNDOFF / (1 - (rows + 1) * UNIT_ROUNDOFF)
+        return (1 - CLIP_MARGIN) ** 2 * (1 + 2 * rows * g)
+
+    assert gram_sensitivity(n) == by_hand(n) <= 1.0 < by_hand(n + 1) == gram_sensitivity(n + 1)
+    for rows, warns in ((n, False), (n + 1, True)):
+        x = torch.ones(rows, 1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dpcore.pca.release_gram(x, 1.0, dpcore.SeededRandomness(0), ledger=None)
+        said = [str(w.message) for w in caught if "DP-PCA over" in str(w.message)]
+        assert bool(said) == warns, said
+        if warns:
+            assert f"covers up to {n:,} rows" in said[0]
+
+
 def test_dp_pca_noise_has_the_stated_scale_and_is_symmetric():
     torch.manual_seed(0)
     x = torch.randn(500, 1, 8, 8) * 7 + 2
