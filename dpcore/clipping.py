@@ -90,23 +90,25 @@ def gamma(n: int) -> float:
 
 def float_sensitivity(lot: int, batch: int, workers: int = 1, sums: int | None = None) -> float:
     """The most one example can move a lot's computed clipped sum, in units of C: the bound
-    S + 2·L·(ρ + γ_n·(1 + ρ)) of the README's "What the guarantee does not cover", for a lot of L
-    examples summed in physical batches of ``batch`` on ``workers`` workers.
+    S + (2L + 1)·(ρ + γ_n·(1 + ρ)) of the README's "What the guarantee does not cover", for a lot
+    of L examples summed in physical batches of ``batch`` on ``workers`` workers, against the
+    neighbouring dataset's lot of L + 1 (adding an example; removing one gives L − 1, less).
 
     S = (1 − m)·(1 + NORM_ERROR) is the largest share; within each physical batch an example's
     terms take at most ρ·C of rounding (``ROUNDING_SHARE``, held by :func:`rounding_floor`);
     each batch's float64 sum then passes through n = s + 2W roundings: the additions of the
-    s = ``sums`` batch sums into the lot's sum on a worker (by default ⌈L/B⌉, one per full
-    physical batch; a lot added in smaller pieces makes more, which :class:`dpcore.DPOptimizer`
-    counts; a token table's rows are summed per token within the batch first,
-    :mod:`dpcore.bookkeeping.embedding`), and the reduction over the workers. Removing an example
-    changes the exact sum by its share, and each of the two computed sums is within
-    L·(ρ + γ_n·(1 + ρ))·C of its exact one."""
+    s = ``sums`` batch sums into the lot's sum on a worker (by default ⌈(L + 1)/B⌉, one per full
+    physical batch of the larger lot; a lot added in smaller pieces makes more, which
+    :class:`dpcore.DPOptimizer` counts, and the larger lot one more; a token table's rows are
+    summed per token within the batch first, :mod:`dpcore.bookkeeping.embedding`), and the
+    reduction over the workers. Adding an example changes the exact sum by its share, and the
+    two computed sums are within L·(ρ + γ_n·(1 + ρ))·C and (L + 1)·(ρ + γ_n·(1 + ρ))·C of
+    their exact ones."""
     if lot < 1 or batch < 1 or workers < 1:
         raise ValueError("lot, batch and workers must be positive")
     share = (1.0 - CLIP_MARGIN) * (1.0 + NORM_ERROR)
-    n = (math.ceil(lot / batch) if sums is None else max(1, sums)) + 2 * workers
-    return share + 2.0 * lot * (ROUNDING_SHARE + gamma(n) * (1.0 + ROUNDING_SHARE))
+    n = (math.ceil((lot + 1) / batch) if sums is None else max(1, sums) + 1) + 2 * workers
+    return share + (2.0 * lot + 1.0) * (ROUNDING_SHARE + gamma(n) * (1.0 + ROUNDING_SHARE))
 
 
 def covered_lot_size(batch: int, workers: int = 1) -> int:

@@ -51,16 +51,17 @@ def pca_event(noise_multiplier: float, sample_rate: float = 1.0) -> PrivacyEvent
 
 
 def gram_sensitivity(rows: int) -> float:
-    """The most one row can move the computed AᵀA (Frobenius norm) for ``rows`` rows of norm
-    1 − m: its own term, (1 − m)², and the rounding of the two computed products, each within
-    γ_{N+1}·Σ_i ‖a_i‖² = γ_{N+1}·N·(1 − m)² of its exact value (N products summed in any order,
-    then the symmetrisation's addition; Higham §3.1). At most 1 (the sensitivity the accountant
-    takes) up to :func:`covered_rows` rows."""
-    return (1.0 - CLIP_MARGIN) ** 2 * (1.0 + 2.0 * rows * gamma(rows + 1))
+    """The most one row can move the computed AᵀA (Frobenius norm) for ``rows`` = N rows of norm
+    1 − m, against the neighbouring dataset's N + 1 (adding a row; removing one gives less): its
+    own term, (1 − m)², and the rounding of the two computed products, each within
+    γ_{K+1}·Σ_i ‖a_i‖² = γ_{K+1}·K·(1 − m)² of its exact value for K rows (K products summed in
+    any order, then the symmetrisation's addition; Higham §3.1). At most 1 (the sensitivity the
+    accountant takes) up to :func:`covered_rows` rows."""
+    return (1.0 - CLIP_MARGIN) ** 2 * (1.0 + rows * gamma(rows + 1) + (rows + 1) * gamma(rows + 2))
 
 
 def covered_rows() -> int:
-    """The most rows whose :func:`gram_sensitivity` is at most 1 (about 950,000)."""
+    """The most rows whose :func:`gram_sensitivity` is at most 1 (949,132)."""
     lo, hi = 1, 2
     while gram_sensitivity(hi) <= 1.0:
         lo, hi = hi, hi * 2

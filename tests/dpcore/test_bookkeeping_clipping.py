@@ -545,7 +545,7 @@ def test_a_ghost_norm_is_never_below_the_exact_one_when_positions_cancel(channel
         below += float(sq.terms[0].sqrt()) < exact
         assert float(sq.measured()[0].sqrt()) >= exact
         assert float(sq.total().sqrt()) >= exact
-    assert below >= 5  # without the allowance the norm is below the exact one (13 of the 20 draws)
+    assert below >= 5  # without the allowance the norm is below the exact one (12 of the 20 draws)
 
 
 @pytest.mark.parametrize("J", [2.0**30, 2.0**45, 2.0**53, 2.0**60])
@@ -733,7 +733,7 @@ def test_the_check_compares_norms_so_a_form_that_underestimates_them_is_refused(
 
 def test_the_check_refuses_a_norm_short_of_its_own_examples_even_where_the_largest_hides_it(monkeypatch):
     """Norms can spread over many orders of magnitude (here 10⁰ to 10⁻⁷ between the examples'
-    inputs): a form whose norms fall 1e-5 short only on the small examples stays far inside
+    inputs): a form whose norms fall 1e-6 short only on the small examples stays far inside
     FORMULA_RTOL of the largest norm, and is refused by the bound on each example's own norm
     (BELOW_RTOL); the same form on honest norms passes."""
     from dpcore import fastpath
@@ -741,7 +741,7 @@ def test_the_check_refuses_a_norm_short_of_its_own_examples_even_where_the_large
     from dpcore.bookkeeping.linear import LinearForm
 
     class ShortOnSmall(LinearForm):
-        short = 1e-5
+        short = 1e-6  # ten times BELOW_RTOL
 
         def per_example(self, m, a, g, sq, ctx):
             own = SquaredNorms(sq.batch, sq.device)

@@ -38,19 +38,36 @@ from ..helpers import ce
 U = Fraction(1, 2**53)
 
 
-def exact_bound(lot: int, batch: int, workers: int) -> Fraction:
-    """The README's bound in exact rational arithmetic: S + 2·L·(ρ + γ_n·(1 + ρ)),
-    n = ⌈L/B⌉ + 2W."""
-    n = -(-lot // batch) + 2 * workers
+def _rounding(size: int, n: int) -> Fraction:
+    """A computed sum of ``size`` shares, each through at most n roundings: its error over C."""
     g = n * U / (1 - n * U)
-    rho = Fraction(ROUNDING_SHARE)
-    share = (1 - Fraction(CLIP_MARGIN)) * (1 + Fraction(NORM_ERROR))
-    return share + 2 * lot * (rho + g * (1 + rho))
+    return size * (Fraction(ROUNDING_SHARE) + g * (1 + Fraction(ROUNDING_SHARE)))
+
+
+SHARE = (1 - Fraction(CLIP_MARGIN)) * (1 + Fraction(NORM_ERROR))
+
+
+def exact_bound(lot: int, batch: int, workers: int) -> Fraction:
+    """The README's bound in exact rational arithmetic: S + (2L + 1)·(ρ + γ_n·(1 + ρ)),
+    n = ⌈(L + 1)/B⌉ + 2W (a lot of L against its neighbour's of L + 1)."""
+    n = -(-(lot + 1) // batch) + 2 * workers
+    return SHARE + _rounding(2 * lot + 1, n)
+
+
+def pair_bound(lot: int, batch: int, workers: int) -> Fraction:
+    """The same pair with each lot's own count of roundings (⌈L/B⌉ and ⌈(L + 1)/B⌉ sums)."""
+    return (
+        SHARE
+        + _rounding(lot, -(-lot // batch) + 2 * workers)
+        + _rounding(lot + 1, -(-(lot + 1) // batch) + 2 * workers)
+    )
 
 
 @pytest.mark.parametrize("lot,batch,workers", [(1, 1, 1), (60_000, 256, 1), (456_000, 1, 1), (800_000, 64, 8)])
 def test_the_bound_matches_an_exact_rational_computation(lot, batch, workers):
     assert float_sensitivity(lot, batch, workers) == pytest.approx(float(exact_bound(lot, batch, workers)), rel=1e-14)
+    # It covers the neighbour with one more example (adding one; removing one gives less).
+    assert exact_bound(lot, batch, workers) >= pair_bound(lot, batch, workers) > pair_bound(lot - 1, batch, workers)
     assert gamma(10) == pytest.approx(float(10 * U / (1 - 10 * U)), rel=1e-15)
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from fractions import Fraction
+from pathlib import Path
 
 import dp_accounting
 import pytest
@@ -473,18 +475,25 @@ def test_dp_pcas_rows_keep_the_clipping_margin():
 def test_dp_pca_warns_above_the_rows_its_margin_covers():
     """The Gram product's worst-case rounding grows as N²·u: the margin covers it up to
     covered_rows() (about 950,000), and DP-PCA warns above that. The bound is checked on its
-    own: (1 − m)²·(1 + 2N·γ_{N+1}) crosses 1 between covered_rows() and one more row."""
+    own, in exact rationals: (1 − m)²·(1 + N·γ_{N+1} + (N + 1)·γ_{N+2}) (N rows against the
+    neighbour's N + 1) crosses 1 between covered_rows() and one more row."""
     from dpcore.clipping import UNIT_ROUNDOFF
     from dpcore.pca import covered_rows, gram_sensitivity
 
     n = covered_rows()
     assert 900_000 < n < 1_000_000
 
-    def by_hand(rows):
-        g = (rows + 1) * UNIT_ROUNDOFF / (1 - (rows + 1) * UNIT_ROUNDOFF)
-        return (1 - CLIP_MARGIN) ** 2 * (1 + 2 * rows * g)
+    u = Fraction(UNIT_ROUNDOFF)
 
-    assert gram_sensitivity(n) == by_hand(n) <= 1.0 < by_hand(n + 1) == gram_sensitivity(n + 1)
+    def by_hand(rows):
+        def g(k):
+            return k * u / (1 - k * u)
+
+        return (1 - Fraction(CLIP_MARGIN)) ** 2 * (1 + rows * g(rows + 1) + (rows + 1) * g(rows + 2))
+
+    assert by_hand(n) <= 1 < by_hand(n + 1)
+    for rows in (n, n + 1):
+        assert gram_sensitivity(rows) == pytest.approx(float(by_hand(rows)), rel=1e-15)
     for rows, warns in ((n, False), (n + 1, True)):
         x = torch.ones(rows, 1)
         with warnings.catch_warnings(record=True) as caught:
@@ -494,6 +503,9 @@ def test_dp_pca_warns_above_the_rows_its_margin_covers():
         assert bool(said) == warns, said
         if warns:
             assert f"covers up to {n:,} rows" in said[0]
+    root = Path(__file__).resolve().parents[2]
+    for doc in ("README.md", "docs/methods.md"):  # the documents state the number the function gives
+        assert f"{n:,} rows" in " ".join((root / doc).read_text().split()), doc
 
 
 def test_dp_pca_noise_has_the_stated_scale_and_is_symmetric():
