@@ -169,7 +169,8 @@ def make_private(
     exact at every step either way.
 
     ``journal`` is the path of the ledger's append-only journal (see :class:`PrivacyLedger`);
-    an existing journal is resumed. ``seed=None`` (default) is secure mode. In sharded use, each rank passes its ``rank``; it
+    an existing journal is resumed. Only rank 0 keeps one. ``seed=None`` (default) is secure
+    mode. In sharded use, each rank passes its ``rank``; it
     samples only its own shard and only rank 0 adds noise.
     """
     validate_model(model)
@@ -178,6 +179,12 @@ def make_private(
         raise DPConfigError(
             f"world_size={world_size} needs reduce_fn (an all-reduce SUM of the gradient sums across ranks): "
             "without it each rank would step on its own shard and ranks ≥ 1 would step without noise."
+        )
+    if journal is not None and rank != 0:
+        raise DPConfigError(
+            f"journal={journal!r} on rank {rank}: only rank 0 keeps the ledger's journal. Every rank records the "
+            "same releases, so ranks sharing one journal would count each release once per rank; pass "
+            "journal=None on ranks ≥ 1."
         )
     check_positive_int(physical_batch_size, "physical_batch_size")
     check_autocast(method_options.get("autocast", "none"))

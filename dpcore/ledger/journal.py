@@ -32,8 +32,9 @@ class Journal:
             f.flush()
             os.fsync(f.fileno())
 
-    def read(self) -> list[dict]:
-        """Every complete record, in order; a torn last line is dropped and cut from the file."""
+    def read(self, repair: bool = True) -> list[dict]:
+        """Every complete record, in order; a torn last line is dropped, and with ``repair`` cut
+        from the file (only the journal's writer may: a reader would cut a line being written)."""
         with open(self.path, "rb") as f:
             raw = f.read()
         lines = raw.split(b"\n")
@@ -50,7 +51,7 @@ class Journal:
                     f"ledger journal {self.path} is corrupt at line {i + 1}; it cannot be trusted."
                 ) from None
             good_bytes += len(line) + 1
-        if good_bytes != len(raw):
+        if repair and good_bytes != len(raw):
             self._repair(good_bytes, len(raw))
         return records
 

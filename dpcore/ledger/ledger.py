@@ -23,7 +23,10 @@ parameters were discarded); the re-run steps are appended again as committed ent
 replay log (:mod:`.replay`), the releases it kept are instead applied again to the restored
 state and marked with :meth:`mark_replayed`: they stay committed, are counted once, and no
 step is released twice; only the releases the log lacks are rolled back.
-:meth:`load_state_dict` refuses a state that would drop releases the ledger already holds.
+:meth:`load_state_dict` refuses a state that would drop releases the ledger already holds, or
+whose releases do not begin with them (another history), and writes the state's further
+releases to the journal before it takes them, so that a later restart, which reads only the
+journal, counts them too.
 """
 
 from __future__ import annotations
@@ -44,6 +47,14 @@ from .journal import Journal
 
 COMMITTED = "committed"
 ROLLED_BACK = "rolled_back"
+
+
+def _identity(entry: dict) -> tuple:
+    """What makes two ledger entries the same release (not when it was recorded or its ε)."""
+    return tuple(
+        entry[k]
+        for k in ("index", "step", "kind", "sample_rate", "noise_multiplier", "clip_norm", "status", "replayed")
+    )
 
 
 @dataclass
@@ -77,6 +88,9 @@ class PrivacyLedger:
         epsilon_every: ``None`` (default): compute the cumulative ε only when asked
             (:meth:`epsilon`) and on the first entry of each kind of event; ``k``: also on every
             k-th entry (see module doc).
+        journal: the path of the append-only journal (see module doc); an existing one is resumed.
+        read_only: read an existing journal that another process writes (the driver reporting
+            its workers' releases): nothing is recorded, and a torn last line is left as it is.
     """
 
     def __init__(
@@ -87,6 +101,7 @@ class PrivacyLedger:
         epsilon_every: int | None = None,
         dataset_size: int | None = None,
         journal: str | os.PathLike | None = None,
+        read_only: bool = False,
     ):
         self.target_epsilon = None if target_epsilon is None else check_epsilon(target_epsilon)
         self.target_delta = check_delta(target_delta, dataset_size=dataset_size)
@@ -104,9 +119,12 @@ class PrivacyLedger:
         self._eps_cache: dict[tuple, float] = {}
         self.journal = None if journal is None else os.fspath(journal)
         self._journal = None if journal is None else Journal(journal)
+        self.read_only = read_only
+        if read_only and (self._journal is None or not self._journal.exists()):
+            raise DPConfigError(f"a read-only ledger needs an existing journal; {journal!r} is not one.")
         if self._journal is not None:
             if self._journal.exists():
-                self._replay(self._journal.read())
+                self._replay(self._journal.read(repair=not read_only))
             else:
                 self._write({"op": "header", **self._budget()})
 
@@ -114,7 +132,12 @@ class PrivacyLedger:
     def _budget(self) -> dict:
         return {"target_epsilon": self.target_epsilon, "target_delta": self.target_delta, "accountant": self.accountant}
 
+    def _refuse_if_read_only(self) -> None:
+        if self.read_only:
+            raise DPConfigError(f"this ledger reads the journal {self.journal} of another process; it records nothing.")
+
     def _write(self, record: dict) -> None:
+        self._refuse_if_read_only()
         if self._journal is not None:
             self._journal.write(record)
 
@@ -174,8 +197,12 @@ class PrivacyLedger:
         """Seed the budget check with ``max_count`` = :func:`dpcore.accountants.calibration.max_steps` of ``event``
         next to ``other_groups``, computed elsewhere (the driver's plan) with this ledger's
         budget, δ and accountant. It is used only while the ledger's other releases are exactly
-        ``other_groups``; any other history is computed afresh, as always."""
-        self._allowance_cache[self._allowance_key(event, list(other_groups))] = int(max_count)
+        ``other_groups``; any other history is computed afresh, as always. The cache holds the
+        most releases of ``event`` in all, so releases of ``event`` among ``other_groups`` (a
+        DP-PCA release identical to a step) are added to ``max_count``."""
+        others = list(other_groups)
+        same = sum(c for e, c in others if e == event)
+        self._allowance_cache[self._allowance_key(event, others)] = int(max_count) + same
 
     def allowance(self, event: PrivacyEvent) -> int | float:
         """How many more releases of ``event`` fit in the budget given everything so far."""
@@ -216,6 +243,7 @@ class PrivacyLedger:
         Callers must call :meth:`check` *before* releasing anything; ``append`` re-checks so
         that the ledger can never hold an entry past the budget.
         """
+        self._refuse_if_read_only()  # before anything changes
         check_clip_norm(clip_norm)
         if check_budget:
             self.check(event)
@@ -307,6 +335,17 @@ class PrivacyLedger:
                 "happened. To resume from an older checkpoint, keep this ledger and call "
                 "mark_rolled_back(checkpoint_step)."
             )
+        held = [_identity(asdict(e)) for e in self._entries]
+        if [_identity(asdict(LedgerEntry(**e))) for e in state["entries"][: len(held)]] != held:
+            raise DPConfigError(
+                "refusing to load a ledger state whose releases do not begin with the ones this ledger already "
+                "holds (from its journal): it comes from another history, and loading it would forget releases "
+                "that happened."
+            )
+        # The journal must hold every release the ledger counts: a later restart reads only the
+        # journal. The state's releases beyond it are written there first (fsynced, as append does).
+        for e in state["entries"][len(held) :]:
+            self._write({"op": "append", **e})
         self.epsilon_every = state["epsilon_every"]
         self._entries = [LedgerEntry(**e) for e in state["entries"]]
         self._counts = Counter(e.event for e in self._entries)

@@ -209,8 +209,9 @@ def audit_result(plan: RunPlan, cfg: TrainConfig, checkpoint: str) -> dict:
     }
 
 
-def open_run_ledger(plan: RunPlan) -> dpcore.PrivacyLedger:
-    """The run's ledger, from its journal (every release, committed or rolled back)."""
+def open_run_ledger(plan: RunPlan, read_only: bool = False) -> dpcore.PrivacyLedger:
+    """The run's ledger, from its journal (every release, committed or rolled back);
+    ``read_only`` where the workers' rank 0 may still hold it (to report, not to record)."""
     cfg = plan.config
     return dpcore.PrivacyLedger(
         cfg["target_epsilon"],
@@ -218,7 +219,14 @@ def open_run_ledger(plan: RunPlan) -> dpcore.PrivacyLedger:
         cfg["accountant"],
         epsilon_every=plan.epsilon_every,
         journal=plan.journal,
+        read_only=read_only,
     )
+
+
+def record_on_failure(client, run_id: str, plan: RunPlan) -> None:
+    """A failed run's ε tag and ledger, from its journal as the workers left it (if it exists)."""
+    if os.path.exists(plan.journal) and os.path.getsize(plan.journal) > 0:
+        tracking.record_released(client, run_id, open_run_ledger(plan, read_only=True))
 
 
 def run(
@@ -271,7 +279,7 @@ def _run_planned(plan: RunPlan, cfg: TrainConfig, resume, parent_run_id, extra_t
         tags=tags,
         parent_run_id=parent_run_id,
         run_id=plan.run_id if resume is not None else None,
-        on_failure=lambda run_id: tracking.record_released(client, run_id, open_run_ledger(plan)),
+        on_failure=lambda run_id: record_on_failure(client, run_id, plan),
     ) as run_id:
         plan.run_id = run_id
         t0 = time.monotonic()
@@ -312,7 +320,7 @@ def _fit_and_log(
         progress.phase("Ray Train finished" + ("; stopping the local Ray cluster" if cluster == "started" else ""))
     if result.error is not None:
         raise _worker_dp_error(result.error) or result.error
-    ledger = open_run_ledger(plan)
+    ledger = open_run_ledger(plan, read_only=True)
     epsilon = ledger.epsilon()
     progress.phase(
         f"ε = {epsilon:.4f} from the run's ledger ({cfg.accountant}); logging the ledger and plots to MLflow"

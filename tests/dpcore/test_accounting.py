@@ -230,6 +230,52 @@ def test_ledger_survives_a_state_dict_round_trip_through_a_checkpoint():
         dpcore.PrivacyLedger(4.0, 1e-6).load_state_dict(state)
 
 
+def test_a_state_loaded_into_a_journalled_ledger_is_written_to_its_journal(tmp_path):
+    """A state whose releases the journal lacks (a checkpoint of a ledger kept without one) is
+    written to the journal before it is taken: a restart, which reads only the journal, counts
+    every release and allows no more steps than the budget. A state from another history (its
+    releases do not begin with the journal's) is refused."""
+    ev = dpcore.PrivacyEvent.dpsgd_step(1.0, 0.05)
+    plain = dpcore.PrivacyLedger(4.0, 1e-5)
+    for s in range(1, 31):
+        plain.append(ev, step=s, clip_norm=1.0)
+    journal = tmp_path / "ledger.journal.jsonl"
+    ledger = dpcore.PrivacyLedger(4.0, 1e-5, journal=journal)
+    ledger.load_state_dict(plain.state_dict())
+    for s in range(31, 36):
+        ledger.append(ev, step=s, clip_norm=1.0)
+    reopened = dpcore.PrivacyLedger(4.0, 1e-5, journal=journal)
+    assert len(reopened) == len(ledger) == 35
+    assert reopened.epsilon() == ledger.epsilon() == pytest.approx(dpcore.epsilon([(ev, 35)], 1e-5), rel=1e-12)
+    assert reopened.allowance(ev) == ledger.allowance(ev)
+    # Loading the same history again, or a later state of it, is fine; another history is not.
+    reopened.load_state_dict(ledger.state_dict())
+    other = dpcore.PrivacyLedger(4.0, 1e-5)
+    for s in range(1, 41):
+        other.append(dpcore.PrivacyEvent.dpsgd_step(2.0, 0.05), step=s, clip_norm=1.0)
+    with pytest.raises(dpcore.DPConfigError, match="another history"):
+        reopened.load_state_dict(other.state_dict())
+    assert len(dpcore.PrivacyLedger(4.0, 1e-5, journal=journal)) == 35
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["pca-apart", "pca-same-as-a-step"])
+def test_a_primed_allowance_equals_the_computed_one(same):
+    """The driver's plan seeds the budget check with max_steps (steps beyond the prior releases);
+    the ledger's allowance is then the one it would compute itself, also where a prior release
+    is the step's own event (a DP-PCA release sampled at the step's q and σ): it was one short."""
+    ev = dpcore.PrivacyEvent.dpsgd_step(1.1, 0.05)
+    prior_event = ev if same else dpcore.PrivacyEvent.of("gaussian", 4.0, 1.0)
+    prior = [(prior_event, 1)]
+    k = dpcore.max_steps(1.1, 0.05, 3.0, 1e-5, "pld", prior_groups=prior, event=ev)
+    primed, computed = dpcore.PrivacyLedger(3.0, 1e-5), dpcore.PrivacyLedger(3.0, 1e-5)
+    primed.prime_allowance(ev, prior, k)
+    for ledger in (primed, computed):
+        ledger.append(prior_event, step=0, clip_norm=1.0)
+        for s in range(1, 4):
+            ledger.append(ev, step=s, clip_norm=1.0)
+    assert primed.allowance(ev) == computed.allowance(ev) == k - 3
+
+
 def _cols_equal(a, b):
     for k in a:
         for x, y in zip(a[k], b[k]):

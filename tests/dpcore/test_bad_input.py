@@ -93,6 +93,27 @@ def test_a_bad_config_spends_nothing_even_with_a_journal(tmp_path):
     assert not journal.exists()
 
 
+def test_only_rank_0_keeps_the_journal(tmp_path):
+    """Every rank records the same releases: ranks sharing one journal would count each release
+    once per rank (a restart would then read twice the ε). A journal on a rank ≥ 1 is refused
+    before anything is written."""
+    journal = tmp_path / "ledger.jsonl"
+    model = tiny_mlp()
+    with pytest.raises(dpcore.DPConfigError, match="only rank 0 keeps the ledger's journal"):
+        dpcore.make_private(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            F.cross_entropy,
+            seed=0,
+            journal=str(journal),
+            rank=1,
+            world_size=2,
+            reduce_fn=lambda tensors: tensors,
+            **GOOD,
+        )
+    assert not journal.exists()
+
+
 class _Tokens(torch.nn.Module):
     """Embedding, then a Linear over the positions, mean-pooled: the shape of a text classifier."""
 

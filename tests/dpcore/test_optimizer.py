@@ -432,3 +432,23 @@ def test_a_torn_or_unterminated_last_journal_line_is_repaired_and_the_journal_st
     again = dpcore.PrivacyLedger(5.0, 1e-5, journal=path)  # the next record did not merge into the torn line
     assert [(e.step, e.status) for e in again.entries] == [(1, "committed"), (2, "rolled_back"), (2, "committed")]
     assert path.read_bytes().endswith(b"\n")
+
+
+def test_a_read_only_ledger_leaves_a_line_being_written_and_records_nothing(tmp_path):
+    """The driver reads the journal that rank 0 may still be writing: it must not cut a last
+    line that is not yet complete (rank 0's write would then end in a corrupt line), and it
+    records nothing. The writer's next read repairs as before."""
+    path = tmp_path / "ledger.journal.jsonl"
+    ev = dpcore.PrivacyEvent.dpsgd_step(1.0, 0.01)
+    writer = dpcore.PrivacyLedger(5.0, 1e-5, journal=path)
+    writer.append(ev, step=1, clip_norm=1.0)
+    partial = path.read_bytes() + b'{"op": "append", "index": 1, "st'
+    path.write_bytes(partial)  # the next record, half written
+    reader = dpcore.PrivacyLedger(5.0, 1e-5, journal=path, read_only=True)
+    assert len(reader) == 1 and path.read_bytes() == partial
+    with pytest.raises(dpcore.DPConfigError, match="records nothing"):
+        reader.append(ev, step=2, clip_norm=1.0)
+    assert path.read_bytes() == partial and len(reader) == 1
+    with pytest.raises(dpcore.DPConfigError, match="needs an existing journal"):
+        dpcore.PrivacyLedger(5.0, 1e-5, journal=tmp_path / "none.jsonl", read_only=True)
+    assert len(dpcore.PrivacyLedger(5.0, 1e-5, journal=path)) == 1 and path.read_bytes().endswith(b"\n")
