@@ -19,8 +19,9 @@ COLUMNS = (
     "epsilon",
     "delta",
     "accountant",
-    "timestamp",
 )
+# (Not the wall-clock time of each release, which the journal keeps for the progress bar: the
+# time between two releases follows the realised lot or round size, which is not released.)
 
 
 def runs(ledger) -> list[dict]:

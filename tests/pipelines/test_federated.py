@@ -266,6 +266,25 @@ def test_ledger_epsilon_equals_dp_accounting(tmp_path):
     assert [e.step for e in entries] == [1, 2, 3, 4, 5, 6] and {e.kind for e in entries} == {"poisson_gaussian"}
 
 
+def test_a_runs_logs_carry_no_per_round_time(tmp_path):
+    """A round takes longer the more clients it sampled, and that count is not released: every
+    round's metrics carry one time (the rounds' start), the throughput is logged once for the
+    run, and the ledger table in MLflow has no per-release time."""
+    import mlflow
+    import pyarrow.parquet as pq
+
+    out = run_federated(_cfg(tmp_path, rounds=4, target_epsilon=5.0, target_delta=1e-3))
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = out["run_id"]
+    for key in ("clip_norm", "epsilon", "test_accuracy"):
+        history = client.get_metric_history(run_id, key)
+        assert [m.step for m in history] == [1, 2, 3, 4]
+        assert len({m.timestamp for m in history}) == 1, key
+    assert len(client.get_metric_history(run_id, "rounds_per_second")) == 1
+    table = pq.read_table(client.download_artifacts(run_id, "ledger/ledger.parquet", str(tmp_path)))
+    assert "timestamp" not in table.column_names and table.num_rows == 4
+
+
 def test_geyer_stopping_rule_stops_at_the_last_round_with_delta_below_Q(tmp_path):
     K, m, z, eps, Q = 100, 30, 1.4, 3.0, 1e-4
     out = run_federated(
