@@ -95,7 +95,9 @@ class AuditOptions(Section):
     SECTION = "audit"
 
     audit_canaries: int = option(0, "one-run privacy audit: m canaries (0: off)")
-    audit_canary_rate: float = option(0.5, "probability that each canary is in the training data (the paper: 1/2)")
+    audit_canary_rate: float = option(
+        0.5, "probability that each canary is in the training data: 0.5, the one the audit's bound holds for"
+    )
     audit_guesses: int | None = option(
         None,
         "guesses r: 'in' for the r/2 highest scores, 'out' for the r/2 lowest, abstain on the rest (fixed before the "
@@ -117,9 +119,10 @@ def check_audit_options(cfg) -> None:
         raise err(f"audit_canaries={m!r} is invalid: it is the number of canaries m ≥ 1, or 0 for no audit.")
     if not m:
         return
-    if not (0.0 < cfg.audit_canary_rate < 1.0):
+    if cfg.audit_canary_rate != 0.5:
         raise err(
-            f"audit_canary_rate={cfg.audit_canary_rate!r} must lie strictly between 0 and 1 (the paper uses 0.5)."
+            f"audit_canary_rate={cfg.audit_canary_rate!r} is not supported: the one-run bound (Steinke, Nasr, "
+            "Jagielski 2023, Theorem 3.1) holds for canaries each included with probability 1/2; use 0.5."
         )
     r = cfg.resolved_audit_guesses()
     if isinstance(r, bool) or not isinstance(r, int) or not (2 <= r <= m):

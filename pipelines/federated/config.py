@@ -147,7 +147,9 @@ class FedAuditConfig(AuditOptions):
     """The one-run audit (Steinke et al. 2023): canary clients whose update is a fixed direction."""
 
     audit_canaries: int = option(0, "one-run audit: m canary clients, each owning one parameter coordinate (0: off)")
-    audit_canary_rate: float = option(0.5, "probability that each canary client is in the population")
+    audit_canary_rate: float = option(
+        0.5, "probability that each canary client is in the population: 0.5, the one the audit's bound holds for"
+    )
     audit_guesses: int | None = option(
         None, "guesses r: 'in' for the r/2 highest scores, 'out' for the r/2 lowest (default min(200, m))"
     )
