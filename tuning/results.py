@@ -12,6 +12,7 @@ from pipelines import tracking
 
 from . import search_cost
 from .config import SweepConfig
+from .selection import SCOPE
 
 
 def fail_orphan_children(client, parent_id: str, trial_number: int) -> None:
@@ -208,7 +209,8 @@ def _register_best(client, base, attrs: dict, sel: dict | None, n_complete: int,
         epsilon, accountant = float(sel["total_epsilon"]), "rdp"
         selection = (
             "Accounted (Papernot & Steinke 2022): the best of a random number of trials; ε is the whole search's, "
-            "this model included."
+            "this model included. It covers what the selection releases (this model, its trial's settings and "
+            f"noisy score): {SCOPE}"
         )
     version = tracking.log_model(
         run_id,

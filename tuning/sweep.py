@@ -39,6 +39,7 @@ from . import search_cost, selection
 from .config import MEDIAN_PRUNER, SweepConfig, check_feasible, make_storage
 from .pruning import TrialPruner
 from .results import best_trial, finalise, finish_trial
+from .selection import SCOPE
 from .space import check_against, default_space, parse_space
 from .trials import Progress, trial_seed, trial_task
 
@@ -322,7 +323,8 @@ def _parent_tags(sweep: SweepConfig, base, space, sel: dict | None, n_trials: in
         selection_tag = (
             f"accounted (Papernot & Steinke 2022): K ~ {sweep.private_selection}(mean {sweep.selection_mean:g}"
             f"{'' if sweep.private_selection == 'poisson' else f', shape {sweep.selection_shape:g}'}), noisy validation "
-            f"count σ={sweep.selection_noise_multiplier:g}; total ε={sel['total_epsilon']:.4g} at δ={base.target_delta:g} (RDP)"
+            f"count σ={sweep.selection_noise_multiplier:g}; total ε={sel['total_epsilon']:.4g} at δ={base.target_delta:g} (RDP), "
+            f"for the selected trial's release: {SCOPE}"
         )
     return {
         "dp.target_epsilon": f"{base.target_epsilon:g}",

@@ -207,6 +207,7 @@ def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path, ca
     parent = client.get_run(out["parent_run_id"])
     assert float(parent.data.tags["dp.sweep_total_epsilon"]) == pytest.approx(reference, rel=1e-5)
     assert "accounted (Papernot & Steinke 2022)" in parent.data.tags["dp.selection"]
+    assert "child runs and the study's storage keep every trial's exact scores" in parent.data.tags["dp.selection"]
     assert "dp.search_epsilon_bound" not in parent.data.tags  # the accounted total says it all
     assert f"total **ε = {reference:.2f}**" in parent.data.tags["mlflow.note.content"]
     assert parent.info.run_name == f"ε={reference:.2f} in all · sweep-private"
@@ -229,6 +230,7 @@ def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path, ca
     version = client.get_model_version("dp-private-selection", out["best"]["registered_model"].split(" v")[1])
     assert float(version.tags["dp.epsilon"]) == pytest.approx(reference, rel=1e-5)
     assert version.tags["dp.accountant"] == "rdp" and version.tags["dp.selection"].startswith("Accounted")
+    assert "must stay as private as the data itself" in version.tags["dp.selection"]
 
 
 def _failing_trial(cfg_dict):
