@@ -270,6 +270,7 @@ class PrivacyLedger:
 
         Rolled-back entries stay in the ledger and are still counted in ε.
         """
+        self._refuse_if_read_only()  # before anything changes
         n = self._apply_rollback(after_step)
         self._write({"op": "rollback", "after_step": int(after_step)})
         return n
@@ -278,6 +279,7 @@ class PrivacyLedger:
         """Mark the committed entries of steps ``after_step < step ≤ upto_step`` as replayed: a
         restart applied them again from the replay log. They stay committed and are counted once
         (nothing is released again). Returns how many."""
+        self._refuse_if_read_only()  # before anything changes
         n = self._apply_replayed(after_step, upto_step)
         self._write({"op": "replayed", "after_step": int(after_step), "upto_step": int(upto_step)})
         return n
@@ -315,6 +317,7 @@ class PrivacyLedger:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        self._refuse_if_read_only()
         if state.get("version") != 1:
             raise DPConfigError(f"unknown ledger state version {state.get('version')!r}.")
         if state["target_delta"] != self.target_delta or state["accountant"] != self.accountant:
@@ -335,20 +338,37 @@ class PrivacyLedger:
                 "happened. To resume from an older checkpoint, keep this ledger and call "
                 "mark_rolled_back(checkpoint_step)."
             )
+        # Everything in the state is checked before anything is written or taken.
+        try:
+            entries = [LedgerEntry(**e) for e in state["entries"]]
+            counts = Counter(e.event for e in entries)
+        except (TypeError, ValueError, KeyError, DPConfigError) as err:
+            raise DPConfigError(f"the saved ledger holds a release this version cannot read: {err}") from None
+        for i, e in enumerate(entries):
+            if e.index != i or e.status not in (COMMITTED, ROLLED_BACK):
+                raise DPConfigError(
+                    f"the saved ledger's release {i} is malformed (index {e.index}, status {e.status!r})."
+                )
         held = [_identity(asdict(e)) for e in self._entries]
-        if [_identity(asdict(LedgerEntry(**e))) for e in state["entries"][: len(held)]] != held:
+        theirs = [_identity(asdict(e)) for e in entries[: len(held)]]
+        if theirs != held:
+            same_releases = [t[:6] for t in theirs] == [h[:6] for h in held]
             raise DPConfigError(
-                "refusing to load a ledger state whose releases do not begin with the ones this ledger already "
+                "refusing to load a ledger state whose releases' status (rolled back, replayed) differs from this "
+                "ledger's journal: the journal is later than the checkpoint. Keep this ledger and call "
+                "mark_rolled_back(checkpoint_step) to resume from the checkpoint."
+                if same_releases
+                else "refusing to load a ledger state whose releases do not begin with the ones this ledger already "
                 "holds (from its journal): it comes from another history, and loading it would forget releases "
                 "that happened."
             )
         # The journal must hold every release the ledger counts: a later restart reads only the
         # journal. The state's releases beyond it are written there first (fsynced, as append does).
-        for e in state["entries"][len(held) :]:
-            self._write({"op": "append", **e})
+        for e in entries[len(held) :]:
+            self._write({"op": "append", **asdict(e)})
         self.epsilon_every = state["epsilon_every"]
-        self._entries = [LedgerEntry(**e) for e in state["entries"]]
-        self._counts = Counter(e.event for e in self._entries)
+        self._entries = entries
+        self._counts = counts
         self._allowance_cache.clear()
 
     def runs(self) -> list[dict]:

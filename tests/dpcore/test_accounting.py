@@ -256,6 +256,21 @@ def test_a_state_loaded_into_a_journalled_ledger_is_written_to_its_journal(tmp_p
     with pytest.raises(dpcore.DPConfigError, match="another history"):
         reopened.load_state_dict(other.state_dict())
     assert len(dpcore.PrivacyLedger(4.0, 1e-5, journal=journal)) == 35
+    # A checkpoint taken before the journal's rollback: the releases' status differs.
+    checkpoint = reopened.state_dict()
+    reopened.mark_rolled_back(after_step=30)
+    with pytest.raises(dpcore.DPConfigError, match="status .* differs.*mark_rolled_back"):
+        dpcore.PrivacyLedger(4.0, 1e-5, journal=journal).load_state_dict(checkpoint)
+    # A state this version cannot read is refused before anything is written or taken.
+    bad = reopened.state_dict()
+    bad["entries"].append({**bad["entries"][-1], "index": 35, "step": 36, "unknown_field": 1})
+    with pytest.raises(dpcore.DPConfigError, match="cannot read"):
+        reopened.load_state_dict(bad)
+    bad["entries"][-1] = {**bad["entries"][-2], "index": 7}
+    with pytest.raises(dpcore.DPConfigError, match="malformed"):
+        reopened.load_state_dict(bad)
+    after = dpcore.PrivacyLedger(4.0, 1e-5, journal=journal)
+    assert len(after) == len(reopened) == 35 and after.epsilon() == reopened.epsilon()
 
 
 @pytest.mark.parametrize("same", [False, True], ids=["pca-apart", "pca-same-as-a-step"])

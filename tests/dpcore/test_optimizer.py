@@ -448,7 +448,9 @@ def test_a_read_only_ledger_leaves_a_line_being_written_and_records_nothing(tmp_
     assert len(reader) == 1 and path.read_bytes() == partial
     with pytest.raises(dpcore.DPConfigError, match="records nothing"):
         reader.append(ev, step=2, clip_norm=1.0)
-    assert path.read_bytes() == partial and len(reader) == 1
+    with pytest.raises(dpcore.DPConfigError, match="records nothing"):
+        reader.mark_rolled_back(0)
+    assert path.read_bytes() == partial and len(reader) == 1 and reader.entries[0].status == "committed"
     with pytest.raises(dpcore.DPConfigError, match="needs an existing journal"):
         dpcore.PrivacyLedger(5.0, 1e-5, journal=tmp_path / "none.jsonl", read_only=True)
     assert len(dpcore.PrivacyLedger(5.0, 1e-5, journal=path)) == 1 and path.read_bytes().endswith(b"\n")
