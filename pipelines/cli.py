@@ -66,6 +66,16 @@ def _ingest(argv: list[str]) -> int:
     )
     p.add_argument("--test-fraction", type=float, default=0.2, help="test fraction, for datasets without a test set")
     p.add_argument("--split-seed", type=int, default=0, help="seed of the public split permutation")
+    p.add_argument(
+        "--model", default="", help="text datasets: the hf:<folder or hub name> whose tokenizer runs at ingest"
+    )
+    p.add_argument("--max-length", type=int, default=128, help="text datasets: tokens per text (longer are truncated)")
+    p.add_argument(
+        "--email-view", default="message", help="text datasets of e-mails: message (as shipped) or subject-body"
+    )
+    p.add_argument(
+        "--text-classes", help="text tables (CSV/Parquet): the public class list, in order, comma-separated (neg,pos)"
+    )
     a = p.parse_args(argv)
     from .config import load_config  # torch and pyarrow: after the flags are parsed
     from .data import CorruptShardError, ingest, load_dataset, verify
@@ -86,7 +96,10 @@ def _ingest(argv: list[str]) -> int:
             p.error("OUT_DIR is required (or --verify FOLDER)")
         load_config(overrides={"dataset": a.dataset, "data_dir": a.data_dir}).validate()
         ds = load_dataset(
-            a.dataset, generated_channels=a.generated_channels, **{k: getattr(a, k) for k in SOURCE_OPTIONS}
+            a.dataset,
+            model=a.model,
+            generated_channels=a.generated_channels,
+            **{k: getattr(a, k) for k in SOURCE_OPTIONS},
         )
         t1 = time.monotonic()
         out = ingest(ds, a.out_dir, num_shards=a.num_shards)

@@ -11,7 +11,6 @@ run's ``spec.json`` artifact).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import sys
@@ -26,6 +25,7 @@ import dpcore
 from . import tracking
 from .catalog import TEXT_DATASETS
 from .config import TrainConfig
+from .data.cache_names import cache_digest
 from .data.shards import FORMAT_VERSION
 from .models import build_run_model
 
@@ -110,7 +110,9 @@ def _source_fingerprint(cfg: TrainConfig) -> dict:
         root = Path(cfg.data_dir).expanduser()
         files = [f for f in root.rglob("*") if f.is_file()] if root.is_dir() else [root] if root.is_file() else []
     if cfg.dataset in TEXT_DATASETS:  # the tokenizer and the length are part of what is stored
-        fingerprint.update(model=cfg.model, max_length=cfg.max_length, email_view=cfg.email_view)
+        fingerprint.update(
+            model=cfg.model, max_length=cfg.max_length, email_view=cfg.email_view, text_classes=cfg.text_classes
+        )
     fingerprint["files"] = sorted((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     return fingerprint
 
@@ -131,7 +133,8 @@ def prepare_data(cfg: TrainConfig) -> tuple[Path, dict]:
         path = Path(cfg.data_dir).expanduser().resolve()
         return path, verify(path)
     fingerprint = _source_fingerprint(cfg)
-    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    # Keyed (pipelines.data.cache_names): the folder's name is in the plan MLflow keeps.
+    key = cache_digest(cfg.storage_path, json.dumps(fingerprint, sort_keys=True, default=str).encode(), 12)
     out = Path(cfg.storage_path).resolve() / "datasets" / f"{cfg.dataset}-{key}-{cfg.num_workers}shards"
     if (out / "manifest.json").is_file():
         try:

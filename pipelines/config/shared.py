@@ -34,11 +34,16 @@ class DatasetOptions(Section):
     test_fraction: float = option(0.2, "fraction held out for testing, for datasets without their own test set")
     split_seed: int = option(0, "seed of the (public, data-independent) split permutation")
     max_length: int = option(
-        128, "text datasets: tokens per text (longer texts are truncated, and how many were is logged)"
+        128, "text datasets: tokens per text (longer texts are truncated; the ingest manifest counts them)"
     )
     email_view: str = option(
         "message",
         "text datasets of e-mails: message (as shipped, headers first) or subject-body (the Subject and the body's text)",
+    )
+    text_classes: str | None = option(
+        None,
+        "text tables (CSV/Parquet): the classes in order, comma-separated (neg,pos); public, never read from the "
+        "labels: a string label is matched by name, an integer label indexes the list",
     )
 
     def check(self) -> None:

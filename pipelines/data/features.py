@@ -18,7 +18,6 @@ parameters are the same, and so are the clip, the noise and the ledger.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -31,6 +30,7 @@ from torch import nn
 
 from dpcore import DPConfigError
 
+from .cache_names import cache_digest
 from .dataset import Normalization
 from .mapped import open_split
 from .shards import MANIFEST, ingest_arrays, mark_verified, verify
@@ -39,8 +39,9 @@ CHUNK = 2048
 
 
 def cache_dir(storage_path: str | Path, manifest: dict, key: str) -> Path:
-    digest = hashlib.sha256(json.dumps([sorted(e["sha256"] for e in manifest["files"]), key]).encode()).hexdigest()[:16]
-    return Path(storage_path).resolve() / "features" / f"{manifest['name']}-{digest}"
+    """The features' folder, named by a keyed digest of the shards' SHA-256 (:mod:`.cache_names`)."""
+    payload = json.dumps([sorted(e["sha256"] for e in manifest["files"]), key]).encode()
+    return Path(storage_path).resolve() / "features" / f"{manifest['name']}-{cache_digest(storage_path, payload, 16)}"
 
 
 @torch.no_grad()

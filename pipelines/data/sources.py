@@ -252,7 +252,7 @@ def load_dataset(name: str, **kwargs) -> Dataset:
 
 SOURCE_OPTIONS = (
     "data_dir", "download", "image_size", "generated_size", "val_fraction", "test_fraction", "split_seed", "max_length",
-    "email_view",
+    "email_view", "text_classes",
 )  # fmt: skip
 
 

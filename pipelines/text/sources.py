@@ -12,7 +12,7 @@
 
 The tokenizer is the model's (``model="hf:..."``): public and fixed, so tokenizing costs no
 privacy. Each text becomes ``max_length`` token ids (int32), padded with the tokenizer's pad id.
-Longer texts are truncated (the tokenizer keeps its special tokens); how many were is logged
+Longer texts are truncated (the tokenizer keeps its special tokens); how many were is counted
 and kept in the dataset's manifest, never silent. The train/validation/test split is the
 platform's public permutation, as for images.
 """
@@ -81,7 +81,11 @@ def class_folders(data_dir: Path) -> tuple[list[str], list[int], list[str], list
     return texts, labels, classes, files
 
 
-def table(path: Path) -> tuple[list[str], list[int], list[str], list[str]]:
+def table(path: Path, classes: list[str] | None) -> tuple[list[str], list[int], list[str], list[str]]:
+    """A CSV/Parquet file's texts and labels against the public class list ``classes``: a string
+    label is matched by name, an integer label indexes the list. The list is never taken from the
+    labels (one training row could then add a class that the logged model names), and a label
+    outside it is refused without printing it."""
     import pyarrow.csv
     import pyarrow.parquet
 
@@ -89,23 +93,43 @@ def table(path: Path) -> tuple[list[str], list[int], list[str], list[str]]:
     missing = [c for c in ("text", "label") if c not in t.column_names]
     if missing:
         raise DPConfigError(f"{path} has no {' and no '.join(missing)} column (it has: {', '.join(t.column_names)}).")
+    if not classes:
+        raise DPConfigError(
+            f"{path}: a text table needs its classes, in order (--text-classes neg,pos): the class list must be "
+            "public. Taken from the labels, one training row could add a class that the logged model names."
+        )
     texts = [("" if v is None else str(v)) for v in t.column("text").to_pylist()]
     raw = t.column("label").to_pylist()
     if any(v is None for v in raw):
         raise DPConfigError(f"{path}: row {raw.index(None)} has no label.")
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in raw):
-        bad = next((i for i, v in enumerate(raw) if v < 0), None)
-        if bad is not None:
-            raise DPConfigError(f"{path}: row {bad} has label {raw[bad]}, outside the classes 0..K−1.")
-        classes = [str(k) for k in range(max(raw) + 1)]
-        labels = list(raw)
-    else:
-        classes = sorted({str(v) for v in raw})
-        labels = [classes.index(str(v)) for v in raw]
-    return texts, labels, classes, [str(path)] * len(texts)
+    index = {name: k for k, name in enumerate(classes)}
+    labels = []
+    for i, v in enumerate(raw):
+        k = v if isinstance(v, int) and not isinstance(v, bool) else index.get(str(v))
+        if k is None or not 0 <= k < len(classes):
+            raise DPConfigError(
+                f"{path}: row {i} has a label outside --text-classes ({len(classes)} classes: a name among them, or "
+                f"an index 0..{len(classes) - 1})."
+            )
+        labels.append(k)
+    return texts, labels, list(classes), [str(path)] * len(texts)
 
 
-def read_texts(name: str, data_dir: str | None) -> tuple[list[str], list[int], list[str], list[str]]:
+def parse_classes(text_classes: str | None) -> list[str] | None:
+    """``--text-classes`` as a list: at least two distinct, non-empty names."""
+    if text_classes is None:
+        return None
+    classes = [c.strip() for c in str(text_classes).split(",")]
+    if len(classes) < 2 or any(not c for c in classes) or len(set(classes)) != len(classes):
+        raise DPConfigError(
+            f"text_classes={text_classes!r}: give two or more distinct class names, comma-separated (neg,pos)."
+        )
+    return classes
+
+
+def read_texts(
+    name: str, data_dir: str | None, text_classes: str | None = None
+) -> tuple[list[str], list[int], list[str], list[str]]:
     if not data_dir:
         raise DPConfigError(
             f"dataset={name!r} needs --data-dir: the folder (or, for 'text', the CSV/Parquet file) that holds it."
@@ -118,7 +142,7 @@ def read_texts(name: str, data_dir: str | None) -> tuple[list[str], list[int], l
     elif path.is_file():
         if path.suffix not in (".csv", ".parquet"):
             raise DPConfigError(f"{path}: a text table must be a .csv or .parquet file with text and label columns.")
-        got = table(path)
+        got = table(path, parse_classes(text_classes))
     else:
         got = class_folders(path)
     texts, _, _, files = got
@@ -187,10 +211,11 @@ def load_text_dataset(
     test_fraction: float = 0.2,
     val_fraction: float = 0.1,
     split_seed: int = 0,
+    text_classes: str | None = None,
     **_,
 ):
     """The :class:`~pipelines.data.Dataset` of ``name`` ('spamassassin' or 'text'), tokenized
-    with ``model``'s tokenizer (``hf:...``)."""
+    with ``model``'s tokenizer (``hf:...``); ``text_classes``, a table's public class list."""
     from .hf import is_hf, load_tokenizer
 
     if not is_hf(model):
@@ -199,14 +224,13 @@ def load_text_dataset(
         )
     if email_view not in EMAIL_VIEWS:
         raise DPConfigError(f"email_view={email_view!r} is unknown; use one of {', '.join(EMAIL_VIEWS)}.")
-    texts, labels, classes, files = read_texts(name, data_dir)
+    texts, labels, classes, files = read_texts(name, data_dir, text_classes)
     texts = [email_text(t, email_view) for t in texts]
     tokenizer = load_tokenizer(model)
     ids, truncated = tokenize(texts, tokenizer, max_length)
-    if truncated:
-        log.warning(
-            "%d of %d texts are longer than max_length=%d tokens and were truncated", truncated, len(texts), max_length
-        )
+    # Said the same whatever the data (the count is the data's, and the job's log is read by more
+    # people than the data's owner): the ingest manifest holds it (source.truncated).
+    log.info("texts longer than max_length=%d tokens are truncated; the ingest manifest counts them", max_length)
     source = {
         "texts": len(texts),
         "classes": classes,

@@ -302,6 +302,19 @@ def test_an_ingested_dataset_of_another_name_is_refused(tmp_path, corrupt_datase
     _nothing_started(tmp_path, ray_was_up)
 
 
+def test_ingest_writes_a_dataset_from_the_command_line(tmp_path):
+    """`dp-platform ingest` runs (it failed on the text options it did not define)."""
+    out = tmp_path / "digits"
+    done = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "ingest", "digits", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (out / "manifest.json").is_file() and "wrote digits" in done.stdout
+
+
 def test_ingest_verify_rehashes_everything_and_exits_nonzero_on_corruption(tmp_path, corrupt_dataset):
     good = tmp_path / "good"
     ingest(load_digits(), good, num_shards=2)

@@ -39,7 +39,7 @@ def _spam_tree(root, per_group=3):
 
 def test_the_spamassassin_layout_is_read_as_shipped_and_tokenized_once(minilm, tmp_path, caplog):
     root = _spam_tree(tmp_path / "corpus")
-    with caplog.at_level(logging.WARNING, logger="pipelines.text.sources"):
+    with caplog.at_level(logging.INFO, logger="pipelines.text.sources"):
         ds = load_text_dataset("spamassassin", str(root), minilm, max_length=32, test_fraction=0.2, val_fraction=0.1)
     assert ds.num_classes == 2 and ds.source["classes"] == ["ham", "spam"]
     n = len(ds.train) + len(ds.val) + len(ds.test)
@@ -47,9 +47,11 @@ def test_the_spamassassin_layout_is_read_as_shipped_and_tokenized_once(minilm, t
     labels = torch.cat([ds.train.y, ds.val.y, ds.test.y])
     assert int((labels == 1).sum()) == 7 and int((labels == 0).sum()) == 9
     assert ds.train.x.dtype == torch.int32 and ds.input_shape == (32,)
-    # the 40-times repeated spam bodies are longer than 32 tokens: counted and logged
+    # the 40-times repeated spam bodies are longer than 32 tokens: counted in the manifest; the
+    # log says the same whatever the count (it is the data's, and the job's log is widely read)
     assert ds.source["truncated"] == 2
-    assert "2 of 16 texts are longer than max_length=32 tokens and were truncated" in caplog.text
+    assert "texts longer than max_length=32 tokens are truncated; the ingest manifest counts them" in caplog.text
+    assert "2 of 16" not in caplog.text
     # the same root given as package/ or package/data/ reads the same texts
     for sub in ("package", "package/data"):
         again = load_text_dataset("spamassassin", str(root / sub), minilm, max_length=32)
@@ -80,20 +82,48 @@ def test_class_folders_csv_and_parquet_give_the_same_examples(minilm, tmp_path):
         tmp_path / "t.parquet",
     )
     got = {
-        src: load_text_dataset("text", str(tmp_path / src), minilm, max_length=16, test_fraction=0.0, val_fraction=0.0)
+        src: load_text_dataset(
+            "text",
+            str(tmp_path / src),
+            minilm,
+            max_length=16,
+            test_fraction=0.0,
+            val_fraction=0.0,
+            text_classes="neg,pos",  # names in the CSV, indices in the Parquet file
+        )
         for src in ("folders", "t.csv", "t.parquet")
     }
     for ds in got.values():
         assert ds.num_classes == 2 and len(ds.train) == 5
         assert torch.equal(ds.train.x, got["folders"].train.x) and torch.equal(ds.train.y, got["folders"].train.y)
     assert got["folders"].source["classes"] == got["t.csv"].source["classes"] == ["neg", "pos"]
+    assert got["t.parquet"].source["classes"] == ["neg", "pos"]
+
+
+def test_a_tables_classes_are_public_and_never_read_from_its_labels(minilm, tmp_path):
+    """The class list shapes the model's head and is logged with the model: taken from the
+    labels, one training row with a rare label would add a class that the model names. A table
+    needs --text-classes; a label outside it is refused without being printed."""
+    path = tmp_path / "t.csv"
+    path.write_text("text,label\nhello,neg\nworld,pos\nagain,rare-private-label\n")
+    with pytest.raises(dpcore.DPConfigError, match="needs its classes.*--text-classes"):
+        load_text_dataset("text", str(path), minilm)
+    with pytest.raises(dpcore.DPConfigError, match="row 2 has a label outside --text-classes") as err:
+        load_text_dataset("text", str(path), minilm, text_classes="neg,pos")
+    assert "rare-private-label" not in str(err.value)
+    path.write_text("text,label\nhello,neg\nworld,pos\n")
+    ds = load_text_dataset("text", str(path), minilm, text_classes="neg,pos,other", test_fraction=0.0, val_fraction=0.0)
+    assert ds.num_classes == 3 and ds.source["classes"] == ["neg", "pos", "other"]  # as given, not as found
+    for bad in ("pos", "neg,neg", "neg,,pos"):
+        with pytest.raises(dpcore.DPConfigError, match="two or more distinct class names"):
+            load_text_dataset("text", str(path), minilm, text_classes=bad)
 
 
 @pytest.mark.parametrize(
     "content, match",
     [
         ("text,label\nhello,0\n,1\n", "1 empty text"),
-        ("text,label\nhello,0\nworld,-1\n", "row 1 has label -1, outside the classes"),
+        ("text,label\nhello,0\nworld,-1\n", "row 1 has a label outside --text-classes"),
         ("body,label\nhello,0\n", "has no text column"),
         ("text,label\nhello,0\nworld,\n", "row 1 has no label"),
     ],
@@ -102,7 +132,7 @@ def test_class_folders_csv_and_parquet_give_the_same_examples(minilm, tmp_path):
 def test_bad_tables_are_named(minilm, tmp_path, content, match):
     (tmp_path / "t.csv").write_text(content)
     with pytest.raises(dpcore.DPConfigError, match=match):
-        load_text_dataset("text", str(tmp_path / "t.csv"), minilm)
+        load_text_dataset("text", str(tmp_path / "t.csv"), minilm, text_classes="neg,pos")
 
 
 def test_missing_corpus_or_image_model_is_refused_with_the_fix(minilm, tmp_path):

@@ -1,0 +1,32 @@
+"""The data caches' folder names, which the run's plan (in MLflow) carries, are keyed digests:
+stable for one storage folder (so the caches are re-used), unrelated to a plain hash of what
+they key, and different under another storage folder's key."""
+
+import hashlib
+import stat
+
+from pipelines.data.cache_names import KEY_FILE, cache_digest
+
+
+def test_cache_names_are_keyed_and_stable(tmp_path):
+    payload = b'{"files": [["/data/t.csv", 1234, 5678]]}'
+    a = cache_digest(tmp_path / "a", payload, 12)
+    assert a == cache_digest(tmp_path / "a", payload, 12)  # the same cache is found again
+    assert a != hashlib.sha256(payload).hexdigest()[:12]  # not a plain hash anyone can recompute
+    assert a != cache_digest(tmp_path / "b", payload, 12)  # another storage folder, another key
+    assert a != cache_digest(tmp_path / "a", payload + b" ", 12)
+    key = tmp_path / "a" / KEY_FILE
+    assert len(key.read_bytes()) == 32 and stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert [p.name for p in (tmp_path / "a").iterdir()] == [KEY_FILE]  # no temporary file left
+
+
+def test_the_ingest_cache_folder_is_named_by_the_keyed_digest(tmp_path):
+    from pipelines.config import TrainConfig
+    from pipelines.plan import prepare_data
+
+    cfg = TrainConfig(storage_path=str(tmp_path / "runs"), tracking_uri=f"sqlite:///{tmp_path}/m.db")
+    first, _ = prepare_data(cfg)
+    again, _ = prepare_data(cfg)
+    assert first == again and first.parent == tmp_path.resolve() / "runs" / "datasets"
+    name = first.name.split("-")[1]
+    assert len(name) == 12 and (tmp_path / "runs" / KEY_FILE).is_file()
