@@ -76,42 +76,35 @@ def test_unreachable_target_is_an_error_before_training():
         )
 
 
-def test_a_bad_config_spends_nothing_even_with_a_journal(tmp_path):
-    # The failure comes before the ledger (and its journal) exist: nothing is recorded.
+def _refused_with_a_journal(tmp_path, match: str, **options) -> None:
+    """make_private with a journal is refused (``match``) before the journal is written."""
     journal = tmp_path / "ledger.jsonl"
     torch.manual_seed(0)
     model = tiny_mlp()
-    with pytest.raises(dpcore.DPConfigError, match="lot_size=5000"):
+    with pytest.raises(dpcore.DPConfigError, match=match):
         dpcore.make_private(
             model,
             torch.optim.SGD(model.parameters(), lr=0.1),
             F.cross_entropy,
             seed=0,
             journal=str(journal),
-            **{**GOOD, "lot_size": 5000},
+            **{**GOOD, **options},
         )
     assert not journal.exists()
+
+
+def test_a_bad_config_spends_nothing_even_with_a_journal(tmp_path):
+    # The failure comes before the ledger (and its journal) exist: nothing is recorded.
+    _refused_with_a_journal(tmp_path, "lot_size=5000", lot_size=5000)
 
 
 def test_only_rank_0_keeps_the_journal(tmp_path):
     """Every rank records the same releases: ranks sharing one journal would count each release
     once per rank (a restart would then read twice the ε). A journal on a rank ≥ 1 is refused
     before anything is written."""
-    journal = tmp_path / "ledger.jsonl"
-    model = tiny_mlp()
-    with pytest.raises(dpcore.DPConfigError, match="only rank 0 keeps the ledger's journal"):
-        dpcore.make_private(
-            model,
-            torch.optim.SGD(model.parameters(), lr=0.1),
-            F.cross_entropy,
-            seed=0,
-            journal=str(journal),
-            rank=1,
-            world_size=2,
-            reduce_fn=lambda tensors: tensors,
-            **GOOD,
-        )
-    assert not journal.exists()
+    _refused_with_a_journal(
+        tmp_path, "only rank 0 keeps the ledger's journal", rank=1, world_size=2, reduce_fn=lambda tensors: tensors
+    )
 
 
 class _Tokens(torch.nn.Module):
