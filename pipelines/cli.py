@@ -94,7 +94,10 @@ def _ingest(argv: list[str]) -> int:
             return 0
         if a.out_dir is None:
             p.error("OUT_DIR is required (or --verify FOLDER)")
-        load_config(overrides={"dataset": a.dataset, "data_dir": a.data_dir}).validate()
+        given = {k: getattr(a, k) for k in ("model", "max_length", "email_view", "text_classes")}
+        load_config(
+            overrides={"dataset": a.dataset, "data_dir": a.data_dir, **{k: v for k, v in given.items() if v}}
+        ).validate()
         ds = load_dataset(
             a.dataset,
             model=a.model,

@@ -52,6 +52,14 @@ class DatasetOptions(Section):
         dpcore.validation.check_positive_int(self.max_length, "max_length")
         check_choice(self, "email_view", EMAIL_VIEWS)
         check_count(self, "split_seed")
+        if self.text_classes is not None:
+            if self.dataset != "text":
+                raise dpcore.DPConfigError(
+                    f"text_classes applies to dataset='text' read from a CSV/Parquet table, not to {self.dataset!r}."
+                )
+            from ..text.sources import parse_classes  # no torch or transformers at import
+
+            parse_classes(self.text_classes)
 
 
 def check_dataset(cfg) -> None:

@@ -13,33 +13,59 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import time
 from pathlib import Path
+
+from dpcore import DPConfigError
 
 KEY_FILE = ".cache-key"
 
 
-def _key(storage_path: str | Path) -> bytes:
-    root = Path(storage_path).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / KEY_FILE
-    if not path.exists():
-        tmp = root / f"{KEY_FILE}.{os.getpid()}.{os.urandom(4).hex()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+def _write_once(path: Path, data: bytes) -> None:
+    """Create ``path`` (mode 600) holding ``data``, unless it exists: whole, through a hard link
+    where the filesystem has them, else by an exclusive create (a reader may then briefly see it
+    short, and waits)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{os.urandom(4).hex()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # atomic: the first process's key wins, whole
+    except FileExistsError:
+        pass
+    except OSError:  # no hard links here (some network and FUSE filesystems)
         try:
-            os.write(fd, os.urandom(32))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, path)  # atomic: the first process's key wins, whole
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
             pass
-        finally:
-            os.unlink(tmp)
-    key = path.read_bytes()
-    if len(key) != 32:
-        raise OSError(f"{path} is not a 32-byte cache key; remove it (the caches are then rebuilt).")
-    return key
+        else:
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    finally:
+        os.unlink(tmp)
+
+
+def _key(storage_path: str | Path) -> bytes:
+    root = Path(storage_path).resolve()
+    path = root / KEY_FILE
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            _write_once(path, os.urandom(32))
+        for _ in range(100):
+            key = path.read_bytes()
+            if len(key) == 32:
+                return key
+            time.sleep(0.01)  # another process is writing it (no hard links)
+    except OSError as e:
+        raise DPConfigError(f"the data caches' key {path} cannot be made or read ({e}); check storage_path.") from None
+    raise DPConfigError(f"{path} is not a 32-byte key; remove it (the data caches are then rebuilt).")
 
 
 def cache_digest(storage_path: str | Path, payload: bytes, length: int) -> str:

@@ -103,23 +103,40 @@ def table(path: Path, classes: list[str] | None) -> tuple[list[str], list[int], 
     if any(v is None for v in raw):
         raise DPConfigError(f"{path}: row {raw.index(None)} has no label.")
     index = {name: k for k, name in enumerate(classes)}
+    # Where a class is named by a number, every label is a name (a label 1 is the class "1"):
+    # an integer label indexes the list only when no name could be read as one.
+    by_name = any(_is_int(c) for c in classes)
     labels = []
     for i, v in enumerate(raw):
-        k = v if isinstance(v, int) and not isinstance(v, bool) else index.get(str(v))
-        if k is None or not 0 <= k < len(classes):
+        if isinstance(v, (bool, float)):
             raise DPConfigError(
-                f"{path}: row {i} has a label outside --text-classes ({len(classes)} classes: a name among them, or "
-                f"an index 0..{len(classes) - 1})."
+                f"{path}: row {i} has a {type(v).__name__} label; labels are class names or integer indices."
+            )
+        k = v if isinstance(v, int) and not by_name else index.get(str(v))
+        if k is None or not 0 <= k < len(classes):
+            kinds = "a name among them" if by_name else f"a name among them or an index 0..{len(classes) - 1}"
+            raise DPConfigError(
+                f"{path}: row {i} has a label outside --text-classes ({len(classes)} classes; a label is {kinds})."
             )
         labels.append(k)
     return texts, labels, list(classes), [str(path)] * len(texts)
 
 
-def parse_classes(text_classes: str | None) -> list[str] | None:
-    """``--text-classes`` as a list: at least two distinct, non-empty names."""
+def _is_int(name: str) -> bool:
+    try:
+        int(name)
+    except ValueError:
+        return False
+    return True
+
+
+def parse_classes(text_classes: str | list | None) -> list[str] | None:
+    """``--text-classes`` (comma-separated, or a YAML list) as a list: at least two distinct,
+    non-empty names."""
     if text_classes is None:
         return None
-    classes = [c.strip() for c in str(text_classes).split(",")]
+    parts = text_classes if isinstance(text_classes, (list, tuple)) else str(text_classes).split(",")
+    classes = [str(c).strip() for c in parts]
     if len(classes) < 2 or any(not c for c in classes) or len(set(classes)) != len(classes):
         raise DPConfigError(
             f"text_classes={text_classes!r}: give two or more distinct class names, comma-separated (neg,pos)."
@@ -144,6 +161,10 @@ def read_texts(
             raise DPConfigError(f"{path}: a text table must be a .csv or .parquet file with text and label columns.")
         got = table(path, parse_classes(text_classes))
     else:
+        if text_classes is not None:
+            raise DPConfigError(
+                f"--text-classes is for a CSV/Parquet table; {path} is a folder, whose sub-folders name the classes."
+            )
         got = class_folders(path)
     texts, _, _, files = got
     empty = [

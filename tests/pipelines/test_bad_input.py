@@ -1,6 +1,7 @@
 """Issue B, must-show 4: bad input to the main job fails with a clear message before any
 worker starts and before any budget is spent (no Ray, no MLflow run, no ledger journal)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -313,6 +314,19 @@ def test_ingest_writes_a_dataset_from_the_command_line(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert (out / "manifest.json").is_file() and "wrote digits" in done.stdout
+
+
+def test_ingest_writes_a_text_table_from_the_command_line(tmp_path, minilm_folder):
+    """The text options reach the check and the loader (the model's tokenizer runs at ingest)."""
+    table = tmp_path / "t.csv"
+    table.write_text("text,label\n" + "".join(f"text number {i},{'pos' if i % 2 else 'neg'}\n" for i in range(12)))
+    out = tmp_path / "ingested"
+    args = ["ingest", "text", str(out), "--data-dir", str(table), "--model", f"hf:{minilm_folder}"]
+    args += ["--max-length", "16", "--text-classes", "neg,pos"]
+    done = subprocess.run([sys.executable, "-m", "pipelines.cli", *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["source"]["classes"] == ["neg", "pos"] and manifest["input_shape"] == [16]
 
 
 def test_ingest_verify_rehashes_everything_and_exits_nonzero_on_corruption(tmp_path, corrupt_dataset):

@@ -30,3 +30,15 @@ def test_the_ingest_cache_folder_is_named_by_the_keyed_digest(tmp_path):
     assert first == again and first.parent == tmp_path.resolve() / "runs" / "datasets"
     name = first.name.split("-")[1]
     assert len(name) == 12 and (tmp_path / "runs" / KEY_FILE).is_file()
+
+
+def test_a_filesystem_without_hard_links_still_gets_one_whole_key(tmp_path, monkeypatch):
+    import os
+
+    def no_links(src, dst):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    a = cache_digest(tmp_path, b"x", 12)
+    assert a == cache_digest(tmp_path, b"x", 12) and len((tmp_path / KEY_FILE).read_bytes()) == 32
+    assert [p.name for p in tmp_path.iterdir()] == [KEY_FILE]

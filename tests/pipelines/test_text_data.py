@@ -89,7 +89,7 @@ def test_class_folders_csv_and_parquet_give_the_same_examples(minilm, tmp_path):
             max_length=16,
             test_fraction=0.0,
             val_fraction=0.0,
-            text_classes="neg,pos",  # names in the CSV, indices in the Parquet file
+            text_classes=None if src == "folders" else "neg,pos",  # names in the CSV, indices in the Parquet file
         )
         for src in ("folders", "t.csv", "t.parquet")
     }
@@ -117,6 +117,46 @@ def test_a_tables_classes_are_public_and_never_read_from_its_labels(minilm, tmp_
     for bad in ("pos", "neg,neg", "neg,,pos"):
         with pytest.raises(dpcore.DPConfigError, match="two or more distinct class names"):
             load_text_dataset("text", str(path), minilm, text_classes=bad)
+
+
+def test_where_a_class_is_named_by_a_number_every_label_is_a_name(minilm, tmp_path):
+    """Labels 1 and 2 against classes "1,2,3" are the classes "1" and "2", not positions 1 and 2;
+    against names that are not numbers an integer label indexes the list. A float label is
+    refused, whatever its value."""
+    path = tmp_path / "t.csv"
+
+    def load(content, classes):
+        path.write_text(content)
+        return load_text_dataset("text", str(path), minilm, text_classes=classes, test_fraction=0.0, val_fraction=0.0)
+
+    ds = load("text,label\nhello,1\nworld,2\n", "1,2,3")
+    assert sorted(ds.train.y.tolist()) == [0, 1]  # "1" and "2"
+    ds = load("text,label\nhello,0\nworld,1\n", "1,0")
+    assert sorted(ds.train.y.tolist()) == [0, 1] and ds.source["classes"] == ["1", "0"]
+    with pytest.raises(dpcore.DPConfigError, match="row 1 has a label outside --text-classes.*a name among them\\)"):
+        load("text,label\nhello,1\nworld,4\n", "1,2,3")
+    with pytest.raises(dpcore.DPConfigError, match="row 0 has a float label"):
+        load("text,label\nhello,1.0\nworld,0.0\n", "neg,pos")
+    ds = load("text,label\nhello,1\nworld,0\n", "neg,pos")  # indices
+    assert sorted(ds.train.y.tolist()) == [0, 1]
+
+
+def test_text_classes_are_checked_with_the_config(tmp_path):
+    from pipelines.config import TrainConfig
+
+    TrainConfig(dataset="text", data_dir=str(tmp_path / "t.csv"), model="hf:x", text_classes=["neg", "pos"]).validate()
+    with pytest.raises(dpcore.DPConfigError, match="two or more distinct"):
+        TrainConfig(dataset="text", data_dir=str(tmp_path / "t.csv"), model="hf:x", text_classes="neg").validate()
+    with pytest.raises(dpcore.DPConfigError, match="text_classes applies to dataset='text'"):
+        TrainConfig(text_classes="neg,pos").validate()
+
+
+def test_class_folders_name_their_own_classes(minilm, tmp_path):
+    for label in ("neg", "pos"):
+        (tmp_path / label).mkdir()
+        (tmp_path / label / "a.txt").write_text("some text")
+    with pytest.raises(dpcore.DPConfigError, match="--text-classes is for a CSV/Parquet table"):
+        load_text_dataset("text", str(tmp_path), minilm, text_classes="neg,pos")
 
 
 @pytest.mark.parametrize(
