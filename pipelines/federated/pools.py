@@ -76,7 +76,8 @@ class RayPool:
                         ) from e
                     self.restarts += 1
                     print(
-                        f"client actor {i} died in round {round_}; replacing it and redoing its {len(share)} clients",
+                        # (not how many clients: the round's sample is not released)
+                        f"client actor {i} died in round {round_}; replacing it and redoing its share of the round",
                         file=sys.stderr,
                     )
                     with contextlib.suppress(Exception):
