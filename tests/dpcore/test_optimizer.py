@@ -198,6 +198,7 @@ def _worker(rank, world, port, out_path):
     opt.step()  # empty lots everywhere: the update is the aggregated noise alone
     if rank == 0:
         torch.save([p.grad * (q * n) for p in model.parameters()], out_path)
+    dist.barrier()  # both ranks done before the group goes (gloo could abort a rank otherwise)
     dist.destroy_process_group()
 
 
