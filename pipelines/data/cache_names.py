@@ -21,32 +21,31 @@ from dpcore import DPConfigError
 KEY_FILE = ".cache-key"
 
 
-def _write_once(path: Path, data: bytes) -> None:
-    """Create ``path`` (mode 600) holding ``data``, unless it exists: whole, through a hard link
-    where the filesystem has them, else by an exclusive create (a reader may then briefly see it
-    short, and waits)."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{os.urandom(4).hex()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+def _write_new(path: Path, data: bytes) -> None:
+    """Create ``path`` (mode 600; FileExistsError if it exists) and write ``data`` to disk."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.write(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_once(path: Path, data: bytes) -> None:
+    """Create ``path`` (mode 600) holding ``data``, unless it exists: whole, through a hard link
+    where the filesystem has them, else by an exclusive create (a reader may then briefly see it
+    short, and waits)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{os.urandom(4).hex()}")
+    _write_new(tmp, data)
     try:
         os.link(tmp, path)  # atomic: the first process's key wins, whole
     except FileExistsError:
         pass
     except OSError:  # no hard links here (some network and FUSE filesystems)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            _write_new(path, data)
         except FileExistsError:
             pass
-        else:
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
     finally:
         os.unlink(tmp)
 
