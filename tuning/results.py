@@ -185,10 +185,7 @@ def _register_best(client, base, attrs: dict, sel: dict | None, n_complete: int,
     from pipelines.train import load_final_model
 
     run_id = attrs["run_id"]
-    spec_path = mlflow.artifacts.download_artifacts(
-        run_id=run_id, artifact_path="spec.json", tracking_uri=client.tracking_uri
-    )
-    spec = RunPlan.from_dict(json.loads(Path(spec_path).read_text()))
+    spec = RunPlan.from_dict(tracking.read_json_artifact(client.tracking_uri, run_id, "spec.json"))
     model = load_final_model(spec, attrs["checkpoint"])
     example = model_example(spec.data_dir)
     name = base.registered_model or f"dp-sweep-{base.dataset}-{tracking.model_label(base.model)}"

@@ -292,6 +292,8 @@ def _driver_kill(work: Path, base: dict, name: str, kill_at: int, env: dict) -> 
         time.sleep(0.1)
     import mlflow
 
+    from pipelines import tracking
+
     client = mlflow.MlflowClient(base["tracking_uri"])
     runs = client.search_runs(
         [client.get_experiment_by_name("dp-training").experiment_id], "attributes.status = 'RUNNING'"
@@ -305,10 +307,8 @@ def _driver_kill(work: Path, base: dict, name: str, kill_at: int, env: dict) -> 
     )
     if res.returncode != 0:
         raise SystemExit(res.stderr[-3000:])
-    spec = mlflow.artifacts.download_artifacts(
-        run_id=runs[0].info.run_id, artifact_path="spec.json", tracking_uri=base["tracking_uri"]
-    )
-    return _summary(run_dir, json.loads(Path(spec).read_text())["steps"])
+    spec = tracking.read_json_artifact(base["tracking_uri"], runs[0].info.run_id, "spec.json")
+    return _summary(run_dir, spec["steps"])
 
 
 def main() -> None:

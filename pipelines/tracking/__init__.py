@@ -294,6 +294,18 @@ def write_json_artifact(client, run_id: str, name: str, obj, artifact_path: str 
         client.log_artifact(run_id, str(path), artifact_path=artifact_path)
 
 
+def read_json_artifact(tracking_uri: str, run_id: str, artifact_path: str):
+    """A run's JSON artifact, parsed; the download goes to a temporary folder that is removed
+    (MLflow's own default is a fresh folder under /tmp, left behind on every call)."""
+    import mlflow
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = mlflow.artifacts.download_artifacts(
+            run_id=run_id, artifact_path=artifact_path, tracking_uri=tracking_uri, dst_path=tmp
+        )
+        return json.loads(Path(path).read_text())
+
+
 def log_audit(client, run_id: str, audit: dict, epsilon: float) -> None:
     """The one-run audit beside the ledger's ε: metrics ``audit.epsilon_lower_bound``,
     ``audit.canaries``, ``audit.guesses``, ``audit.correct``; tags saying what was run and

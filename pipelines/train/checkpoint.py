@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch.distributed as dist
@@ -90,11 +92,46 @@ def complete_checkpoints(run_dir: str, reported=None) -> list[tuple[int, int, st
     return sorted(candidates)
 
 
+SCRATCH_PREFIX = "dp-report-"
+
+
+def _scratch_suffix(plan: RunPlan, rank: int) -> str:
+    return f".r{rank}.{plan.ray_run_name}"
+
+
+def report_scratch(plan: RunPlan, rank: int) -> tempfile.TemporaryDirectory:
+    """The private temporary folder (mode 700) one report writes this rank's checkpoint files
+    to: ``dp-report-<random>.r<rank>.<the run's Ray name>``, so that :func:`remove_stale_scratch`
+    finds it."""
+    return tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX, suffix=_scratch_suffix(plan, rank))
+
+
+def remove_stale_scratch(plan: RunPlan, rank: int) -> int:
+    """Remove the report folders an earlier attempt of this rank of this run left behind, and
+    return how many. A rank killed during a report (another rank's crash tears the whole group
+    down) never reaches its folder's clean-up, and each folder holds a copy of the model, so
+    every restart would leave one more in the temporary directory. Called when a rank starts,
+    before its first report; the earlier attempt is gone by then (Ray restarts the whole group).
+    The random part of a folder's name has no dot, so no other run's or rank's folder matches."""
+    suffix, removed = _scratch_suffix(plan, rank), 0
+    with os.scandir(tempfile.gettempdir()) as entries:
+        stale = [
+            e.path
+            for e in entries
+            if e.name.startswith(SCRATCH_PREFIX)
+            and e.name.endswith(suffix)
+            and "." not in e.name[len(SCRATCH_PREFIX) : -len(suffix)]
+            and e.is_dir(follow_symlinks=False)
+        ]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+        removed += 1
+    return removed
+
+
 def persist_checkpoint(src: Path, run_dir: Path, step: int, keep: int = 2) -> Path:
     """Copy a checkpoint folder into ``run_dir/checkpoint_local_<step>`` (written aside, then
     renamed, so a crash leaves no half checkpoint under that name) and keep the last ``keep``."""
-    import shutil
-
     dest = run_dir / f"checkpoint_local_{step:09d}"
     tmp = run_dir / f".checkpoint_local_{step:09d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)

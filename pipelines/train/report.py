@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tempfile
 from pathlib import Path
 
 import torch
@@ -16,7 +15,15 @@ import torch.nn.functional as F
 
 from ..data import sha256_file
 from ..models import split_public_front
-from .checkpoint import AUDIT_FILE, EMA_MODEL_FILE, LEDGER_FILE, MODEL_FILE, STATE_FILE, persist_checkpoint
+from .checkpoint import (
+    AUDIT_FILE,
+    EMA_MODEL_FILE,
+    LEDGER_FILE,
+    MODEL_FILE,
+    STATE_FILE,
+    persist_checkpoint,
+    report_scratch,
+)
 
 
 def param_checksum(model: torch.nn.Module) -> str:
@@ -94,7 +101,7 @@ def report(
     pruned = False
     checksum = param_checksum(model)
     metrics: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with report_scratch(plan, rank) as tmp:
         d = Path(tmp)
         rank_state = {
             "sampler": private.sampler.state_dict(),

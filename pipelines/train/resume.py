@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,8 +35,7 @@ def resume_plan(run_id: str, tracking_uri: str, changes: dict) -> tuple[RunPlan,
         raise dpcore.DPConfigError(f"--resume {run_id}: no such run in {uri} ({e.message.splitlines()[0]}).") from None
     if run.info.status == "FINISHED":
         raise dpcore.DPConfigError(f"run {run_id} is already finished; there is nothing to resume.")
-    path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="spec.json", tracking_uri=uri)
-    plan = RunPlan.from_dict(json.loads(Path(path).read_text()))
+    plan = RunPlan.from_dict(tracking.read_json_artifact(uri, run_id, "spec.json"))
     if not Path(plan.journal).is_file():
         raise dpcore.DPConfigError(
             f"run {run_id}'s ledger journal {plan.journal} is missing; without it the releases cannot be accounted for."

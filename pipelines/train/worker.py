@@ -48,6 +48,7 @@ from .checkpoint import (
     AUDIT_FILE,
     find_checkpoint,
     read_checkpoint,
+    remove_stale_scratch,
 )
 from .metrics_relay import MetricsFile
 from .placement import memory_status, record_placement
@@ -153,6 +154,7 @@ class Worker:
         import ray.train
 
         plan, cfg, rank = self.plan, self.cfg, self.rank
+        remove_stale_scratch(plan, rank)  # what a killed earlier attempt of this rank left in the temporary directory
         checkpoint = find_checkpoint(plan, ray.train.get_checkpoint(), rank, self.world)
         meta, shared, rank_state, ckpt_ledger = read_checkpoint(checkpoint, rank, self.world, self.device)
         if meta is not None:

@@ -3,6 +3,7 @@
 
 import json
 import math
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -174,3 +175,7 @@ def test_a_crash_after_the_last_step_finishes_from_the_checkpoint_at_the_budget(
     assert [e.step for e in entries if e.status == "committed"] == list(range(1, last_ckpt + 1))
     assert [e.step for e in entries if e.status == "rolled_back"] == list(range(last_ckpt + 1, steps + 1))
     assert out["steps"] == last_ckpt and out["epsilon"] <= eps
+    # Rank 0 was killed in its last report, which holds a copy of the model in a temporary folder;
+    # the restarted rank removed it.
+    name = out["spec"].ray_run_name
+    assert not [p for p in Path(tempfile.gettempdir()).glob("dp-report-*") if p.name.endswith(f".{name}")]

@@ -17,6 +17,7 @@ import torch
 
 import dpcore
 from dpcore.accounting import GAUSSIAN, POISSON_GAUSSIAN, POISSON_LAPLACE
+from pipelines import tracking
 from pipelines.config import TrainConfig
 from pipelines.faults import FaultInjection
 from pipelines.train import load_final_model, run
@@ -205,8 +206,5 @@ def test_a_killed_worker_restarts_a_dpsat_ema_pca_augmented_run(ray_cluster, tmp
     assert r.data.metrics["audit.epsilon_lower_bound"] == pytest.approx(a["epsilon_lower_bound"])
     assert r.data.metrics["audit.correct"] == a["correct"] and r.data.metrics["audit.guesses"] == 100
     assert r.data.tags["audit.check"] == "ε_lb ≤ ε" and "white-box gradient canaries" in r.data.tags["audit.method"]
-    path = mlflow.artifacts.download_artifacts(
-        run_id=out["run_id"], artifact_path="audit/canaries.json", tracking_uri=out["tracking_uri"]
-    )
-    logged = json.loads(Path(path).read_text())
+    logged = tracking.read_json_artifact(out["tracking_uri"], out["run_id"], "audit/canaries.json")
     assert logged["correct"] == a["correct"] and len(logged["scores"]) == 600

@@ -20,12 +20,19 @@ import pytest
 import torch
 from dp_accounting import pld
 
+from pipelines import tracking
 from pipelines.config import TrainConfig
 from pipelines.data import open_split
 from pipelines.train import load_final_model, run
 from pipelines.train.report import param_checksum
 
 pytestmark = pytest.mark.slow
+
+
+def _folder(path: Path) -> str:
+    """A new folder for a model MLflow downloads (its default is a fresh one under /tmp, never removed)."""
+    path.mkdir()
+    return str(path)
 
 
 def dp_accounting_epsilon(groups, delta):
@@ -96,9 +103,9 @@ def test_mlflow_run_has_ledger_epsilon_metric_and_tags(e2e):
     assert run.data.params["lot_size"] == "512" and run.data.params["target_epsilon"] == "3.0"
 
 
-def test_ledger_artifact_matches_an_independent_accountant(e2e):
+def test_ledger_artifact_matches_an_independent_accountant(e2e, tmp_path):
     path = mlflow.artifacts.download_artifacts(
-        run_id=e2e["run_id"], artifact_path="ledger/ledger.parquet", tracking_uri=e2e["tracking_uri"]
+        run_id=e2e["run_id"], artifact_path="ledger/ledger.parquet", tracking_uri=e2e["tracking_uri"], dst_path=tmp_path
     )
     t = pq.read_table(path).to_pylist()
     assert [r["step"] for r in t] == list(range(1, e2e["steps"] + 1))
@@ -111,13 +118,7 @@ def test_ledger_artifact_matches_an_independent_accountant(e2e):
     assert math.isclose(e2e["epsilon"], reference, rel_tol=1e-6), (e2e["epsilon"], reference)
     assert math.isclose(t[-1]["epsilon"], e2e["epsilon"], rel_tol=1e-9)
     # The table the UI shows: one row for this run's one run of identical releases.
-    ui = json.loads(
-        Path(
-            mlflow.artifacts.download_artifacts(
-                run_id=e2e["run_id"], artifact_path="ledger/ledger.json", tracking_uri=e2e["tracking_uri"]
-            )
-        ).read_text()
-    )
+    ui = tracking.read_json_artifact(e2e["tracking_uri"], e2e["run_id"], "ledger/ledger.json")
     rows = [dict(zip(ui["columns"], r)) for r in ui["data"]]
     assert [(r["count"], r["first_step"], r["last_step"], r["status"]) for r in rows] == [
         (e2e["steps"], 1, e2e["steps"], "committed")
@@ -126,7 +127,7 @@ def test_ledger_artifact_matches_an_independent_accountant(e2e):
     assert math.isclose(rows[0]["noise_multiplier"], t[0]["noise_multiplier"], rel_tol=1e-9)
 
 
-def test_logged_model_loads_and_predicts_like_the_checkpoint(e2e):
+def test_logged_model_loads_and_predicts_like_the_checkpoint(e2e, tmp_path):
     client = mlflow.MlflowClient(e2e["tracking_uri"])
     version = client.get_model_version("dp-e2e-test", "1")
     assert math.isclose(float(version.tags["dp.epsilon"]), e2e["epsilon"], rel_tol=1e-5)
@@ -134,7 +135,7 @@ def test_logged_model_loads_and_predicts_like_the_checkpoint(e2e):
     mlflow.set_tracking_uri(e2e["tracking_uri"])
     split = open_split(e2e["spec"].data_dir, "test")
     test = SimpleNamespace(x=split.batch(torch.arange(len(split))), y=split.y)
-    loaded = mlflow.pytorch.load_model("models:/dp-e2e-test/1")
+    loaded = mlflow.pytorch.load_model("models:/dp-e2e-test/1", dst_path=_folder(tmp_path / "torch"))
     ours = load_final_model(e2e["spec"], e2e["checkpoint"])
     with torch.no_grad():
         assert torch.allclose(loaded(test.x), ours(test.x), atol=1e-5)
@@ -144,7 +145,7 @@ def test_logged_model_loads_and_predicts_like_the_checkpoint(e2e):
 
     stated = Path(mlflow.pyfunc.get_model_dependencies("models:/dp-e2e-test/1")).read_text().split()
     assert sorted(stated) == sorted(f"{p}=={version(p)}" for p in ("mlflow", "torch", "numpy", "pandas", "cloudpickle"))
-    pyfunc = mlflow.pyfunc.load_model(f"runs:/{e2e['run_id']}/model")
+    pyfunc = mlflow.pyfunc.load_model(f"runs:/{e2e['run_id']}/model", dst_path=_folder(tmp_path / "pyfunc"))
     pred = np.asarray(pyfunc.predict(test.x[:7].numpy()))
     assert pred.shape == (7, 10)
     acc = float((torch.as_tensor(pred).argmax(1) == test.y[:7]).float().mean())

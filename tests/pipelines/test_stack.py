@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from pipelines import tracking
 from pipelines.ops import stack as stk
 from pipelines.ops.stack import commands as stk_commands
 from pipelines.ops.stack import postgres as stk_postgres
@@ -233,7 +234,7 @@ def test_ray_gcs_refuses_a_wrong_token(stack):
 
 
 # ------------------------------------------------------------------------------ jobs
-def test_training_job_runs_on_both_nodes_and_tracks_to_postgres(stack):
+def test_training_job_runs_on_both_nodes_and_tracks_to_postgres(stack, tmp_path):
     r = cli(
         "submit",
         "configs/digits.yaml",
@@ -269,13 +270,7 @@ def test_training_job_runs_on_both_nodes_and_tracks_to_postgres(stack):
     # ran on both nodes: the placement the workers wrote names the head and the worker node
     import mlflow
 
-    placement = json.loads(
-        Path(
-            mlflow.artifacts.download_artifacts(
-                run_id=run_id, artifact_path="ray/placement.json", tracking_uri=stack.mlflow
-            )
-        ).read_text()
-    )
+    placement = tracking.read_json_artifact(stack.mlflow, run_id, "ray/placement.json")
     nodes = stack.nodes()
     used = {p["node_id"] for p in placement}
     assert len(placement) == 2 and used == set(nodes), (used, set(nodes))
@@ -286,7 +281,7 @@ def test_training_job_runs_on_both_nodes_and_tracks_to_postgres(stack):
 
     ledger = pq.read_table(
         mlflow.artifacts.download_artifacts(
-            run_id=run_id, artifact_path="ledger/ledger.parquet", tracking_uri=stack.mlflow
+            run_id=run_id, artifact_path="ledger/ledger.parquet", tracking_uri=stack.mlflow, dst_path=tmp_path
         )
     ).to_pylist()
     assert ledger and all(e["status"] == "committed" for e in ledger)
@@ -306,7 +301,9 @@ def test_training_job_runs_on_both_nodes_and_tracks_to_postgres(stack):
     text = json.dumps([run.data.params, run.data.tags]) + stack.results["train"]["logs"]
     for name in ("spec.json", "config.json"):
         text += Path(
-            mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=name, tracking_uri=stack.mlflow)
+            mlflow.artifacts.download_artifacts(
+                run_id=run_id, artifact_path=name, tracking_uri=stack.mlflow, dst_path=tmp_path
+            )
         ).read_text()
     assert run.data.params["tracking_uri"] == stack.mlflow
     code, info = http(f"{stack.jobs}/api/jobs/{job}", bearer=stack.token)  # what the Jobs API keeps of the job
@@ -347,18 +344,11 @@ def test_sweep_on_the_cluster_with_its_study_in_postgres(stack):
         )
         assert cur.fetchone() == (2,)
     # each trial trained on the cluster's nodes, and its run is in MLflow with the storage URL (no password)
-    import mlflow
 
     client, nodes = stack.mlflow_client(), stack.nodes()
     for t in trials:
         run_id = t.user_attrs["run_id"]
-        placement = json.loads(
-            Path(
-                mlflow.artifacts.download_artifacts(
-                    run_id=run_id, artifact_path="ray/placement.json", tracking_uri=stack.mlflow
-                )
-            ).read_text()
-        )
+        placement = tracking.read_json_artifact(stack.mlflow, run_id, "ray/placement.json")
         assert {p["node_id"] for p in placement} <= set(nodes)
         parent = client.get_run(client.get_run(run_id).data.tags["mlflow.parentRunId"])
         assert parent.data.tags["sweep.storage"] == stack.creds["DP_OPTUNA_STORAGE"]

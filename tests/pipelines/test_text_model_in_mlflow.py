@@ -63,7 +63,8 @@ def test_a_text_classifier_is_logged_registered_and_loads_back(minilm_folder, tm
     assert version is not None and version.tags["dp.epsilon"] == "2.5"
 
     expected = predict_texts(clf.eval(), tokenizer, meta, MAIL)
-    model = mlflow.pyfunc.load_model(f"models:/dp-text-test/{version.version}")
+    (tmp_path / "pyfunc").mkdir()  # MLflow's default is a fresh folder under /tmp, never removed
+    model = mlflow.pyfunc.load_model(f"models:/dp-text-test/{version.version}", dst_path=str(tmp_path / "pyfunc"))
     got = model.predict(MAIL)
     assert list(got["label"]) == list(expected["label"])
     torch.testing.assert_close(
