@@ -273,6 +273,42 @@ def test_a_state_loaded_into_a_journalled_ledger_is_written_to_its_journal(tmp_p
     assert len(after) == len(reopened) == 35 and after.epsilon() == reopened.epsilon()
 
 
+def test_a_journal_write_that_fails_while_a_state_loads_leaves_the_ledger_as_it_was(tmp_path, monkeypatch):
+    """The state's releases go to the journal before the ledger takes them: when a write fails
+    part-way (a full disk), the ledger still holds only what it held, and the journal holds
+    those and the releases written before the failure, so a restart counts at least as many
+    releases as any ledger in memory ever did."""
+    from dpcore.ledger.journal import Journal
+
+    ev = dpcore.PrivacyEvent.dpsgd_step(1.0, 0.05)
+    plain = dpcore.PrivacyLedger(4.0, 1e-5)
+    for s in range(1, 21):
+        plain.append(ev, step=s, clip_norm=1.0)
+    journal = tmp_path / "ledger.journal.jsonl"
+    ledger = dpcore.PrivacyLedger(4.0, 1e-5, journal=journal)
+    for s in range(1, 6):
+        ledger.append(ev, step=s, clip_norm=1.0)
+    before = (len(ledger), ledger.epsilon(), ledger.allowance(ev))
+    write, written = Journal.write, []
+
+    def fails_on_the_fourth(self, record):
+        if len(written) == 3:
+            raise OSError(28, "No space left on device")
+        write(self, record)
+        written.append(record)
+
+    monkeypatch.setattr(Journal, "write", fails_on_the_fourth)
+    with pytest.raises(OSError, match="No space"):
+        ledger.load_state_dict(plain.state_dict())
+    monkeypatch.setattr(Journal, "write", write)
+    assert (len(ledger), ledger.epsilon(), ledger.allowance(ev)) == before
+    assert [r["step"] for r in written] == [6, 7, 8]
+    reopened = dpcore.PrivacyLedger(4.0, 1e-5, journal=journal)
+    assert len(reopened) == 8 and reopened.epsilon() == pytest.approx(dpcore.epsilon([(ev, 8)], 1e-5), rel=1e-12)
+    reopened.load_state_dict(plain.state_dict())  # with the disk back, the rest is written and taken
+    assert len(reopened) == len(dpcore.PrivacyLedger(4.0, 1e-5, journal=journal)) == 20
+
+
 @pytest.mark.parametrize("same", [False, True], ids=["pca-apart", "pca-same-as-a-step"])
 def test_a_primed_allowance_equals_the_computed_one(same):
     """The driver's plan seeds the budget check with max_steps (steps beyond the prior releases);
