@@ -75,6 +75,7 @@ def _start_local(cfg, prestart: bool = True) -> None:
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     if not prestart:
         os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+    write_token_first()  # ray.init would write it readable by everyone for the seconds of the start
     ray.init(
         address="local",  # a cluster of its own, even beside one that `ray start` left running here
         log_to_driver=False,
@@ -168,13 +169,55 @@ class EarlyCluster:
         self.stop()
 
 
+def _token_path() -> Path:
+    """The file Ray reads the cluster's auth token from: ``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``."""
+    return Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+
+
+def write_token_first() -> bool:
+    """Write the auth token a new local cluster will use before ``ray.init`` does.
+
+    Where it finds none, ``ray.init`` creates ``~/.ray`` (mode 755) and writes a new token there
+    readable by everyone on the machine (644), then starts the cluster: for the seconds of the
+    start the token, admin access to this and every later local cluster, is open to all. So the
+    token (``secrets.token_hex(32)``, what Ray would draw) is written here first: its folder made
+    700 where it is new, the file 600 from its creation, and put in place whole by a hard link
+    (a second run starting at the same moment keeps the first one's token). Nothing is done
+    where the token comes from ``RAY_AUTH_TOKEN``, where token auth is turned off, or where the
+    file exists (:func:`keep_token_private` then narrows its mode). Returns whether it wrote one."""
+    import secrets
+
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        return False
+    path = _token_path()
+    if path.exists() or path.is_symlink():
+        return False
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    except OSError:  # no hard links on this filesystem: a rename, unless a token came meanwhile
+        if path.exists():
+            return False
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return True
+
+
 def keep_token_private() -> None:
-    """``ray.init`` writes the cluster's auth token (``~/.ray/auth_token``, or
-    ``RAY_AUTH_TOKEN_PATH``) readable by everyone on the machine; it is admin access to the
-    cluster, so make it the owner's alone (a file of another user's is left as it is)."""
+    """Make the cluster's auth token file the owner's alone where it is readable by others (a
+    token ``ray.init`` wrote before :func:`write_token_first` existed, or one ``ray start``
+    wrote); a file of another user's is left as it is."""
     import stat
 
-    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    path = _token_path()
     with contextlib.suppress(OSError):
         if path.is_file() and path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
             path.chmod(0o600)

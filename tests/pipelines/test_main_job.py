@@ -10,6 +10,7 @@ import re
 import shlex
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -34,8 +35,14 @@ def _without_venv_on_path() -> dict:
 def test_main_job_prints_the_ui_command_and_the_ui_lists_the_run(tmp_path):
     """The run's last line names the command that opens the UI; typed word for word (with the
     venv not activated, as the README's first command leaves the shell) it serves this run, on
-    port 5000 or, when that is taken, on a free port it names, once the page answers."""
-    env = _without_venv_on_path()
+    port 5000 or, when that is taken, on a free port it names, once the page answers. The
+    newcomer has no ~/.ray yet: the cluster's token is never readable by others."""
+    home = tmp_path / "home"
+    home.mkdir()
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")  # the compiled kernel's
+    env = {**_without_venv_on_path(), "HOME": str(home), "XDG_CACHE_HOME": cache}
+    for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE"):
+        env.pop(name, None)
     res = subprocess.run(
         CLI + ["train", "--epochs", "10", "--target-epsilon", "4"],
         capture_output=True,
@@ -72,6 +79,9 @@ def test_main_job_prints_the_ui_command_and_the_ui_lists_the_run(tmp_path):
     text = open(logs.group(1)).read()
     assert len(re.findall(r"\bWARNING\b", text)) >= int(logs.group(2) or 0) and "mlflow" in text
     assert (tmp_path / "mlflow.db").is_file()
+    token = home / ".ray" / "auth_token"  # written before ray.init, which would make both readable by all
+    assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700 and stat.S_IMODE(token.stat().st_mode) == 0o600
+    assert re.fullmatch(r"[0-9a-f]{64}", token.read_text())
 
     blocker = socket.socket()  # port 5000 taken (if nothing else has it): the UI must pick another
     with contextlib.suppress(OSError):

@@ -186,6 +186,46 @@ def test_the_ray_token_that_ray_init_leaves_world_readable_is_made_private(tmp_p
     keep_token_private()  # nothing to do, no error
 
 
+def test_a_new_local_clusters_token_is_written_private_before_ray_reads_it(tmp_path, monkeypatch):
+    """Where no token exists, ray.init would write one readable by everyone (folder 755, file
+    644) and start the cluster; the platform writes it first, 600 in a 700 folder, and Ray then
+    finds it (so writes none of its own)."""
+    import re
+    import subprocess
+    import sys
+
+    from pipelines.train.cluster import write_token_first
+
+    for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert write_token_first()
+    token = tmp_path / ".ray" / "auth_token"
+    assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700 and stat.S_IMODE(token.stat().st_mode) == 0o600
+    first = token.read_text()
+    assert re.fullmatch(r"[0-9a-f]{64}", first) and sorted(token.parent.iterdir()) == [token]
+    assert not write_token_first() and token.read_text() == first  # an existing token is kept
+    finds = (
+        "from ray._raylet import AuthenticationTokenLoader as L; print(L.instance().has_token(ignore_auth_mode=True))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    out = subprocess.run(
+        [sys.executable, "-c", finds], env={**env, "HOME": str(tmp_path)}, capture_output=True, text=True
+    )
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
+    out = subprocess.run(
+        [sys.executable, "-c", finds], env={**env, "HOME": str(tmp_path / "new")}, capture_output=True, text=True
+    )
+    assert out.stdout.strip() == "False", out.stderr[-2000:]  # the probe can fail: no token there
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "elsewhere" / "token"))  # where Ray will read it
+    assert write_token_first() and stat.S_IMODE((tmp_path / "elsewhere" / "token").stat().st_mode) == 0o600
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "none"))
+    for name, value in (("RAY_AUTH_MODE", "disabled"), ("RAY_AUTH_TOKEN", "f" * 64)):
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            assert not write_token_first() and not (tmp_path / "none").exists()
+
+
 def test_purge_after_a_plain_down_removes_the_data_and_secrets(tmp_path, monkeypatch):
     """`stack down` keeps the data; `stack down --purge` afterwards (no stack.json any more)
     still finds and removes it, unless PostgreSQL still runs on it."""
