@@ -19,6 +19,10 @@ def _load(name):
     return yaml.safe_load((DEPLOY / name).read_text())
 
 
+def _load_all(name):
+    return list(yaml.safe_load_all((DEPLOY / name).read_text()))
+
+
 def test_ray_cluster_launcher_yaml_passes_rays_schema_and_is_secure_by_default():
     from ray.autoscaler._private.util import prepare_config, validate_config
 
@@ -33,8 +37,23 @@ def test_ray_cluster_launcher_yaml_passes_rays_schema_and_is_secure_by_default()
     head = " ".join(cfg["head_start_ray_commands"])
     assert "RAY_AUTH_MODE=token" in head and "--dashboard-host=127.0.0.1" in head
     assert all("RAY_AUTH_MODE=token" in c for c in cfg["worker_start_ray_commands"] if "ray start" in c)
-    assert any("chmod 600 ~/.ray/auth_token" in c for c in cfg["head_setup_commands"])
-    assert cfg["provider"]["security_group"]["IpPermissions"] == []  # nothing open to the outside
+    for key in ("head_setup_commands", "worker_setup_commands"):  # the token: never readable by others
+        assert any(c.startswith("umask 077 && ") and "auth_token" in c for c in cfg[key])
+        assert any("chmod 600 ~/.ray/auth_token" in c for c in cfg[key])
+    # Nothing open to the outside: no public addresses, and a security group made beforehand on
+    # every node type. A group the launcher makes itself gets SSH from 0.0.0.0/0 (Ray 2.60,
+    # ray/autoscaler/_private/aws/config.py: _create_default_ssh_inbound_rules), whatever
+    # provider.security_group.IpPermissions says; the launcher makes none where every node type
+    # names its SecurityGroupIds (_configure_security_group).
+    assert cfg["provider"]["use_internal_ips"] is True and "security_group" not in cfg["provider"]
+    for node_type in cfg["available_node_types"].values():
+        assert node_type["node_config"]["SecurityGroupIds"] and node_type["node_config"]["SubnetIds"]
+    # The jobs' environment (tracking server, credentials, shared storage) is on every node, from
+    # a file only its owner reads, and reaches the workers through `ray start`.
+    setup = " ".join(cfg["setup_commands"])
+    assert "umask 077 && " in setup and "job.env" in setup and "DP_STORAGE_PATH=/mnt/dp_runs" in setup
+    for c in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]:
+        assert "ray start" not in c or "set -a && . ~/.dp-platform/job.env && set +a && " in c
 
 
 def _check_pod_template(template, gpu: bool):
@@ -79,7 +98,7 @@ def test_kuberay_rayjob_runs_the_training_entrypoint_on_its_own_cluster():
     _check_ray_cluster_spec(spec["rayClusterSpec"])
     assert spec["shutdownAfterJobFinishes"] is True and spec["backoffLimit"] == 0
     runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
-    assert runtime_env["working_dir"] and isinstance(runtime_env["env_vars"], dict)
+    assert isinstance(runtime_env["env_vars"], dict)
     # The entrypoint is a valid training command: its config file exists and every flag parses and validates.
     argv = shlex.split(spec["entrypoint"])
     assert argv[:3] == ["python", "-m", "pipelines.train"]
@@ -93,14 +112,74 @@ def test_kuberay_rayjob_runs_the_training_entrypoint_on_its_own_cluster():
     load_config(CONFIGS.parent / path, args).validate()
 
 
-def test_network_policy_fences_the_ray_pods():
-    doc = _load("kuberay/networkpolicy.yaml")
-    assert (doc["apiVersion"], doc["kind"]) == ("networking.k8s.io/v1", "NetworkPolicy")
-    assert doc["spec"]["policyTypes"] == ["Ingress"]
-    outside = [rule for rule in doc["spec"]["ingress"] if "ports" in rule]
-    assert [p["port"] for rule in outside for p in rule["ports"]] == [
-        8265
-    ]  # from outside the cluster: the Jobs API only
+def _pod_templates(doc) -> list[tuple[str, dict]]:
+    """(role, pod template) of every pod a RayCluster or RayJob manifest makes."""
+    spec = doc["spec"]
+    out = []
+    if doc["kind"] == "RayJob":
+        out.append(("submitter", spec["submitterPodTemplate"]))
+        spec = spec["rayClusterSpec"]
+    out.append(("head", spec["headGroupSpec"]["template"]))
+    out += [("worker", g["template"]) for g in spec["workerGroupSpecs"]]
+    return out
+
+
+def _walk(obj):
+    yield obj
+    children = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else ()
+    for child in children:
+        yield from _walk(child)
+
+
+def test_ray_pods_run_unprivileged_and_only_the_autoscaling_head_holds_an_api_token():
+    for name in ("kuberay/raycluster.yaml", "kuberay/rayjob.yaml"):
+        doc = _load(name)
+        for node in _walk(doc):
+            if isinstance(node, dict):
+                assert not node.get("hostNetwork") and not node.get("privileged") and not node.get("hostPID"), name
+        for role, template in _pod_templates(doc):
+            pod = template["spec"]
+            sec = pod["securityContext"]
+            assert sec["runAsNonRoot"] is True and sec["runAsUser"] != 0, (name, role)
+            assert sec["seccompProfile"] == {"type": "RuntimeDefault"}, (name, role)
+            for c in pod["containers"]:
+                assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+                assert {"cpu", "memory"} <= set(c["resources"]["limits"]), (name, role)
+            # the in-tree autoscaler (a sidecar KubeRay adds to the head) needs the Kubernetes API
+            autoscaled = doc["kind"] == "RayCluster" and doc["spec"].get("enableInTreeAutoscaling") and role == "head"
+            assert pod.get("automountServiceAccountToken", True) is bool(autoscaled), (name, role)
+    job = yaml.safe_load(_load("kuberay/rayjob.yaml")["spec"]["runtimeEnvYAML"])
+    assert "working_dir" not in job  # the code is the image's: nothing fetched at run time from a tag
+
+
+def test_network_policies_fence_each_clusters_pods_and_the_metadata_service():
+    policies = {
+        p["spec"]["podSelector"]["matchLabels"]["dp-platform/ray-cluster"]: p
+        for p in _load_all("kuberay/networkpolicy.yaml")
+    }
+    clusters = {"kuberay/raycluster.yaml": "dp-platform", "kuberay/rayjob.yaml": "dp-train"}
+    assert set(policies) == set(clusters.values())
+    for name, cluster in clusters.items():  # every Ray pod carries the label its policy selects
+        for role, template in _pod_templates(_load(name)):
+            labels = template["metadata"]["labels"]
+            if role == "submitter":
+                assert labels == {"dp-platform/ray-job-submitter": cluster}
+            else:
+                assert labels["dp-platform/ray-cluster"] == cluster, (name, role)
+    for cluster, doc in policies.items():
+        assert (doc["apiVersion"], doc["kind"]) == ("networking.k8s.io/v1", "NetworkPolicy")
+        spec = doc["spec"]
+        assert spec["policyTypes"] == ["Ingress", "Egress"]
+        for rule in spec["ingress"]:
+            if "ports" in rule:  # from outside the cluster: the Jobs API only
+                assert [p["port"] for p in rule["ports"]] == [8265], cluster
+                for peer in rule["from"]:
+                    assert peer.get("namespaceSelector") or peer.get("podSelector"), cluster  # never everyone
+                    assert peer.get("namespaceSelector") != {} and peer.get("podSelector") != {}, cluster
+            else:  # every port: this cluster's own pods, and nobody else
+                assert rule["from"] == [{"podSelector": {"matchLabels": {"dp-platform/ray-cluster": cluster}}}]
+        blocks = [peer["ipBlock"] for rule in spec["egress"] for peer in rule["to"] if "ipBlock" in peer]
+        assert blocks and all("169.254.169.254/32" in b.get("except", []) for b in blocks), cluster
 
 
 def test_no_secret_in_any_deploy_or_config_file_and_site_values_are_marked():
@@ -130,9 +209,24 @@ def test_no_secret_in_any_deploy_or_config_file_and_site_values_are_marked():
         "postgresql+psycopg2://mlflow@/mlflow?host=/var/run/postgresql",
     ):
         assert not secretish.search(fine), fine
+    secret_name = re.compile(r"PASSWORD|PASSWD|SECRET|TOKEN|_KEY$|CREDENTIAL", re.IGNORECASE)
+
+    def literal_secrets(docs) -> list[str]:  # Kubernetes env entries that carry a value in the file
+        return [
+            node["name"]
+            for doc in docs
+            for node in _walk(doc)
+            if isinstance(node, dict) and "value" in node and secret_name.search(str(node.get("name", "")))
+        ]
+
+    assert literal_secrets([{"env": [{"name": "MLFLOW_TRACKING_PASSWORD", "value": "s3cretvalue123"}]}])  # teeth
+    assert literal_secrets([{"env": [{"name": "AWS_SECRET_ACCESS_KEY", "value": "x"}]}])
+    assert not literal_secrets([{"env": [{"name": "MLFLOW_TRACKING_URI", "value": "https://m"}]}])
     for f in files:
         text = f.read_text()
         assert not secretish.search(text), f"{f}: {secretish.search(text).group(0)}"
+        if f.suffix in (".yaml", ".yml"):
+            assert not literal_secrets(yaml.safe_load_all(text)), f"{f}: {literal_secrets(yaml.safe_load_all(text))}"
         if f.parent.name != "configs":
             assert "SITE" in text, f"{f} marks no site-specific value"
 
@@ -162,5 +256,6 @@ def test_mlflow_server_script_needs_its_secrets_from_the_environment_and_binds_l
     ini = configparser.ConfigParser()
     ini.read(DEPLOY / "mlflow" / "basic_auth.ini")
     assert ini["mlflow"]["database_uri"].startswith("postgresql") and "admin_password" not in ini["mlflow"]
+    assert ini["mlflow"]["default_permission"] == "NO_PERMISSIONS"  # no account reads another team's runs
     storage = yaml.safe_load((DEPLOY / "optuna.yaml").read_text())["storage"]
     assert storage.startswith("postgresql") and "@" in storage and ":" not in storage.split("://", 1)[1].split("@")[0]
