@@ -93,8 +93,8 @@ def load_flat(params: list[torch.Tensor], flat: torch.Tensor) -> None:
             i += p.numel()
 
 
-def _client_seed(shuffle_seed: int, round_: int, client: int) -> int:
-    digest = hashlib.sha256(f"{shuffle_seed}/{round_}/{client}".encode()).digest()
+def _client_seed(shuffle_seed: int, round_: int, client: int, stream: str = "") -> int:
+    digest = hashlib.sha256(f"{shuffle_seed}/{round_}/{client}{stream}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
@@ -106,7 +106,8 @@ class ClientRunner:
         order, offsets: the client split (see :func:`split_clients`).
         model_name, input_shape, num_classes: the model (built once, reloaded per client).
         local_epochs, local_batch_size, local_lr: E, B and the client's SGD learning rate.
-        shuffle_seed: public seed of the clients' minibatch order (per round and client).
+        shuffle_seed: public seed of the clients' minibatch order and of every other draw of
+            their local training (dropout, say), per round and client.
         threads: torch threads of this process (None: leave them as they are).
     """
 
@@ -137,6 +138,16 @@ class ClientRunner:
         return os.getpid()
 
     def _local_update(self, global_flat: torch.Tensor, round_: int, client: int) -> torch.Tensor:
+        """Client ``client``'s update. Its random draws (the minibatch order, and those of the
+        model, such as dropout's, which come from torch's global generator) depend on the public
+        seed, the round and the client alone: drawn from one generator shared by the clients of
+        a share, one client's data (how many draws its batches took) would change the next
+        clients' updates, and one client could move the round's sum by more than S."""
+        with torch.random.fork_rng(devices=[]):  # the global generator as it was, afterwards
+            torch.manual_seed(_client_seed(self.shuffle_seed, round_, client, "/local"))
+            return self._train(global_flat, round_, client)
+
+    def _train(self, global_flat: torch.Tensor, round_: int, client: int) -> torch.Tensor:
         load_flat(self.params, global_flat)
         idx = self.order[self.offsets[client] : self.offsets[client + 1]]
         g = torch.Generator().manual_seed(_client_seed(self.shuffle_seed, round_, client))

@@ -125,8 +125,13 @@ def run_tags(cfg: FederatedConfig, plan: dict, update_z: float) -> dict[str, str
     }
     if cfg.diagnostics:
         tags["dp.diagnostics"] = "non-private"
-    if cfg.clip_policy == "median_nonprivate":
-        tags["dp.guarantee"] = (
-            "NONE: S is the non-private median of update norms (Geyer et al.); the ledger's ε does not hold"
-        )
+    if no_guarantee(cfg):
+        tags["dp.guarantee"] = f"NONE: {no_guarantee(cfg)}"
     return tags
+
+
+def no_guarantee(cfg: FederatedConfig) -> str | None:
+    """Why a run's model has no DP guarantee, or None where it has one."""
+    if cfg.clip_policy == "median_nonprivate":
+        return "S is the non-private median of update norms (Geyer et al.); the ledger's ε does not hold."
+    return None

@@ -19,7 +19,7 @@ from ..data import public_example
 from ..models import build_model
 from .clients import load_flat
 from .config import BYTES_PER_FLOAT, ActorFault, FederatedConfig
-from .plan import plan_federated, run_tags
+from .plan import no_guarantee, plan_federated, run_tags
 from .pools import LocalPool, RayPool
 
 
@@ -272,7 +272,9 @@ def run_federated(cfg: FederatedConfig | None = None, faults: ActorFault | None 
             example = public_example(data.input_shape)  # never a client's example: the model leaves with the run
             if cfg.log_model:
                 say("logging the model to MLflow" + ("" if tracking.skips_registry(cfg) else " and registering it"))
-            version = tracking.log_run_model(run_id, model, example, epsilon, cfg, prefix="dp-fedavg")
+            version = tracking.log_run_model(
+                run_id, model, example, epsilon, cfg, prefix="dp-fedavg", no_guarantee=no_guarantee(cfg)
+            )
             return {
                 "run_id": run_id,
                 "tracking_uri": plan["tracking_uri"],

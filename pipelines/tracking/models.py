@@ -20,10 +20,13 @@ def log_model(
     accountant: str,
     text: dict | None = None,
     selection: str | None = None,
+    no_guarantee: str | None = None,
 ):
     """Log the model (signature + input example) in ``run_id`` and register it; ε and δ go on
     the model version (and ``selection``, for a sweep's best model: what ε covers of the
-    choice among trials, in the version's tag ``dp.selection`` and its description). A text
+    choice among trials, in the version's tag ``dp.selection`` and its description). A model
+    trained without a guarantee (``no_guarantee``: why) has no ε: its model and version say
+    ``dp.epsilon=none`` and carry the reason in ``dp.guarantee`` and the description. A text
     classifier (``text``: its :func:`pipelines.text.logged.text_meta`) is logged as a pyfunc of
     texts: its LoRA adapter (or all weights), base model's name and tokenizer. Returns the
     ModelVersion (or None when not registered)."""
@@ -32,6 +35,8 @@ def log_model(
     from mlflow.models import infer_signature
 
     tags = {"dp.epsilon": f"{epsilon:.6g}", "dp.delta": f"{delta:g}"}
+    if no_guarantee:
+        tags = {"dp.epsilon": "none", "dp.guarantee": no_guarantee}
     with mlflow.start_run(run_id=run_id):
         if text is not None:
             from ..text.logged import log_text_model
@@ -60,9 +65,10 @@ def log_model(
         version = mlflow.register_model(
             info.model_uri,
             registered_name,
-            tags={
-                "dp.epsilon": f"{epsilon:.6g}",
-                "dp.delta": f"{delta:g}",
+            tags=tags
+            if no_guarantee
+            else {
+                **tags,
                 "dp.accountant": accountant,
                 **({"dp.selection": selection} if selection else {}),
             },
@@ -72,7 +78,9 @@ def log_model(
     client.update_model_version(
         registered_name,
         version.version,
-        description=f"Trained with (ε={epsilon:.4g}, δ={delta:g})-DP ({accountant}), run {run_id}."
+        description=f"No differential-privacy guarantee: {no_guarantee} Run {run_id}."
+        if no_guarantee
+        else f"Trained with (ε={epsilon:.4g}, δ={delta:g})-DP ({accountant}), run {run_id}."
         + (f" {selection}" if selection else ""),
     )
     return version
@@ -101,17 +109,21 @@ def skips_registry(cfg) -> bool:
     return (cfg.registered_model or "").lower() == "none"
 
 
-def log_run_model(run_id: str, model, example, epsilon: float, cfg, prefix: str = "dp", data_dir=None):
+def log_run_model(
+    run_id: str, model, example, epsilon: float, cfg, prefix: str = "dp", data_dir=None, no_guarantee=None
+):
     """Log a run's final model (if ``cfg.log_model``) and register it as ``cfg.registered_model``,
     by default ``<prefix>-<dataset>-<model>``; "none" logs it without registering. Returns the
     registered version, or None. An ``hf:`` model needs its ingested ``data_dir`` (the classes,
-    max_length and e-mail view its texts were tokenized with)."""
+    max_length and e-mail view its texts were tokenized with). ``no_guarantee``: see :func:`log_model`."""
     if not cfg.log_model:
         return None
     name = cfg.registered_model or f"{prefix}-{cfg.dataset}-{model_label(cfg.model)}"
     registered = None if skips_registry(cfg) else name
     text = text_model_meta(cfg, data_dir)
-    return log_model(run_id, model, example, registered, epsilon, cfg.target_delta, cfg.accountant, text=text)
+    return log_model(
+        run_id, model, example, registered, epsilon, cfg.target_delta, cfg.accountant, text, no_guarantee=no_guarantee
+    )
 
 
 def text_model_meta(cfg, data_dir) -> dict | None:

@@ -95,6 +95,34 @@ def test_each_clients_contribution_has_norm_at_most_S_and_the_round_weights_are_
     assert together["clients"] == list(range(40))
 
 
+def test_a_clients_update_does_not_depend_on_the_clients_before_it_with_dropout():
+    """Dropout draws from torch's global generator: shared by the clients of one share, one
+    client's data (how many draws its batches took) changed every later client's masks, so that
+    with a client added the sum moved by more than S (helper-24's review: 0.774 at S = 0.25).
+    Each client now draws from a generator of its own (public seed, round, client)."""
+    order, offsets = split_clients(DIGITS.train.y, 12, "iid", seed=0)
+    runner = _runner(order, offsets, lr=0.5, epochs=2)
+    torch.manual_seed(0)
+    runner.model = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(32, 10)
+    )
+    runner.params = list(runner.model.parameters())
+    w = torch.nn.utils.parameters_to_vector(runner.params).detach().clone()
+    S, j = 0.25, 0
+    torch.manual_seed(1)
+    alone = runner.run(1, w, [j], S)["sum"]
+    assert not torch.equal(alone, runner.run(2, w, [j], S)["sum"])  # dropout is on: another round, other masks
+    singles = [runner.run(1, w, [k], S)["sum"] for k in range(12)]
+    assert torch.equal(singles[j], alone)
+    with_j = runner.run(1, w, list(range(12)), S)["sum"]
+    without_j = runner.run(1, w, list(range(1, 12)), S)["sum"]
+    assert torch.allclose(with_j, torch.stack(singles).sum(0), atol=1e-12)
+    assert (with_j - without_j).norm().item() <= S + 1e-9  # the sensitivity the accountant assumes
+    before = torch.random.get_rng_state()
+    runner.run(3, w, [1, 2], S)
+    assert torch.equal(torch.random.get_rng_state(), before)  # the caller's generator is left as it was
+
+
 # ------------------------------------------------------------------------------------------
 # Splits.
 def test_noniid_split_sorts_by_label_into_shards_and_covers_every_example_once():
@@ -283,6 +311,30 @@ def test_a_runs_logs_carry_no_per_round_time(tmp_path):
     assert len(client.get_metric_history(run_id, "rounds_per_second")) == 1
     table = pq.read_table(client.download_artifacts(run_id, "ledger/ledger.parquet", str(tmp_path)))
     assert "timestamp" not in table.column_names and table.num_rows == 4
+
+
+def test_a_model_trained_without_a_guarantee_is_registered_without_an_epsilon(tmp_path):
+    """Geyer et al.'s non-private median clip (diagnostics only): the run says it holds no
+    guarantee, and so do its registered model version and the model itself; a private run's
+    version carries ε, δ and the accountant."""
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    for policy, name in (("median_nonprivate", "fed-median"), ("fixed", "fed-fixed")):
+        out = run_federated(
+            _cfg(tmp_path, rounds=2, clip_policy=policy, diagnostics=True, log_model=True, registered_model=name)
+        )
+        version = client.get_model_version(name, "1")
+        model_tags = client.get_logged_model(version.source.removeprefix("models:/")).tags  # the logged model itself
+        run_tags = client.get_run(out["run_id"]).data.tags
+        if policy == "median_nonprivate":
+            assert run_tags["dp.guarantee"].startswith("NONE: ")
+            assert version.tags == {"dp.epsilon": "none", "dp.guarantee": run_tags["dp.guarantee"][len("NONE: ") :]}
+            assert version.description.startswith("No differential-privacy guarantee: S is the non-private median")
+            assert model_tags.get("dp.epsilon") == "none"
+        else:
+            assert version.tags["dp.epsilon"] == f"{out['epsilon']:.6g}" and version.tags["dp.accountant"] == "pld"
+            assert "dp.guarantee" not in version.tags and version.description.startswith("Trained with (ε=")
 
 
 def test_geyer_stopping_rule_stops_at_the_last_round_with_delta_below_Q(tmp_path):
