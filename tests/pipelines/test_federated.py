@@ -20,6 +20,7 @@ from scipy import stats
 import dpcore
 from dpcore.clipping import CLIP_MARGIN
 from dpcore.federated import AdaptiveClipping, ClientLevelDP, clip_update, split_noise_multiplier
+from dpcore.sampling import PoissonSampler
 from pipelines.data import load_digits
 from pipelines.federated import ActorFault, FederatedConfig, plan_federated, run_federated
 from pipelines.federated.clients import ClientRunner, split_clients
@@ -311,6 +312,51 @@ def test_a_runs_logs_carry_no_per_round_time(tmp_path):
     assert len(client.get_metric_history(run_id, "rounds_per_second")) == 1
     table = pq.read_table(client.download_artifacts(run_id, "ledger/ledger.parquet", str(tmp_path)))
     assert "timestamp" not in table.column_names and table.num_rows == 4
+
+
+def test_a_run_planned_past_its_budget_stops_at_the_budget_without_sampling_again(tmp_path, monkeypatch):
+    """The plan caps the rounds at what the budget allows; should it ever plan more (here it is
+    made to), the round loop stops where the ledger's check refuses the next round, before that
+    round's clients are sampled, with ε within the target; and a seedless run's sampler and
+    noise are the secure ones."""
+    from pipelines.federated import rounds as rounds_module
+
+    real_plan, sampled = rounds_module.plan_federated, []
+
+    def planned_past_the_budget(cfg):
+        plan = real_plan(cfg)
+        sampled.append(plan["rounds"])
+        return {**plan, "rounds": plan["rounds"] + 3}
+
+    monkeypatch.setattr(rounds_module, "plan_federated", planned_past_the_budget)
+    draws = []
+    real_sample = PoissonSampler.sample
+
+    def counted(self):  # the client sampler's draws, and their source
+        draws.append(type(self.randomness).__name__)
+        return real_sample(self)
+
+    monkeypatch.setattr(PoissonSampler, "sample", counted)
+    noise = []
+    real_release = ClientLevelDP.release
+
+    def noise_source(self, *args, **kwargs):
+        noise.append(type(self._noise).__name__)
+        return real_release(self, *args, **kwargs)
+
+    monkeypatch.setattr(ClientLevelDP, "release", noise_source)
+    cfg = _cfg(tmp_path, seed=None, noise_multiplier=1.7, rounds=40, target_epsilon=2.0, target_delta=1e-3)
+    out = run_federated(cfg)
+    fits = sampled[0]
+    assert 0 < fits < 40 and out["planned_rounds"] == fits + 3  # budget-limited, and planned past it
+    assert out["rounds"] == fits and len(out["ledger"].entries) == fits
+    assert len(draws) == fits and set(draws) == {"SecureRandomness"}  # the refused round sampled nobody
+    assert len(noise) == fits and set(noise) == {"SecureRandomness"}
+    assert out["epsilon"] <= 2.0
+    event = out["ledger"].entries[0].event
+    assert out["ledger"].allowance(event) == 0
+    tags = mlflow.MlflowClient(cfg.tracking_uri).get_run(out["run_id"]).data.tags
+    assert tags["dp.randomness"] == "secure"
 
 
 def test_a_model_trained_without_a_guarantee_is_registered_without_an_epsilon(tmp_path):
