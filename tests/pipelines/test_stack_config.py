@@ -260,3 +260,17 @@ def test_add_node_says_the_head_is_gone_at_once(tmp_path):
     with pytest.raises(stack.StackError, match=r"Ray head \(127\.0\.0\.1:\d+\) is not running.*stack down.*stack up"):
         stack.add_node(tmp_path)
     assert time.monotonic() - t0 < 5
+
+
+def test_a_stack_on_a_network_address_needs_an_explicit_opt_in(tmp_path, capsys):
+    """Nothing in the stack speaks TLS: on an address others can reach, basic auth's passwords
+    and the Ray token would cross the network in clear. `up` refuses before it starts or writes
+    anything, and says how to go on."""
+    from pipelines.ops.stack.cli import main
+
+    root = tmp_path / "stack"
+    with pytest.raises(stack.StackError, match=r"--host 0\.0\.0\.0 .*clear text.*--cleartext-network"):
+        stack.up(root, host="0.0.0.0", install=False)
+    assert main(["up", "--dir", str(root), "--host", "192.0.2.2", "--no-install"]) == 2
+    assert "--cleartext-network" in capsys.readouterr().err
+    assert not root.exists()

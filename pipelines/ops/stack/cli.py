@@ -38,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         "--resources", type=json.loads, help="custom Ray resources of the head, as JSON, e.g. '{\"head_node\": 1}'"
     )
     u.add_argument("--no-install", action="store_true", help="do not install PostgreSQL if it is missing")
+    u.add_argument(
+        "--cleartext-network",
+        action="store_true",
+        help="allow a --host other than loopback: the services are then reachable from the network, and their "
+        "passwords and the Ray token travel in clear text (put TLS in front, or keep 127.0.0.1 and tunnel)",
+    )
     n = sub.add_parser(
         "add-node", help="start one more Ray node on this machine that joins the head (ray start --address)"
     )
@@ -67,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                 num_cpus=a.num_cpus,
                 resources=a.resources,
                 install=not a.no_install,
+                cleartext_network=a.cleartext_network,
             )
             _print_up(root, state)
         elif a.cmd == "add-node":

@@ -35,9 +35,11 @@ def up(
     resources: dict | None = None,
     install: bool = True,
     log=print,
+    cleartext_network: bool = False,
 ) -> dict:
     """Start PostgreSQL, MLflow and a Ray head; returns the state (also in ``stack.json``).
-    On any failure the services already started are stopped again and StackError says why."""
+    On any failure the services already started are stopped again and StackError says why.
+    A ``host`` other than loopback needs ``cleartext_network``: nothing here speaks TLS."""
     root = Path(root or default_dir()).expanduser().resolve()
     if (root / "stack.json").exists():
         state = load_state(root)
@@ -51,6 +53,12 @@ def up(
         )  # fmt: skip
     ports = {**DEFAULT_PORTS, **(ports or {})}
     if host not in ("127.0.0.1", "localhost", "::1"):
+        if not cleartext_network:
+            raise StackError(
+                f"--host {host} would make the services reachable from the network, and basic auth's passwords and the "
+                "Ray token would travel in clear text over HTTP (nothing here speaks TLS). Keep 127.0.0.1 and tunnel "
+                "(ssh -L), or add --cleartext-network to accept that, with TLS put in front. Nothing was started."
+            )
         log(f"warning: --host {host}: the services will be reachable from the network, and basic auth and the Ray token travel "
             "in clear text over HTTP. Put TLS in front of them, or keep 127.0.0.1 and tunnel.")  # fmt: skip
     for name, port in ports.items():
