@@ -199,7 +199,7 @@ def plan_run(cfg: TrainConfig, on_checked: Callable[[], None] | None = None) -> 
                 f"on the driver; the limit is {MAX_PCA_DIM}. Resize the images (--image-size) or drop --pca-components."
             )
         dpcore.pca.check_pca_components(cfg.pca_components, d)
-        prior = [(dpcore.pca.pca_event(cfg.pca_noise_multiplier, cfg.pca_sample_rate), 1)]
+        prior = cfg.prior_groups()
     if cfg.augmentation_multiplicity > 1 and len(input_shape) != 3:
         raise dpcore.DPConfigError(
             f"augmentation_multiplicity={cfg.augmentation_multiplicity} crops and flips images, but {cfg.dataset} has "

@@ -88,6 +88,13 @@ class SweepConfig(Section):
             if not (self.selection_mean >= 1 and math.isfinite(self.selection_mean)):
                 raise err(f"selection_mean={self.selection_mean} must be a finite number ≥ 1.")
             dpcore.validation.check_noise_multiplier(self.selection_noise_multiplier, "selection_noise_multiplier")
+            if self.sampler_seed is not None:
+                raise err(
+                    "--private-selection and --sampler-seed cannot be combined: Papernot & Steinke's bound holds for K "
+                    "independent runs of one randomised algorithm, and a public seed makes each trial's hyperparameters a "
+                    "known function of its number (the released best would say which trial won). The sampler draws from "
+                    "OS entropy (or from --seed, for tests)."
+                )
             if self.preset is not None:
                 raise err(
                     "--private-selection and --preset cannot be combined (the preset's stage 2 depends on stage 1's choice)."
@@ -142,17 +149,8 @@ def check_feasible(base, space: SearchSpace, dataset_size: int) -> list[int] | N
     ok, bad = [], {}
     for L in lots:
         try:
-            dpcore.plan(
-                dataset_size=dataset_size,
-                lot_size=int(L),
-                epochs=epochs,
-                target_epsilon=base.target_epsilon,
-                target_delta=base.target_delta,
-                noise_multiplier=base.noise_multiplier,
-                accountant=base.accountant,
-                max_noise_multiplier=None if base.noise_multiplier is not None else base.max_noise_multiplier,
-                noise=base.noise,
-            )
+            options = {**base.plan_options(), "lot_size": int(L), "epochs": epochs}
+            dpcore.plan(dataset_size=dataset_size, prior_groups=base.prior_groups(), **options)
             ok.append(L)
         except dpcore.DPConfigError as e:
             bad[L] = str(e)

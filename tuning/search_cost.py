@@ -117,9 +117,7 @@ def mechanisms(base, space, dataset_size: int) -> tuple[Mechanism, ...] | str:
             )
         else:
             options[name] = list(p.choices)
-    prior = ()
-    if base.pca_components:
-        prior = ((dpcore.pca.pca_event(base.pca_noise_multiplier, base.pca_sample_rate), 1),)
+    prior = tuple(base.prior_groups())
     found = []
     for lot in options["lot_size"]:
         for epochs in options["epochs"]:

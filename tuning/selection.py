@@ -31,7 +31,7 @@ from dpcore.accountants.rdp import quiet_absl
 # registered model's dp.selection): the bound holds for releasing only the selected trial.
 SCOPE = (
     "the child runs and the study's storage keep every trial's exact scores (and its steps and times), "
-    "which it does not cover: "
+    "and the parent run and the sweep's output the number of trials K, which it does not cover: "
     "they must stay as private as the data itself"
 )
 

@@ -124,14 +124,24 @@ def run_sweep(
             # (the memory budget is the machine's, not the search's: a study may go on elsewhere)
             "base": {k: v for k, v in base.to_dict().items() if k not in ("quiet", "memory_budget_mb")},
             "private_selection": sweep.private_selection,
+            # K's distribution and the score's noise make the accounted total: a study goes on with the same
+            **(
+                {k: getattr(sweep, k) for k in ("selection_mean", "selection_shape", "selection_noise_multiplier")}
+                if sweep.private_selection
+                else {}
+            ),
         },
         sort_keys=True,
         default=str,
     )
+    sampler_seed = sweep.sampler_seed
+    if sel is not None:  # each trial's hyperparameters a fresh draw: from OS entropy, or --seed's (tests)
+        seeded = None if base.seed is None else dpcore.make_randomness(base.seed).spawn("sampler")
+        sampler_seed = None if seeded is None else int(seeded.uniform(1)[0] * 2**31)
     sampler = (
-        optuna.samplers.TPESampler(seed=sweep.sampler_seed)
+        optuna.samplers.TPESampler(seed=sampler_seed)
         if sweep.sampler == "tpe"
-        else optuna.samplers.RandomSampler(seed=sweep.sampler_seed)
+        else optuna.samplers.RandomSampler(seed=sampler_seed)
     )
     pruner = optuna.pruners.MedianPruner(**MEDIAN_PRUNER) if sweep.pruner == "median" else optuna.pruners.NopPruner()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -146,8 +156,9 @@ def run_sweep(
     attrs = study.user_attrs
     if "fingerprint" in attrs and attrs["fingerprint"] != fingerprint:
         raise dpcore.DPConfigError(
-            f"study {sweep.study!r} in {redact(sweep.storage)} was started with a different space or base config; "
-            "use a new --study name, or the same options to continue it."
+            f"study {sweep.study!r} in {redact(sweep.storage)} was started with a different space, base config or "
+            "private-selection options (K's distribution, the score's noise); use a new --study name, or the same "
+            "options to continue it."
         )
     if "fingerprint" not in attrs:
         study.set_user_attr("fingerprint", fingerprint)
@@ -325,6 +336,11 @@ def _parent_tags(sweep: SweepConfig, base, space, sel: dict | None, n_trials: in
             f"{'' if sweep.private_selection == 'poisson' else f', shape {sweep.selection_shape:g}'}), noisy validation "
             f"count σ={sweep.selection_noise_multiplier:g}; total ε={sel['total_epsilon']:.4g} at δ={base.target_delta:g} (RDP), "
             f"for the selected trial's release: {SCOPE}"
+            + (
+                ""
+                if base.seed is None
+                else f"; K, the score noise and the trials' draws are seeded (seed={base.seed}; not for production)"
+            )
         )
     return {
         "dp.target_epsilon": f"{base.target_epsilon:g}",

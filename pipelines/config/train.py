@@ -382,8 +382,14 @@ class TrainConfig(
             "augmentation_multiplicity": self.augmentation_multiplicity,
         }
 
+    def prior_groups(self) -> list:
+        """The run's releases before its steps, as ``dpcore.plan``'s ``prior_groups``: DP-PCA's, if on."""
+        if not self.pca_components:
+            return []
+        return [(dpcore.pca.pca_event(self.pca_noise_multiplier, self.pca_sample_rate), 1)]
+
     def plan_options(self) -> dict:
-        """``dpcore.plan``'s arguments but the dataset size and the run's other releases."""
+        """``dpcore.plan``'s arguments but the dataset size and the run's other releases (:meth:`prior_groups`)."""
         return {
             "lot_size": self.lot_size,
             "epochs": self.epochs,

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -179,8 +180,7 @@ def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path, ca
     sweep = SweepConfig(
         study="private",
         storage=f"sqlite:///{tmp_path}/optuna.db",
-        sampler="random",
-        sampler_seed=1,
+        sampler="random",  # its seed comes from --seed (here) or OS entropy, never a public --sampler-seed
         private_selection="poisson",
         selection_mean=1.5,
         selection_noise_multiplier=3.0,
@@ -231,6 +231,16 @@ def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path, ca
     assert float(version.tags["dp.epsilon"]) == pytest.approx(reference, rel=1e-5)
     assert version.tags["dp.accountant"] == "rdp" and version.tags["dp.selection"].startswith("Accounted")
     assert "must stay as private as the data itself" in version.tags["dp.selection"]
+    assert "the number of trials K" in parent.data.tags["dp.selection"]
+    assert "seeded (seed=5; not for production)" in parent.data.tags["dp.selection"]  # base.seed: K and noise seeded
+    # The study goes on only with the same K distribution and score noise: the total is computed
+    # from them, and K was drawn with them.
+    runs_before = len(client.search_runs([parent.info.experiment_id]))
+    for change in ({"selection_mean": 8.0}, {"selection_noise_multiplier": 1.0}):
+        with pytest.raises(dpcore.DPConfigError, match="different space, base config or private-selection options"):
+            run_sweep(dataclasses.replace(sweep, **change), base)
+    assert len(optuna.load_study(study_name="private", storage=sweep.storage).trials) == len(study.trials)
+    assert len(client.search_runs([parent.info.experiment_id])) == runs_before
 
 
 def _failing_trial(cfg_dict):
@@ -409,9 +419,19 @@ def test_killed_sweep_driver_continues_with_the_same_command(tmp_path, ray_env):
             {},
             "the Optuna storage postgresql://dp@127.0.0.1:9/optuna is unreachable",
         ),
+        (  # DP-PCA's release alone spends more than the budget: every lot size fails with it counted
+            {"space": {"lot_size": {"choices": [32, 128]}}},
+            {"model": "mlp", "pca_components": 4, "pca_noise_multiplier": 1.0},
+            "no trial can meet ε=2 at δ=1e-05",
+        ),
         ({"space": {"ascent": {"low": 0.01, "high": 0.1}}}, {}, "method='dpsgd' has no ascent step"),
         ({"private_selection": "poisson"}, {}, "needs --sampler random"),
         ({"private_selection": "poisson", "sampler": "random"}, {}, "fix lot_size"),
+        (
+            {"private_selection": "poisson", "sampler": "random", "sampler_seed": 1},
+            {},
+            "--private-selection and --sampler-seed cannot be combined",
+        ),
         ({"space": {"lr": {"low": 0.1, "high": 0.01}}}, {}, "needs low < high"),
         ({"space": {"lora_rank": {"choices": [4, 8]}}}, {}, "lora_rank is searched but the base config"),
         ({"space": {"lora_rank": {"choices": [0, 8]}}}, {}, "lora_rank.choices must be positive integers"),
