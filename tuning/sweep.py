@@ -263,8 +263,9 @@ def run_sweep(
 
 def _trial_args(sweep: SweepConfig, base, trial, params: dict, parent_id: str) -> tuple:
     """The first arguments of :func:`tuning.trials.trial_task`'s task for one trial: its config
-    (the base with the trial's parameters and own seed, no model logged), the parent run, its
-    tags, its pruner and its heartbeat."""
+    (the base with the trial's parameters and own seed, no model logged, the test split only at
+    its end: nothing the search looks at mid-trial, the pruner's reports among them, sees it), the
+    parent run, its tags, its pruner and its heartbeat."""
     cfg = dataclasses.replace(
         base,
         **params,
@@ -273,6 +274,7 @@ def _trial_args(sweep: SweepConfig, base, trial, params: dict, parent_id: str) -
         log_model=False,
         quiet=True,
         registered_model="none",
+        test_every_report=False,
     )
     tags = {
         "optuna.study": sweep.study,

@@ -303,6 +303,19 @@ def test_a_seeded_sweep_gives_each_trial_a_seed_of_its_own():
     assert trial_seed(6, 0) != trial_seed(5, 0) and trial_seed(None, 3) is None
 
 
+def test_a_trial_evaluates_the_test_split_at_its_end_only(tmp_path):
+    """A trial's reports feed the pruner and the progress line: none of them carries a test
+    accuracy; the test split is evaluated at the trial's last report alone (helper-26)."""
+    from types import SimpleNamespace
+
+    from tuning.sweep import _trial_args
+
+    base = _base(tmp_path, test_every_report=True)
+    sweep = SweepConfig(study="s", storage=f"sqlite:///{tmp_path}/optuna.db", quiet=True)
+    cfg = _trial_args(sweep, base, SimpleNamespace(number=3, _trial_id=7), {"lr": 0.02}, "parent")[0]
+    assert cfg["test_every_report"] is False and cfg["lr"] == 0.02 and cfg["run_name"] == "s-trial-3"
+
+
 def test_number_of_trials_follows_the_chosen_distribution():
     r = dpcore.SeededRandomness(0)
     ks = [selection.draw_number_of_trials(4.0, "poisson", 1.0, r) for _ in range(3000)]
