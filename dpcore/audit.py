@@ -164,13 +164,14 @@ def one_run_audit(scores, included, k_plus: int, k_minus: int, delta: float, con
 def clopper_pearson(successes: int, trials: int, confidence: float) -> tuple[float, float]:
     """One-sided Clopper–Pearson bounds (lower, upper) on a binomial proportion, each holding
     with probability ``confidence``: lower solves P[Bin(n, p) ≥ k] = 1 − confidence and upper
-    P[Bin(n, p) ≤ k] = 1 − confidence (bisection on p, to 1e-12)."""
+    P[Bin(n, p) ≤ k] = 1 − confidence (bisection on p, to 1e-12; each bound is the bracket's
+    conservative end: the lower one's lower end, the upper one's upper end)."""
     a = 1.0 - _check_confidence(confidence)
     k, n = int(successes), int(trials)
     if not (0 <= k <= n and n > 0):
         raise DPConfigError(f"need 0 ≤ successes={k} ≤ trials={n}, trials > 0.")
 
-    def solve(f, target: float) -> float:  # f increasing in p, find f(p) = target
+    def solve(f, target: float) -> tuple[float, float]:  # f increasing in p: a bracket of f(p) = target
         lo, hi = 0.0, 1.0
         for _ in range(45):
             mid = 0.5 * (lo + hi)
@@ -178,10 +179,10 @@ def clopper_pearson(successes: int, trials: int, confidence: float) -> tuple[flo
                 lo = mid
             else:
                 hi = mid
-        return 0.5 * (lo + hi)
+        return lo, hi
 
-    lower = 0.0 if k == 0 else solve(lambda p: binomial_sf(k, n, p), a)
-    upper = 1.0 if k == n else solve(lambda p: 1.0 - binomial_cdf(k, n, p), 1.0 - a)
+    lower = 0.0 if k == 0 else solve(lambda p: binomial_sf(k, n, p), a)[0]
+    upper = 1.0 if k == n else solve(lambda p: 1.0 - binomial_cdf(k, n, p), 1.0 - a)[1]
     return lower, upper
 
 

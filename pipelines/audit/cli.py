@@ -5,6 +5,7 @@ from __future__ import annotations
 import dpcore
 
 from ..catalog import AUDIT_MECHANISMS as MECHANISMS
+from . import AUDIT_FAILED, audit_failed
 
 
 def main(argv: list[str] | None = None, prog: str = "dp-platform audit") -> int:
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None, prog: str = "dp-platform audit") -> int:
                 f"ledger ε = {res.epsilon:.3f} at δ={res.delta:g}; {res.samples_in} 'in' and {res.samples_out} 'out' scores"
             )
             print("ok: ε_lb ≤ ε" if res.epsilon_lower_bound <= res.epsilon else "AUDIT FAILED: ε_lb > ε")
-            return 0 if res.epsilon_lower_bound <= res.epsilon else 3
+            return 0 if res.epsilon_lower_bound <= res.epsilon else AUDIT_FAILED
         from ..config import load_config
         from ..train import print_summary, run
 
@@ -81,4 +82,4 @@ def main(argv: list[str] | None = None, prog: str = "dp-platform audit") -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print_summary(out)
-    return 0 if out["audit"]["epsilon_lower_bound"] <= out["epsilon"] else 3
+    return AUDIT_FAILED if audit_failed(out) else 0

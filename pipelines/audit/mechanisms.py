@@ -7,7 +7,8 @@
 **One-run audit** (Steinke, Nasr and Jagielski 2023): ``dp-platform audit CONFIG`` trains with
 ``audit_canaries`` white-box gradient canaries (see :mod:`pipelines.train`, ``ensure_audit``,
 and the worker loop): each canary is a parameter coordinate e_j, in the training data with
-probability ½; a canary in the lot adds C·e_j to the clipped sum, like any example; its score
+probability ½; a canary in the lot adds C·(1 − 10⁻⁴)·e_j (the clipping margin) to the clipped
+sum, like any example; its score
 is Σ_t ⟨released gradient_t, e_j⟩. The guesses and the bound are
 :func:`dpcore.audit.one_run_audit`; the result goes to MLflow beside ``dp.epsilon``.
 

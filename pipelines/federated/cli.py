@@ -68,13 +68,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.federat
         f"communication (expected): {out['comm_expected_bytes'] / 1e6:.1f} MB  actor restarts: {out['actor_restarts']}  "
         f"time: {out['seconds']:.1f}s ({out['rounds'] / max(out['seconds_rounds'], 1e-9):.2f} rounds/s)"
     )
-    if out["audit"]:
-        a = out["audit"]
-        print(
-            f"audit (one run, {a['canaries']} canary clients, {a['guesses']} guesses): {a['correct']} correct -> "
-            f"ε_lb = {a['epsilon_lower_bound']:.3f} ({'≤' if a['epsilon_lower_bound'] <= out['epsilon'] else 'ABOVE'} "
-            f"ε = {out['epsilon']:.3f})"
-        )
+    from ..audit import AUDIT_FAILED, audit_failed, one_run_audit_lines
+
+    for line, to_stderr in one_run_audit_lines(out, "canary clients"):
+        print(line, file=sys.stderr if to_stderr else sys.stdout)
     if out["registered_model"]:
         print(f"model: {out['registered_model']} in the MLflow registry")
     logs.print_report("MLflow, Ray")
@@ -86,7 +83,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.federat
     from ..train import ui_command
 
     print(f"open the UI: {ui_command(out['tracking_uri'])}")
-    return 0
+    return AUDIT_FAILED if audit_failed(out) else 0
 
 
 if __name__ == "__main__":

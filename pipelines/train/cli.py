@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.train")
         print(f"error: training failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print_summary(out)
-    return 0
+    from ..audit import AUDIT_FAILED, audit_failed
+
+    return AUDIT_FAILED if audit_failed(out) else 0
 
 
 def print_summary(out: dict) -> None:
@@ -93,12 +95,10 @@ def print_summary(out: dict) -> None:
         "Poisson sampling)"
     )
     if out.get("audit"):
-        a = out["audit"]
-        print(
-            f"audit (one run, {a['canaries']} gradient canaries, {a['guesses']} guesses): {a['correct']} correct -> "
-            f"ε_lb = {a['epsilon_lower_bound']:.3f} at {a['confidence']:.0%} confidence "
-            f"({'≤' if a['epsilon_lower_bound'] <= out['epsilon'] else 'ABOVE'} ε = {out['epsilon']:.3f})"
-        )
+        from ..audit import one_run_audit_lines
+
+        for line, to_stderr in one_run_audit_lines(out, f"{out['audit']['kind']} canaries"):
+            print(line, file=sys.stderr if to_stderr else sys.stdout)
     if out["registered_model"]:
         print(f"model: {out['registered_model']} in the MLflow registry")
     print(f"time: {out['seconds']:.1f}s")

@@ -52,9 +52,44 @@ def test_one_run_p_value_is_the_binomial_tail_plus_the_delta_term_and_saturates_
     assert 5.7 < audit.one_run_epsilon_lower_bound(1000, 1000, 1000, 1e-5) < 5.82
 
 
+def _reference_p_value(m, r, v, eps, delta):
+    """Steinke et al.'s Algorithm 2 written from the paper with scipy: the tail P[Bin(r, q) ≥ v],
+    q = 1/(1 + e^−ε), plus 2mδ·max_{1≤i≤v} P[v > B ≥ v − i]/i."""
+    q = 1 / (1 + math.exp(-eps))
+    below = stats.binom.pmf(np.arange(v - 1, -1, -1), r, q)  # P[B = v−1], P[B = v−2], …, P[B = 0]
+    alpha = float(np.max(np.cumsum(below) / np.arange(1, v + 1))) if v else 0.0
+    return float(stats.binom.sf(v - 1, r, q)) + 2 * m * delta * alpha
+
+
+@pytest.mark.parametrize(
+    "m, r, v, delta, independent",
+    [  # `independent`: a 50-digit mpmath evaluation of the same algorithm (helper-27's review)
+        (1000, 1000, 1000, 1e-5, 5.78228),
+        (1000, 200, 200, 1e-3, 1.7305),
+        (1000, 200, 188, 1e-5, 2.2457),
+        (100, 100, 90, 1e-4, None),
+        (10_000, 2_000, 1_400, 1e-6, None),
+    ],
+)
+def test_one_run_bound_with_delta_equals_an_independent_search(m, r, v, delta, independent):
+    """The bound at δ > 0 is where the reference p-value crosses β = 0.05 (a search that left δ
+    out gives 5.809 for the first case and 4.194 for the second, and fails here)."""
+    ours = audit.one_run_epsilon_lower_bound(m, r, v, delta)
+    lo, hi = 0.0, 50.0
+    for _ in range(60):  # the reference p-value rises with ε: bisect for its crossing of β
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _reference_p_value(m, r, v, mid, delta) <= 0.05 else (lo, mid)
+    assert ours == pytest.approx(lo, abs=1e-6)
+    # (the two evaluations of the p-value differ in the last bits: 1e-12 of room)
+    assert _reference_p_value(m, r, v, ours, delta) <= 0.05 + 1e-12 < _reference_p_value(m, r, v, ours + 1e-5, delta)
+    if independent is not None:
+        assert ours == pytest.approx(independent, abs=1e-4)
+
+
 def test_one_run_bound_holds_for_randomised_response_at_its_confidence():
     """Simulate an ε-DP mechanism exactly (randomised response on 1,000 canaries) 400 times:
-    the bound may exceed ε in at most 5 % of runs; it does in ≤ 10 % here, and is near ε."""
+    the bound may exceed ε in at most 5 % of runs, so in no more runs than Binomial(400, 0.05)
+    reaches once in a thousand (35); it is near ε. At δ = 10⁻⁵ the same runs bound no higher."""
     rng = np.random.default_rng(0)
     eps, m = 1.0, 1000
     q = math.exp(eps) / (1 + math.exp(eps))
@@ -62,10 +97,13 @@ def test_one_run_bound_holds_for_randomised_response_at_its_confidence():
     for _ in range(400):
         included = rng.random(m) < 0.5
         report = np.where(rng.random(m) < q, included, ~included)  # ε-DP randomised response
-        res = audit.one_run_audit(report.astype(float) + rng.random(m) * 1e-3, included, 300, 300, delta=0.0)
+        scores = report.astype(float) + rng.random(m) * 1e-3
+        res = audit.one_run_audit(scores, included, 300, 300, delta=0.0)
         bounds.append(res.epsilon_lower_bound)
         over += res.epsilon_lower_bound > eps
-    assert over <= 40 and np.median(bounds) > 0.6
+        with_delta = audit.one_run_audit(scores, included, 300, 300, delta=1e-5)
+        assert with_delta.correct == res.correct and with_delta.epsilon_lower_bound <= res.epsilon_lower_bound
+    assert over <= stats.binom.ppf(0.999, 400, 0.05) == 35 and np.median(bounds) > 0.6
 
 
 def test_distinguishing_bound_holds_for_an_exact_gaussian_mechanism():
@@ -231,3 +269,52 @@ def test_one_run_audit_of_a_federated_run(tmp_path):
         plan_federated(FederatedConfig(audit_canaries=10_000, **base))
     with pytest.raises(dpcore.DPConfigError, match="audit_canary_rate"):
         FederatedConfig(audit_canaries=10, audit_canary_rate=0.0, **base).validate()
+
+
+@pytest.mark.parametrize("lower_bound, status", [(0.9, 0), (1.1, 3)], ids=["below", "above"])
+def test_a_one_run_audit_above_epsilon_fails_the_command_that_ran_it(
+    tmp_path, monkeypatch, capsys, lower_bound, status
+):
+    """`train` and `federated` with canaries exit 3 where ε_lb > ε, as `dp-platform audit` does,
+    and say so on stderr (they exited 0, the failure one word of the summary); the line names
+    the kind of canaries."""
+    from pipelines import audit
+    from pipelines.federated import cli as federated_cli
+    from pipelines.federated import rounds
+    from pipelines.train import cli as train_cli
+    from pipelines.train import driver
+
+    canaries = {
+        "canaries": 1000,
+        "guesses": 200,
+        "correct": 160,
+        "epsilon_lower_bound": lower_bound,
+        "confidence": 0.95,
+    }
+    out = {"epsilon": 1.0, "audit": {**canaries, "kind": "input"}}
+    lines = audit.one_run_audit_lines(out, "input canaries")
+    assert lines[0] == (
+        f"audit (one run, 1000 input canaries, 200 guesses): 160 correct -> ε_lb = {lower_bound:.3f} at 95% confidence "
+        f"({'ABOVE' if status else '≤'} ε = 1.000)",
+        False,
+    )
+    assert [to_stderr for _, to_stderr in lines[1:]] == ([True] if status else [])
+    monkeypatch.setattr(driver, "run", lambda cfg, **kw: out)
+    monkeypatch.setattr(train_cli, "print_summary", lambda o: None)
+    storage = ["--storage-path", str(tmp_path / "runs"), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"]
+    assert train_cli.main(["--quiet", *storage]) == status
+    fed = {
+        **dict.fromkeys(("run_id", "dataset", "registered_model"), ""),
+        **dict.fromkeys(("num_clients", "clients_per_round", "rounds", "planned_rounds", "actor_restarts"), 1),
+        **dict.fromkeys(("noise_multiplier", "update_noise_multiplier", "test_accuracy", "target_epsilon"), 1.0),
+        **dict.fromkeys(("delta_at_target_epsilon", "target_delta", "comm_expected_bytes", "seconds"), 1.0),
+        "seconds_rounds": 1.0,
+        "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
+        "epsilon": 1.0,
+        "audit": canaries,
+    }
+    monkeypatch.setattr(rounds, "run_federated", lambda cfg: fed)
+    capsys.readouterr()
+    assert federated_cli.main(["--quiet", "--executor", "local", *storage]) == status
+    printed = capsys.readouterr()
+    assert "1000 canary clients" in printed.out and ("AUDIT FAILED: ε_lb > ε" in printed.err) == bool(status)
