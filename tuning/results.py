@@ -138,7 +138,7 @@ def finalise(
     client.log_metric(parent_id, "best_value", float(best.value))
     registered = None
     if base.registered_model is None or base.registered_model.lower() != "none":
-        registered = _register_best(client, base, attrs, sel, len(complete), search)
+        registered = _register_best(client, base, attrs, sel, len(complete), search, (parent_id, sweep.study, best))
     summary["best"] = {
         "number": best.number,
         "value": best.value,
@@ -173,10 +173,36 @@ def _describe_parent(client, parent_id: str, study: str, base, sel, complete, se
     client.update_run(parent_id, name=f"{title} · sweep-{study}")
 
 
-def _register_best(client, base, attrs: dict, sel: dict | None, n_complete: int, search: dict) -> str | None:
-    """Log the best trial's model (from its final checkpoint) into its run and register it. Its
-    version states what its ε covers: with private selection, the whole search's total (the
-    model included); else the trial's own ε, and that the choice among the trials is not in it."""
+def _release_run(client, base, parent_id: str, study: str, best, sel: dict) -> str:
+    """With private selection: a run of its own for what the accounted total covers, and only
+    that: the selected trial's settings and noisy score, ε, δ and the scope. It names neither
+    the trials nor their number K (the parent and the child runs hold those), so the registered
+    model, whose version points at the run it was logged in, leads to nothing the bound leaves out."""
+    experiment_id = client.get_run(parent_id).info.experiment_id
+    run = client.create_run(
+        experiment_id,
+        run_name=f"ε={sel['total_epsilon']:.2f} · {study} · selected",
+        tags={
+            "dp.epsilon": f"{sel['total_epsilon']:.6g}",
+            "dp.delta": f"{base.target_delta:g}",
+            "dp.accountant": "rdp",
+            "dp.selection": "the release of a privately selected trial (Papernot & Steinke 2022): these settings, "
+            "this model and this noisy validation score are what the total covers",
+            "sweep.selected_params": json.dumps(best.params),
+        },
+    )
+    client.log_metric(run.info.run_id, "noisy_validation_score", float(best.value))
+    return run.info.run_id
+
+
+def _register_best(
+    client, base, attrs: dict, sel: dict | None, n_complete: int, search: dict, selected: tuple
+) -> str | None:
+    """Log the best trial's model (from its final checkpoint) and register it: into its own run,
+    or, with private selection, into a run of its own (:func:`_release_run`). Its version states
+    what its ε covers: with private selection, the whole search's total (the model included);
+    else the trial's own ε, and that the choice among the trials is not in it. ``selected``:
+    (the parent run, the study, the best trial)."""
     import mlflow
 
     from pipelines.config import config_from_dict
@@ -209,8 +235,9 @@ def _register_best(client, base, attrs: dict, sel: dict | None, n_complete: int,
             "this model included. It covers what the selection releases (this model, its trial's settings and "
             f"noisy score): {SCOPE}"
         )
+    target = run_id if sel is None else _release_run(client, base, *selected, sel)
     version = tracking.log_model(
-        run_id,
+        target,
         model,
         example,
         name,
@@ -220,6 +247,8 @@ def _register_best(client, base, attrs: dict, sel: dict | None, n_complete: int,
         text=tracking.text_model_meta(trial_cfg, spec.data_dir),
         selection=selection,
     )
+    if sel is not None:
+        client.set_terminated(target)
     return None if version is None else f"{version.name} v{version.version}"
 
 

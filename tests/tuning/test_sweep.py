@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -231,6 +232,15 @@ def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path, ca
     assert float(version.tags["dp.epsilon"]) == pytest.approx(reference, rel=1e-5)
     assert version.tags["dp.accountant"] == "rdp" and version.tags["dp.selection"].startswith("Accounted")
     assert "must stay as private as the data itself" in version.tags["dp.selection"]
+    # The model was logged in a run of its own holding only what the total covers: the selected
+    # settings, the noisy score and ε; no trial, no K, no link to the parent.
+    release = client.get_run(version.run_id)
+    assert version.run_id not in {out["best"]["run_id"], out["parent_run_id"]}
+    assert release.data.metrics == {"noisy_validation_score": pytest.approx(out["best"]["value"])}
+    assert release.data.params == {} and json.loads(release.data.tags["sweep.selected_params"]) == out["best"]["params"]
+    assert float(release.data.tags["dp.epsilon"]) == pytest.approx(reference, rel=1e-5)
+    assert not {k for k in release.data.tags if k.startswith(("sweep.n_", "sweep.trial", "mlflow.parentRunId"))}
+    assert release.info.status == "FINISHED"
     assert "the number of trials K" in parent.data.tags["dp.selection"]
     assert "seeded (seed=5; not for production)" in parent.data.tags["dp.selection"]  # base.seed: K and noise seeded
     # The study goes on only with the same K distribution and score noise: the total is computed
