@@ -217,17 +217,27 @@ def _register_best(
     name = base.registered_model or f"dp-sweep-{base.dataset}-{tracking.model_label(base.model)}"
     mlflow.set_tracking_uri(client.tracking_uri)
     trial_cfg = config_from_dict(spec.config)  # the trial's own options (a searched LoRA rank, say)
-    if sel is None:
-        epsilon, accountant = float(attrs["epsilon"]), base.accountant
+    trial_epsilon = float(attrs["epsilon"])
+    scope = {"dp.trial_epsilon": f"{trial_epsilon:.6g}"}
+    if sel is None and search.get("search_epsilon_bound") is not None:
+        # The model depends on every trial (it was chosen among them): the registry's ε is the
+        # whole search's bound, which covers that choice; the trial's own ε stays beside it.
+        epsilon, accountant = float(search["search_epsilon_bound"]), "rdp"
+        scope["dp.epsilon_covers"] = "the whole search (a data-independent bound), this model's choice included"
+        selection = (
+            f"Not accounted as a selection, but bounded: chosen among {n_complete} complete trials on the validation "
+            f"split; ε is the whole search's bound, ε ≤ {search['search_epsilon_bound']:.4g} at δ={base.target_delta:g} "
+            f"for a training example (at most {search['search_trials']} trials; RDP, data-independent). "
+            f"This trial's own ε was {trial_epsilon:.4g}."
+        )
+    elif sel is None:
+        epsilon, accountant = trial_epsilon, base.accountant
+        scope["dp.epsilon_covers"] = "this trial's training only: not the choice among the trials (no bound)"
         selection = (
             f"Not accounted: chosen among {n_complete} complete trials on the validation split; ε is this trial's "
-            "own, and the search's cost (every trial saw the training data) is not in it."
+            "own, and the search's cost (every trial saw the training data) is not in it: a space searched over "
+            "ranges has no bound (search it over choices for one)."
         )
-        if search.get("search_epsilon_bound") is not None:
-            selection += (
-                f" The whole search is bounded by ε ≤ {search['search_epsilon_bound']:.4g} at δ={base.target_delta:g} "
-                f"for a training example (at most {search['search_trials']} trials; RDP, data-independent)."
-            )
     else:
         epsilon, accountant = float(sel["total_epsilon"]), "rdp"
         selection = (
@@ -246,6 +256,9 @@ def _register_best(
         accountant,
         text=tracking.text_model_meta(trial_cfg, spec.data_dir),
         selection=selection,
+        version_tags=scope
+        if sel is None
+        else {"dp.epsilon_covers": "the whole search (accounted), this model included"},
     )
     if sel is not None:
         client.set_terminated(target)

@@ -21,12 +21,14 @@ def log_model(
     text: dict | None = None,
     selection: str | None = None,
     no_guarantee: str | None = None,
+    version_tags: dict | None = None,
 ):
     """Log the model (signature + input example) in ``run_id`` and register it; ε and δ go on
     the model version (and ``selection``, for a sweep's best model: what ε covers of the
     choice among trials, in the version's tag ``dp.selection`` and its description). A model
     trained without a guarantee (``no_guarantee``: why) has no ε: its model and version say
-    ``dp.epsilon=none`` and carry the reason in ``dp.guarantee`` and the description. A text
+    ``dp.epsilon=none`` and carry the reason in ``dp.guarantee`` and the description.
+    ``version_tags``: more tags for the registered version. A text
     classifier (``text``: its :func:`pipelines.text.logged.text_meta`) is logged as a pyfunc of
     texts: its LoRA adapter (or all weights), base model's name and tokenizer. Returns the
     ModelVersion (or None when not registered)."""
@@ -71,6 +73,7 @@ def log_model(
                 **tags,
                 "dp.accountant": accountant,
                 **({"dp.selection": selection} if selection else {}),
+                **(version_tags or {}),
             },
         )
     finally:

@@ -116,9 +116,11 @@ def test_sweep_completes_its_trials_with_parent_and_child_runs(e2e):
     assert best[0].info.run_id == max(complete, key=lambda t: t.value).user_attrs["run_id"]
     assert out["best"]["registered_model"].startswith("dp-sweep-test v")
     version = client.get_model_version("dp-sweep-test", out["best"]["registered_model"].split(" v")[1])
-    assert float(version.tags["dp.epsilon"]) == pytest.approx(out["best"]["epsilon"], rel=1e-5)
-    assert version.tags["dp.selection"].startswith("Not accounted: chosen among 3 complete trials")
-    assert "the search's cost" in version.description
+    # the registry's ε is the whole search's bound (the model was chosen among the trials); the
+    # trial's own ε stays beside it
+    assert float(version.tags["dp.trial_epsilon"]) == pytest.approx(out["best"]["epsilon"], rel=1e-5)
+    assert version.tags["dp.selection"].startswith("Not accounted as a selection, but bounded: chosen among 3")
+    assert version.tags["dp.accountant"] == "rdp" and version.tags["dp.epsilon_covers"].startswith("the whole search")
     # the whole search's cost to a training example: bounded from the config alone, for the most
     # trials the sweep may start (n_trials + max_failed_trials = 6, fixed before the first), checked
     # against dp_accounting; 4 were started (the killed one and its retry included)
@@ -135,7 +137,9 @@ def test_sweep_completes_its_trials_with_parent_and_child_runs(e2e):
     assert bound < rdp_epsilon(mechs * k)  # and below k trials that each ran all three
     assert parent.data.tags["dp.search_epsilon_bound"].startswith(f"ε ≤ {bound:.4g} at δ=1e-05 for the whole search")
     assert f"at most **ε ≤ {bound:.2f}** (a data-independent RDP bound for at most 6 trials; 4 started)" in note
-    assert f"The whole search is bounded by ε ≤ {bound:.4g}" in version.tags["dp.selection"]
+    assert float(version.tags["dp.epsilon"]) == pytest.approx(bound, rel=1e-5) and bound > out["best"]["epsilon"]
+    assert f"ε is the whole search's bound, ε ≤ {bound:.4g}" in version.tags["dp.selection"]
+    assert version.description.startswith(f"Trained with (ε={bound:.4g}, δ=1e-05)-DP (rdp)")
     plots = {f.path for f in client.list_artifacts(out["parent_run_id"], "plots")}
     assert {"plots/optimization_history.png", "plots/param_importances.png", "plots/contour_lr_lot_size.png"} <= plots
 
