@@ -72,12 +72,12 @@ class SearchSpace:
         return "; ".join(p.describe() for p in self.params)
 
 
-def default_space(method: str = "dpsgd") -> dict:
-    """The BAM appendix's searches: lr and lot size for DP-SGD; λ (BAM) or ρ (DP-SAT) on top."""
-    space: dict[str, dict] = {
-        "lr": {"low": 1e-3, "high": 0.3, "log": True},
-        "lot_size": {"choices": [64, 128, 256, 512, 1024]},
-    }
+def default_space(method: str = "dpsgd", private_selection: bool = False) -> dict:
+    """The BAM appendix's searches: lr and lot size for DP-SGD; λ (BAM) or ρ (DP-SAT) on top.
+    With private selection every trial is one mechanism, so the lot size is the base config's."""
+    space: dict[str, dict] = {"lr": {"low": 1e-3, "high": 0.3, "log": True}}
+    if not private_selection:
+        space["lot_size"] = {"choices": [64, 128, 256, 512, 1024]}
     if method == "bam":
         space["ascent"] = {"low": 1e-3, "high": 0.2, "log": True}
     elif method == "dpsat":

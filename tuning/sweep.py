@@ -88,7 +88,11 @@ def run_sweep(
     raw_space = (
         space_override
         if space_override is not None
-        else (sweep.space if sweep.space is not None else default_space(base.method))
+        else (
+            sweep.space
+            if sweep.space is not None
+            else default_space(base.method, private_selection=sweep.private_selection is not None)
+        )
     )
     space = parse_space(raw_space, n)
     if "lora_rank" in space.names and not base.lora_rank:
@@ -302,8 +306,9 @@ def _selection(sweep: SweepConfig, base, space, n: int) -> dict | None:
     searched = {"lot_size", "epochs"} & set(space.names)
     if searched:
         raise dpcore.DPConfigError(
-            f"--private-selection needs every trial to be the same mechanism: fix {', '.join(sorted(searched))} in the base "
-            "config (every trial then has the same q, σ and steps) and search lr, λ/ρ, the clip norm or the optimizer."
+            f"--private-selection needs every trial to be the same mechanism: take {', '.join(sorted(searched))} out of "
+            "the search space ('space:') and fix it in the base config (every trial then has the same q, σ and steps); "
+            "search lr, λ/ρ, the clip norm or the optimizer."
         )
     found = search_cost.mechanisms(base, space, n)  # lot size and epochs fixed: one mechanism
     if isinstance(found, str):

@@ -317,6 +317,17 @@ def test_a_seeded_sweep_gives_each_trial_a_seed_of_its_own():
     assert trial_seed(6, 0) != trial_seed(5, 0) and trial_seed(None, 3) is None
 
 
+def test_the_default_space_of_a_private_selection_searches_one_mechanism():
+    """docs/sweeps.md's `dp-platform sweep --sampler random --private-selection poisson
+    --lot-size 256` gives no space: its default searches lr alone (the lot size searched by the
+    usual default would make the trials different mechanisms, and the command failed)."""
+    from tuning.space import default_space
+
+    assert set(default_space("dpsgd")) == {"lr", "lot_size"}
+    assert set(default_space("dpsgd", private_selection=True)) == {"lr"}
+    assert set(default_space("bam", private_selection=True)) == {"lr", "ascent"}
+
+
 def test_a_trial_evaluates_the_test_split_at_its_end_only(tmp_path):
     """A trial's reports feed the pruner and the progress line: none of them carries a test
     accuracy; the test split is evaluated at the trial's last report alone (helper-26)."""
@@ -453,7 +464,15 @@ def test_killed_sweep_driver_continues_with_the_same_command(tmp_path, ray_env):
         ),
         ({"space": {"ascent": {"low": 0.01, "high": 0.1}}}, {}, "method='dpsgd' has no ascent step"),
         ({"private_selection": "poisson"}, {}, "needs --sampler random"),
-        ({"private_selection": "poisson", "sampler": "random"}, {}, "fix lot_size"),
+        (
+            {
+                "private_selection": "poisson",
+                "sampler": "random",
+                "space": {"lr": {"low": 0.01, "high": 0.1}, "lot_size": {"choices": [64, 128]}},
+            },
+            {},
+            "take lot_size out of the search space",
+        ),
         (
             {"private_selection": "poisson", "sampler": "random", "sampler_seed": 1},
             {},
