@@ -72,6 +72,7 @@ class JournalProgress:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._offset, self._phase_offset, self._steps, self._eps, self._rolled = 0, 0, 0, None, 0
+        self._eps_step = 0  # the step whose ε the line shows (the ledger computes it every k steps)
         self._replayed_just_now = False
         self._records: list[tuple[int, float]] = []
         self._phase, self._bar_done, self._printed_at = "starting", False, None
@@ -136,7 +137,7 @@ class JournalProgress:
     def _record(self, rec: dict) -> None:
         if rec.get("op") == "append":
             if rec.get("epsilon") is not None:
-                self._eps = rec["epsilon"]
+                self._eps, self._eps_step = rec["epsilon"], rec["step"]
             if rec["step"] == 0:  # a release before training (DP-PCA): not a step
                 return
             self._steps = rec["step"]
@@ -163,6 +164,8 @@ class JournalProgress:
         width = 24
         filled = int(width * min(self._steps, self.total) / self.total)
         eps = "…" if self._eps is None else f"{self._eps:.3f}"
+        if self._eps is not None and self._eps_step != self._steps:  # an earlier step's ε: say which
+            eps += f" (step {self._eps_step})"
         label = self._phase if self._steps == 0 and not final else f"step {self._steps}/{self.total}"
         extra = f"  restarts: {self._rolled}" if self._rolled else ""
         line = f"[{'#' * filled}{'.' * (width - filled)}] {label}  ε={eps}  {elapsed:5.1f}s{eta_text}{extra}"

@@ -57,6 +57,23 @@ def _journal(path, steps, eps=1.0):
             f.write(json.dumps({"op": "append", "step": s, "timestamp": t, "epsilon": eps}) + "\n")
 
 
+def test_an_earlier_steps_epsilon_is_shown_with_its_step(tmp_path):
+    """The ledger computes ε every k releases: where the last step's is not known yet, the line
+    says which step its ε is of (it showed step 52's ε beside "step 53/53")."""
+    plan = small_plan(run_dir=str(tmp_path), journal=str(tmp_path / "journal"), steps=3, checkpoint_every=3)
+    out = io.StringIO()
+    p = JournalProgress(plan, enabled=True, stream=out)
+    _journal(plan.journal, [(1, 10.0), (2, 10.1)], eps=0.5)
+    _journal(plan.journal, [(3, 10.2)], eps=None)
+    p._poll()
+    p.steps_done()
+    assert "step 3/3  ε=0.500 (step 2)" in out.getvalue()
+    _journal(plan.journal, [(4, 10.3)], eps=0.7)
+    p._poll()
+    p._print_bar()
+    assert out.getvalue().splitlines()[-1].split("  ")[1] == "ε=0.700"
+
+
 def test_start_up_phases_label_the_line_and_later_phases_get_lines_of_their_own(tmp_path):
     plan = small_plan(run_dir=str(tmp_path), journal=str(tmp_path / "journal"), steps=4, checkpoint_every=2)
     out = io.StringIO()  # not a terminal: a line per update
