@@ -7,7 +7,9 @@ What a run leaves, and where:
 * the local MLflow store: ``mlflow.db`` (or the file of ``$MLFLOW_TRACKING_URI`` when it is
   ``sqlite:///...``) and the artifacts beside it, ``mlruns/`` (models, ledgers, plots);
 * ``~/.cache/dp-platform`` (or ``$XDG_CACHE_HOME/dp-platform``): the record of verified
-  shards and the compiled per-example kernel.
+  shards and the compiled per-example kernel;
+* a sweep's local Optuna store, ``optuna.db`` (or the file of ``$DP_OPTUNA_STORAGE`` when it is
+  ``sqlite:///...``): every trial's exact scores.
 
 A tracking server (``http://...``) or a PostgreSQL store is never touched: its runs are the
 server's (``dp-platform stack down --purge`` removes the local stack's). A run that is still
@@ -59,7 +61,14 @@ def tracking_files(tracking_uri: str) -> list[Path]:
     return [db, db.parent / "mlruns"]
 
 
-def targets(storage_path: str, tracking_uri: str, what: set[str]) -> list[tuple[str, Path]]:
+def sqlite_file(uri: str) -> list[Path]:
+    """The file of a ``sqlite:///`` URL (an Optuna store), or nothing for a server's."""
+    if not uri.startswith("sqlite:///"):
+        return []
+    return [Path(uri[len("sqlite:///") :].split("?", 1)[0]).expanduser().resolve()]
+
+
+def targets(storage_path: str, tracking_uri: str, what: set[str], optuna_storage: str = "") -> list[tuple[str, Path]]:
     """(label, path) of everything that exists and would be removed."""
     found: list[tuple[str, Path]] = []
     if "runs" in what:
@@ -68,6 +77,8 @@ def targets(storage_path: str, tracking_uri: str, what: set[str]) -> list[tuple[
         found += [("MLflow store: runs, metrics, models", p) for p in tracking_files(tracking_uri)]
     if "cache" in what:
         found.append(("cache: verified shards, compiled kernel", cache_dir()))
+    if "sweeps" in what:
+        found += [("Optuna store: every sweep trial's exact scores", p) for p in sqlite_file(optuna_storage)]
     return [(label, p) for label, p in found if p.exists() or p.is_symlink()]
 
 
@@ -84,14 +95,15 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Remove what runs left on this machine: dp_runs/ (checkpoints, ledger journals, dataset caches), "
-        "the local MLflow store (mlflow.db and mlruns/) and ~/.cache/dp-platform. Lists what it would remove and "
-        "asks first. A tracking server or PostgreSQL store is never touched.",
+        "the local MLflow store (mlflow.db and mlruns/), ~/.cache/dp-platform and the sweeps' local Optuna store "
+        "(optuna.db). Lists what it would remove and asks first. A tracking server or PostgreSQL store is never touched.",
     )
     p.add_argument("--yes", "-y", action="store_true", help="do not ask; remove at once")
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     p.add_argument("--runs", action="store_true", help="only the run folders (storage path)")
     p.add_argument("--tracking", action="store_true", help="only the local MLflow store")
     p.add_argument("--cache", action="store_true", help="only ~/.cache/dp-platform")
+    p.add_argument("--sweeps", action="store_true", help="only the sweeps' local Optuna store (optuna.db)")
     p.add_argument(
         "--storage-path",
         default=os.environ.get("DP_STORAGE_PATH") or "dp_runs",
@@ -102,11 +114,17 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         default=os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db",
         help="the MLflow store (default: $MLFLOW_TRACKING_URI, else ./mlflow.db); only a sqlite:/// store is removed",
     )
+    p.add_argument(
+        "--optuna-storage",
+        default=os.environ.get("DP_OPTUNA_STORAGE") or "sqlite:///optuna.db",
+        help="the sweeps' Optuna store (default: $DP_OPTUNA_STORAGE, else ./optuna.db); only a sqlite:/// store is removed",
+    )
     a = p.parse_args(argv)
-    what = {k for k in ("runs", "tracking", "cache") if getattr(a, k)} or {"runs", "tracking", "cache"}
-    found = targets(a.storage_path, a.tracking_uri, what)
+    kinds = ("runs", "tracking", "cache", "sweeps")
+    what = {k for k in kinds if getattr(a, k)} or set(kinds)
+    found = targets(a.storage_path, a.tracking_uri, what, a.optuna_storage)
     if not found:
-        print("nothing to clean: no run folders, local MLflow store or cache here.")
+        print("nothing to clean: no run folders, local MLflow store, cache or Optuna store here.")
         return 0
     busy = training_now(Path(a.storage_path).expanduser().resolve()) if "runs" in what else []
     if busy:

@@ -22,9 +22,11 @@ def _leftovers(root: Path) -> dict[str, Path]:
     cache = root / "cache" / "dp-platform" / "verified"
     cache.mkdir(parents=True)
     (cache / "stamp.json").write_text("{}")
+    (root / "optuna.db").write_bytes(b"z" * 500)  # a sweep's trials, with their exact scores
     keep = root / "notes.txt"
     keep.write_text("mine")
     return {
+        "optuna": root / "optuna.db",
         "runs": root / "dp_runs",
         "db": root / "mlflow.db",
         "mlruns": root / "mlruns",
@@ -34,7 +36,9 @@ def _leftovers(root: Path) -> dict[str, Path]:
 
 
 def _clean(root: Path, *args: str, stdin: str | None = None, env_extra: dict | None = None):
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "DP_STORAGE_PATH")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "DP_STORAGE_PATH", "DP_OPTUNA_STORAGE")
+    }
     env.update({"XDG_CACHE_HOME": str(root / "cache"), **(env_extra or {})})
     return subprocess.run(
         [sys.executable, "-m", "pipelines.cli", "clean", *args],
@@ -51,7 +55,7 @@ def test_clean_lists_everything_and_removes_nothing_without_yes(tmp_path):
     paths = _leftovers(tmp_path)
     out = _clean(tmp_path)  # not a terminal and no --yes: it must not remove anything
     assert out.returncode == 1 and "add --yes" in out.stderr
-    for name in ("dp_runs", "mlflow.db", "mlruns", "dp-platform"):
+    for name in ("dp_runs", "mlflow.db", "mlruns", "dp-platform", "optuna.db"):
         assert name in out.stdout
     assert all(p.exists() for p in paths.values())
     dry = _clean(tmp_path, "--dry-run")
@@ -62,7 +66,7 @@ def test_clean_yes_removes_the_leftovers_and_nothing_else(tmp_path):
     paths = _leftovers(tmp_path)
     out = _clean(tmp_path, "--yes")
     assert out.returncode == 0, out.stderr
-    assert not any(paths[k].exists() for k in ("runs", "db", "mlruns", "cache"))
+    assert not any(paths[k].exists() for k in ("runs", "db", "mlruns", "cache", "optuna"))
     assert paths["keep"].read_text() == "mine"
     again = _clean(tmp_path, "--yes")
     assert again.returncode == 0 and "nothing to clean" in again.stdout
@@ -72,6 +76,13 @@ def test_clean_can_take_one_kind_only(tmp_path):
     paths = _leftovers(tmp_path)
     assert _clean(tmp_path, "--cache", "--yes").returncode == 0
     assert not paths["cache"].exists() and paths["runs"].exists() and paths["db"].exists()
+    assert _clean(tmp_path, "--sweeps", "--yes").returncode == 0
+    assert not paths["optuna"].exists() and paths["runs"].exists() and paths["db"].exists()
+    paths["optuna"].write_bytes(b"z")  # a server's store is never touched; only a sqlite file is removed
+    out = _clean(
+        tmp_path, "--sweeps", "--yes", env_extra={"DP_OPTUNA_STORAGE": "postgresql://dp@127.0.0.1:5433/optuna"}
+    )
+    assert "nothing to clean" in out.stdout and paths["optuna"].exists()
 
 
 def test_a_tracking_server_is_never_touched(tmp_path):
@@ -97,7 +108,9 @@ def test_clean_asks_on_a_terminal(tmp_path, answer, removed):
     import pty
 
     paths = _leftovers(tmp_path)
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "DP_STORAGE_PATH")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "DP_STORAGE_PATH", "DP_OPTUNA_STORAGE")
+    }
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
     pid, fd = pty.fork()
     if pid == 0:  # the child: stdin and stdout are the terminal
