@@ -106,6 +106,15 @@ def check_count(cfg, *names: str) -> None:
             raise dpcore.DPConfigError(f"{name}={v!r} is invalid: it must be an integer ≥ 0.")
 
 
+def check_storage_path(cfg) -> None:
+    """``storage_path`` is a folder of a filesystem, not a URL."""
+    if "://" in cfg.storage_path:
+        raise dpcore.DPConfigError(
+            f"storage_path={cfg.storage_path!r}: only filesystem paths are supported (local, or a shared mount "
+            "such as NFS on a cluster): the ledger journal needs POSIX append, fsync and locks."
+        )
+
+
 def check_choice(cfg, name: str, choices) -> None:
     v = getattr(cfg, name)
     if v not in choices:

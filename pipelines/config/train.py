@@ -19,7 +19,16 @@ from dataclasses import dataclass
 import dpcore
 
 from ..catalog import MODELS, TEXT_DATASETS
-from .options import Composed, Section, check_choice, check_count, check_positive_number, check_seed, option
+from .options import (
+    Composed,
+    Section,
+    check_choice,
+    check_count,
+    check_positive_number,
+    check_seed,
+    check_storage_path,
+    option,
+)
 from .shared import AuditOptions, DatasetOptions, TrackingOptions, check_model
 
 OPTIMIZERS = ("sgd", "adam", "nadam")
@@ -299,11 +308,7 @@ class ScaleConfig(Section):
             dpcore.validation.check_positive_int(getattr(self, name), name)
         self.memory_budget()  # raises on a bad value
         check_count(self, "checkpoint_every", "max_failures")
-        if "://" in self.storage_path:
-            raise err(
-                f"storage_path={self.storage_path!r}: only filesystem paths are supported (local, or a shared mount "
-                "such as NFS on a cluster): the ledger journal needs POSIX append, fsync and locks."
-            )
+        check_storage_path(self)
         if self.in_process and self.num_workers != 1:
             raise err(
                 f"in_process trains one worker in this process; num_workers={self.num_workers} needs Ray workers (drop --in-process)."

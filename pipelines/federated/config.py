@@ -10,7 +10,7 @@ import dpcore
 from ..catalog import CLIENT_SPLITS as SPLITS
 from ..catalog import DATASETS, MODELS
 from ..config import AuditOptions, Composed, DatasetOptions, Section, TrackingOptions, check_model, option
-from ..config.options import check_choice, check_count, check_positive_number, check_seed
+from ..config.options import check_choice, check_count, check_positive_number, check_seed, check_storage_path
 
 STOPPING = ("epsilon", "delta")
 EXECUTORS = ("ray", "local")
@@ -173,6 +173,7 @@ class FedScaleConfig(Section):
         dpcore.validation.check_positive_int(self.num_actors, "num_actors")
         check_positive_number(self, "cpus_per_actor")
         check_count(self, "max_actor_restarts")
+        check_storage_path(self)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.train")
                         f"(got {', '.join('--' + k.replace('_', '-') for k in changed) or config_path})."
                     )
             cfg = load_config(config_path, args)
+            cfg.validate()  # before the log folder under storage_path is made: a refused path leaves nothing
             import mlflow  # noqa: F401  (torch, Ray and MLflow: after the flags are parsed; imported before
             import ray  # noqa: F401  their logging is routed, since importing them configures it)
 

@@ -140,6 +140,21 @@ def test_cli_exit_code_and_message(tmp_path):
     assert not list((tmp_path / "dp_runs").glob("*/ledger.journal.jsonl"))
 
 
+@pytest.mark.parametrize("command", ["train", "federated"])
+def test_a_refused_storage_path_leaves_nothing_on_disk(tmp_path, command):
+    """A URL as --storage-path is refused before anything is made: its log folder (a folder
+    named 's3:' in the working directory) was created first (helper-28)."""
+    res = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", command, "--storage-path", "s3://bucket/x", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert res.returncode == 2 and "only filesystem paths are supported" in res.stderr, res.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_resume_keeps_the_runs_config(tmp_path):
     res = subprocess.run(
         [sys.executable, "-m", "pipelines.cli", "train", "--resume", "0123abcd", "--lr", "0.1"],
