@@ -154,11 +154,29 @@ def _ledger(argv: list[str]) -> int:
     from .tracking import resolve_tracking_uri
 
     uri = resolve_tracking_uri(a.tracking_uri)
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).expanduser().is_file():
+        # MLflow would make an empty store there: a command that only reads makes nothing
+        print(
+            f"error: no MLflow store at {uri[len('sqlite:///') :]}: give --tracking-uri (or $MLFLOW_TRACKING_URI), "
+            "or run from the folder you trained in.",
+            file=sys.stderr,
+        )
+        return 2
     try:
         run = mlflow.MlflowClient(uri).get_run(a.run_id)
+    except mlflow.exceptions.MlflowException as e:
+        print(f"error: no run {a.run_id} in {uri}: {e.message.splitlines()[0]}", file=sys.stderr)
+        return 2
+    try:
         table = fetch_ledger(a.run_id, uri)
     except mlflow.exceptions.MlflowException as e:
-        print(f"error: no ledger for run {a.run_id} in {uri}: {e.message.splitlines()[0]}", file=sys.stderr)
+        study = run.data.tags.get("sweep.study")
+        why = (
+            f"it is the parent run of sweep {study!r}; each trial's run has its own ledger (the parent's child runs)"
+            if study and "optuna.trial_number" not in run.data.tags
+            else e.message.splitlines()[0]
+        )
+        print(f"error: no ledger for run {a.run_id} in {uri}: {why}", file=sys.stderr)
         return 2
     rows = table.to_pylist()
     if a.csv:
@@ -223,7 +241,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nerror: unknown command {argv[0]!r}", file=sys.stderr)
             return 2
         return 0
-    cmd, rest = argv[0], argv[1:]
+    try:
+        return _run_command(commands, argv[0], argv[1:])
+    except BrokenPipeError:  # `dp-platform ledger RUN | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _run_command(commands: dict, cmd: str, rest: list[str]) -> int:
     if cmd == "submit":  # the CLI composes pipelines and tuning: a sweep's config is checked by tuning
         from tuning.cli import check_args
 

@@ -87,3 +87,21 @@ def test_the_catalog_names_what_the_modules_implement():
     from pipelines.models import MODEL_BUILDERS
 
     assert {m for m in catalog.MODELS if ":" not in m} == set(MODEL_BUILDERS)  # tv:, hf: are prefixes
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(monkeypatch):
+    """`dp-platform ledger RUN | head`: when the pipe's reader leaves, the command ends with
+    status 1 and no BrokenPipeError traceback (helper-28 saw one)."""
+    import io
+    import os
+
+    from pipelines import cli
+
+    def writes_into_a_closed_pipe(argv):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    read, write = os.pipe()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(os.fdopen(write, "wb")))
+    monkeypatch.setattr(cli, "_ledger", writes_into_a_closed_pipe)
+    os.close(read)
+    assert cli.main(["ledger", "0123"]) == 1

@@ -8,6 +8,7 @@ and the logged model loading and predicting.
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -164,6 +165,21 @@ def test_ledger_command_prints_the_runs_ledger(e2e):
     assert f"{e2e['steps']} releases: {e2e['steps']} committed, 0 rolled back" in res.stdout
     assert "poisson_gaussian" in res.stdout
     assert f"{e2e['epsilon']:.4f}" in res.stdout
+
+
+def test_the_ledger_command_makes_no_store_where_there_is_none(tmp_path):
+    """Run from a folder without mlflow.db, the read-only command says where it looked and what
+    to give; MLflow would have made an empty store there and said 'not found'."""
+    res = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "ledger", "0123456789abcdef0123456789abcdef"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"},
+    )
+    assert res.returncode == 2 and f"no MLflow store at {tmp_path}/mlflow.db: give --tracking-uri" in res.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_black_box_input_canary_audit_is_scored_and_logged(e2e):
