@@ -311,7 +311,8 @@ class ScaleConfig(Section):
         check_storage_path(self)
         if self.in_process and self.num_workers != 1:
             raise err(
-                f"in_process trains one worker in this process; num_workers={self.num_workers} needs Ray workers (drop --in-process)."
+                f"in_process trains one worker in this process; num_workers={self.num_workers} needs Ray workers: "
+                "add --num-workers 1, or drop --in-process."
             )
 
     def memory_budget(self) -> str | float:

@@ -157,6 +157,11 @@ def dp_tags(cfg, plan: RunPlan) -> dict[str, str]:
         )
     if cfg.diagnostics:
         tags["dp.diagnostics"] = "non-private"
+    if plan.dataset_size and cfg.target_delta >= 1.0 / plan.dataset_size:
+        tags["dp.warning"] = (
+            f"δ={cfg.target_delta:g} is ≥ 1/N = 1/{plan.dataset_size}: a mechanism that publishes a random training "
+            "example verbatim meets this δ, so the guarantee is weak"
+        )
     return tags
 
 

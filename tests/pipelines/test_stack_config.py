@@ -274,3 +274,16 @@ def test_a_stack_on_a_network_address_needs_an_explicit_opt_in(tmp_path, capsys)
     assert main(["up", "--dir", str(root), "--host", "192.0.2.2", "--no-install"]) == 2
     assert "--cleartext-network" in capsys.readouterr().err
     assert not root.exists()
+
+
+def test_a_delta_of_at_least_one_over_n_is_tagged_on_the_run(tmp_path):
+    """δ ≥ 1/N trains (with a warning) and the run says so in MLflow, where its name alone
+    looked like any other run's (helper-28)."""
+    from pipelines.config import TrainConfig
+    from pipelines.tracking import dp_tags
+
+    plan = small_plan(dataset_size=1000)
+    weak = dp_tags(TrainConfig(target_delta=0.5), plan)
+    assert weak["dp.warning"].startswith("δ=0.5 is ≥ 1/N = 1/1000")
+    assert "dp.warning" not in dp_tags(TrainConfig(target_delta=1e-5), plan)
+    assert "dp.warning" in dp_tags(TrainConfig(target_delta=1e-3), plan)  # exactly 1/N
