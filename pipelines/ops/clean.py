@@ -55,10 +55,7 @@ def cache_dir() -> Path:
 def tracking_files(tracking_uri: str) -> list[Path]:
     """The local MLflow store of ``tracking_uri``: the SQLite file and the ``mlruns/`` folder
     beside it (MLflow's default artifact location for a local store). Nothing for a server."""
-    if not tracking_uri.startswith("sqlite:///"):
-        return []
-    db = Path(tracking_uri[len("sqlite:///") :]).expanduser().resolve()
-    return [db, db.parent / "mlruns"]
+    return [p for db in sqlite_file(tracking_uri) for p in (db, db.parent / "mlruns")]
 
 
 def sqlite_file(uri: str) -> list[Path]:

@@ -230,15 +230,21 @@ def test_ledger_survives_a_state_dict_round_trip_through_a_checkpoint():
         dpcore.PrivacyLedger(4.0, 1e-6).load_state_dict(state)
 
 
+def _ledger_of(ev, releases: int, journal=None) -> dpcore.PrivacyLedger:
+    """A ledger at ε = 4, δ = 1e-5 holding ``releases`` of ``ev`` (steps 1, 2, …)."""
+    ledger = dpcore.PrivacyLedger(4.0, 1e-5, journal=journal)
+    for s in range(1, releases + 1):
+        ledger.append(ev, step=s, clip_norm=1.0)
+    return ledger
+
+
 def test_a_state_loaded_into_a_journalled_ledger_is_written_to_its_journal(tmp_path):
     """A state whose releases the journal lacks (a checkpoint of a ledger kept without one) is
     written to the journal before it is taken: a restart, which reads only the journal, counts
     every release and allows no more steps than the budget. A state from another history (its
     releases do not begin with the journal's) is refused."""
     ev = dpcore.PrivacyEvent.dpsgd_step(1.0, 0.05)
-    plain = dpcore.PrivacyLedger(4.0, 1e-5)
-    for s in range(1, 31):
-        plain.append(ev, step=s, clip_norm=1.0)
+    plain = _ledger_of(ev, 30)
     journal = tmp_path / "ledger.journal.jsonl"
     ledger = dpcore.PrivacyLedger(4.0, 1e-5, journal=journal)
     ledger.load_state_dict(plain.state_dict())
@@ -281,13 +287,9 @@ def test_a_journal_write_that_fails_while_a_state_loads_leaves_the_ledger_as_it_
     from dpcore.ledger.journal import Journal
 
     ev = dpcore.PrivacyEvent.dpsgd_step(1.0, 0.05)
-    plain = dpcore.PrivacyLedger(4.0, 1e-5)
-    for s in range(1, 21):
-        plain.append(ev, step=s, clip_norm=1.0)
+    plain = _ledger_of(ev, 20)
     journal = tmp_path / "ledger.journal.jsonl"
-    ledger = dpcore.PrivacyLedger(4.0, 1e-5, journal=journal)
-    for s in range(1, 6):
-        ledger.append(ev, step=s, clip_norm=1.0)
+    ledger = _ledger_of(ev, 5, journal=journal)
     before = (len(ledger), ledger.epsilon(), ledger.allowance(ev))
     write, written = Journal.write, []
 
