@@ -24,6 +24,7 @@ each convolution) and ``weight_standardization`` (weight-standardised convolutio
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -97,54 +98,53 @@ def mlp(
     return nn.Sequential(*layers)
 
 
-def _conv_act(cin: int, cout: int, k: int, activation: str, groupnorm: bool, ws: bool, **kw) -> list[nn.Module]:
-    """conv → [GroupNorm] → activation."""
-    return [_conv(cin, cout, k, ws, **kw), *([_gn(cout)] if groupnorm else []), make_activation(activation)]
+@dataclass(frozen=True)
+class ConvStyle:
+    """The options the two small CNNs share: each convolution is conv → [GroupNorm] → activation,
+    the conv weight-standardised where asked."""
+
+    activation: str
+    groupnorm: bool = False
+    weight_standardization: bool = False
+
+    def block(self, cin: int, cout: int, k: int, **kw) -> list[nn.Module]:
+        conv = _conv(cin, cout, k, self.weight_standardization, **kw)
+        return [conv, *([_gn(cout)] if self.groupnorm else []), make_activation(self.activation)]
 
 
-def small_cnn(
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    activation: str = "tanh",
-    groupnorm: bool = False,
-    weight_standardization: bool = False,
-    **_,
-) -> nn.Module:
+def small_cnn(input_shape: tuple[int, ...], num_classes: int, activation: str = "tanh", **style) -> nn.Module:
     """Two 3×3 conv layers (16, 32 channels) with tanh and 2×2 max-pooling, then a linear head.
 
     Sized for small images (8×8 digits); tanh follows Papernot et al. 2021 for DP training.
+    ``style``: :class:`ConvStyle`'s ``groupnorm`` and ``weight_standardization``.
     """
     c, h, w = input_shape
+    s = ConvStyle(activation, **style)
     return nn.Sequential(
-        *_conv_act(c, 16, 3, activation, groupnorm, weight_standardization, padding=1),
+        *s.block(c, 16, 3, padding=1),
         nn.MaxPool2d(2),
-        *_conv_act(16, 32, 3, activation, groupnorm, weight_standardization, padding=1),
+        *s.block(16, 32, 3, padding=1),
         nn.MaxPool2d(2),
         nn.Flatten(),
         nn.Linear(32 * (h // 4) * (w // 4), num_classes),
     )
 
 
-def mnist_cnn(
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    activation: str = "relu",
-    groupnorm: bool = False,
-    weight_standardization: bool = False,
-    **_,
-) -> nn.Module:
+def mnist_cnn(input_shape: tuple[int, ...], num_classes: int, activation: str = "relu", **style) -> nn.Module:
     """The 2-conv model of Abadi et al. / Opacus's MNIST example (ReLU, as Opacus; Tramèr &
-    Boneh's and Papernot et al.'s end-to-end CNN is this model with tanh)."""
+    Boneh's and Papernot et al.'s end-to-end CNN is this model with tanh). ``style`` as
+    :func:`small_cnn`'s."""
     c, h, w = input_shape
     if min(h, w) < 16:
         raise DPConfigError(
             f"model='cnn' (the 2-conv MNIST model) needs images of at least 16×16, not {h}×{w}; "
             "use model='small_cnn' or 'mlp' for small images such as digits."
         )
+    s = ConvStyle(activation, **style)
     features = nn.Sequential(
-        *_conv_act(c, 16, 8, activation, groupnorm, weight_standardization, stride=2, padding=3),
+        *s.block(c, 16, 8, stride=2, padding=3),
         nn.MaxPool2d(2, 1),
-        *_conv_act(16, 32, 4, activation, groupnorm, weight_standardization, stride=2),
+        *s.block(16, 32, 4, stride=2),
         nn.MaxPool2d(2, 1),
         nn.Flatten(),
     )
