@@ -19,7 +19,6 @@ dp-platform --version                         the installed version
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 import dpcore
 
 from ._trace import trace
+from .config.options import Parser
 
 PROG = "dp-platform"
 
@@ -37,7 +37,7 @@ def _ingest(argv: list[str]) -> int:
 
     from .catalog import DATASETS
 
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=f"{PROG} ingest",
         description="Write a dataset once as Arrow shards (images in their own dtype, labels, split) with a checksummed "
         "manifest; train on it with --data-dir OUT_DIR. With --verify, re-check an ingested dataset in full instead.",
@@ -136,7 +136,7 @@ def fetch_ledger(run_id: str, tracking_uri: str):
 
 
 def _ledger(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=f"{PROG} ledger",
         description="Print a run's privacy ledger (every noisy release, with the cumulative ε) from MLflow.",
     )

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import dpcore
+from pipelines.config.options import Parser
 
 from .config import SWEEP_FIELDS, SweepConfig
 
@@ -48,7 +49,7 @@ def print_summary(s: dict) -> None:
 def build_parser(prog: str = "dp-platform sweep") -> argparse.ArgumentParser:
     from pipelines.config import add_config_arguments
 
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=prog,
         description="Hyperparameter sweep at a fixed (ε, δ): every trial is a DP training run with σ calibrated for its own "
         "lot size and epochs; Optuna chooses, Ray runs, MLflow records (one parent run, a child run per trial).",

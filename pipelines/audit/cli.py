@@ -5,15 +5,15 @@ from __future__ import annotations
 import dpcore
 
 from ..catalog import AUDIT_MECHANISMS as MECHANISMS
+from ..config.options import Parser
 from . import AUDIT_FAILED, audit_failed
 
 
 def main(argv: list[str] | None = None, prog: str = "dp-platform audit") -> int:
-    import argparse
     import sys
     import warnings
 
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=prog,
         description="Privacy audits. With a training config: one training run with white-box gradient canaries "
         "(Steinke et al. 2023), ε_lb logged to MLflow beside ε. With --mechanism: the distinguishing audit of one "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import os
 from dataclasses import field
@@ -21,6 +22,30 @@ from typing import Any, ClassVar, TypeVar
 import dpcore
 
 S = TypeVar("S")
+
+
+def close_names(name: str, names, n: int = 3) -> list[str]:
+    """Up to ``n`` of ``names`` that ``name`` may have meant: near spellings first, then names
+    that share its first word (``target_eps`` → target_epsilon, target_delta)."""
+    names = list(names)
+    close = difflib.get_close_matches(name, names, n=n, cutoff=0.75)
+    first = name.lstrip("-").replace("-", "_").split("_")[0]
+    close += [m for m in names if m.lstrip("-").replace("-", "_").split("_")[0] == first and m not in close]
+    return close[:n]
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose "unrecognized arguments" error names the flags meant
+    (``--epoch`` → did you mean --epochs?)."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments:"):
+            flags = [s for s in self._option_string_actions if s.startswith("--")]
+            for word in message.split(":", 1)[1].split():
+                close = close_names(word.split("=")[0], flags) if word.startswith("--") else []
+                if close:
+                    message += f"\n  {word.split('=')[0]}: did you mean {' or '.join(close)}?"
+        super().error(message)
 
 
 def option(default, help: str, group: str | None = None, choices=None, flag: bool = True):
@@ -197,7 +222,7 @@ def config_from_dict(values: dict[str, Any], cls):
     clean = {}
     for name, value in values.items():
         if name not in fields:
-            close = [n for n in fields if n.split("_")[0] == name.split("_")[0]][:3]
+            close = close_names(name, fields)
             hint = f" Did you mean {', '.join(close)}?" if close else ""
             raise dpcore.DPConfigError(f"unknown config key {name!r}.{hint} See --help for the list.")
         clean[name] = _coerce(name, value, fields)
@@ -259,7 +284,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls) -> None:
 def config_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """A command's parser with the YAML CONFIG argument; add the options with
     :func:`add_config_arguments`."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=prog,
         description=description,
         epilog="Options come from the defaults, then the YAML CONFIG file, then these flags.",

@@ -26,11 +26,13 @@ import json
 import os
 import sys
 
+from ..config.options import Parser
+
 BENCH_MODELS = ("mnist_cnn", "resnet9", "wrn16_4", "mlp4")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="dp-platform bench",
         description=__doc__.replace("``", ""),  # the module's doc, without its reST quoting
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -18,11 +18,12 @@ training (its ledger journal is locked) stops the clean-up before anything is de
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
 from pathlib import Path
+
+from ..config.options import Parser
 
 PROG = "dp-platform clean"
 
@@ -89,7 +90,7 @@ def training_now(storage: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=prog,
         description="Remove what runs left on this machine: dp_runs/ (checkpoints, ledger journals, dataset caches), "
         "the local MLflow store (mlflow.db and mlruns/), ~/.cache/dp-platform and the sweeps' local Optuna store "

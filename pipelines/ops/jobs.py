@@ -29,6 +29,7 @@ from pathlib import Path
 
 import dpcore
 
+from ..config.options import Parser
 from .stack import StackError, default_dir, load_state, read_env_file
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -215,7 +216,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def main_submit(argv: list[str], prog: str = "dp-platform submit", sweep_checker: Callable | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=prog,
         usage=f"{prog} [options] [CONFIG] [-- JOB OPTIONS]",
         description="Submit a training run (or, with --sweep, a sweep) to a Ray cluster through the Jobs API, print its "
@@ -284,9 +285,7 @@ def _submit_and_follow(a: argparse.Namespace, args: list[str], sweep_checker) ->
 
 
 def main_status(argv: list[str], prog: str = "dp-platform status") -> int:
-    p = argparse.ArgumentParser(
-        prog=prog, description="The status of one Ray job (with the reason when it failed), or of all jobs."
-    )
+    p = Parser(prog=prog, description="The status of one Ray job (with the reason when it failed), or of all jobs.")
     p.add_argument("job_id", nargs="?", help="submission id (default: list all jobs)")
     _common(p)
     a = p.parse_args(argv)
@@ -309,7 +308,7 @@ def main_status(argv: list[str], prog: str = "dp-platform status") -> int:
 
 
 def main_logs(argv: list[str], prog: str = "dp-platform logs") -> int:
-    p = argparse.ArgumentParser(prog=prog, description="A Ray job's logs (its driver's stdout and stderr).")
+    p = Parser(prog=prog, description="A Ray job's logs (its driver's stdout and stderr).")
     p.add_argument("job_id", help="submission id")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
     _common(p)
@@ -327,7 +326,7 @@ def main_logs(argv: list[str], prog: str = "dp-platform logs") -> int:
 
 
 def main_stop(argv: list[str], prog: str = "dp-platform stop") -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=prog,
         description="Stop a running Ray job. A stopped training run keeps its ledger; --resume RUN_ID continues it.",
     )

@@ -5,11 +5,12 @@ program, may hold 5000: then a free port), prints the runs table's link once the
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from ..config.options import Parser
 
 
 def ui_argv(tracking_uri: str, host: str, port: int) -> list[str]:
@@ -75,7 +76,7 @@ def _experiment_links(url: str) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str], prog: str = "dp-platform ui") -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=prog,
         description="Start the MLflow UI on 127.0.0.1 against the same tracking store as train. It prints the URL "
         "once the page answers.",

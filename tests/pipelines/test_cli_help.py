@@ -105,3 +105,34 @@ def test_a_reader_that_leaves_early_gets_no_traceback(monkeypatch):
     monkeypatch.setattr(cli, "_ledger", writes_into_a_closed_pipe)
     os.close(read)
     assert cli.main(["ledger", "0123"]) == 1
+
+
+@pytest.mark.parametrize(
+    "argv, meant",
+    [
+        (["train", "--target-epsilom", "3"], "--target-epsilon"),
+        (["sweep", "--n-trail", "3"], "--n-trials"),
+        (["clean", "--dryrun"], "--dry-run"),
+        (["federated", "--local-rl=0.1"], "--local-lr"),
+    ],
+)
+def test_a_misspelled_flag_is_answered_with_the_flag_meant(argv, meant, capsys):
+    from pipelines.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    wrong = argv[1].split("=")[0]
+    assert f"unrecognized arguments: {argv[1]}" in err
+    assert f"{wrong}: did you mean {meant}" in err
+
+
+def test_a_misspelled_config_key_is_answered_with_the_key_meant(tmp_path):
+    import dpcore
+    from pipelines.config import load_config
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("epoch: 3\n")  # shares no first word with epochs: found by its spelling
+    with pytest.raises(dpcore.DPConfigError, match="unknown config key 'epoch'. Did you mean epochs\\?"):
+        load_config(bad)

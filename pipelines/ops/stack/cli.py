@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from ...config.options import Parser
 from .commands import check, down, listening_sockets, up
 from .common import DEFAULT_PORTS, JOBS_USER, PROG, StackError, default_dir
 from .ray_node import add_node
@@ -17,7 +17,7 @@ def _ports_from(a) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=PROG,
         description="The platform's services on this machine: PostgreSQL, MLflow (basic auth) and a Ray head (token "
         "auth), on 127.0.0.1 (Ray's internal ports excepted: see status --ports).",
