@@ -14,6 +14,7 @@ injection) are not options: they are handed to :func:`pipelines.train.run`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import dpcore
@@ -152,8 +153,16 @@ class PrivacyConfig(Section):
         dpcore.validation.check_epsilon(self.target_epsilon)
         dpcore.validation.check_delta(self.target_delta)
         dpcore.validation.check_clip_norm(self.clip_norm)
-        if self.noise_multiplier is not None:
-            dpcore.validation.check_noise_multiplier(self.noise_multiplier)
+        if self.noise_multiplier is not None and not (
+            isinstance(self.noise_multiplier, (int, float))
+            and not isinstance(self.noise_multiplier, bool)
+            and math.isfinite(self.noise_multiplier)
+            and self.noise_multiplier > 0
+        ):
+            raise dpcore.DPConfigError(
+                f"noise_multiplier={self.noise_multiplier!r} is invalid: σ must be a finite number > 0 (σ=0 would release "
+                "gradients without privacy). Leave --noise-multiplier unset to calibrate σ from --target-epsilon."
+            )
         dpcore.accountants.check_accountant(self.accountant)
         dpcore.validation.check_positive_int(self.lot_size, "lot_size")
         check_seed(self)

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
             file=sys.stderr,
         )
         return 1
-    print("This removes:")
+    print("--dry-run: this would remove (nothing is removed):" if a.dry_run else "This removes:")
     for label, path in found:
         print(f"  {path}  ({_human(_size(path))}; {label})")
     if a.dry_run:

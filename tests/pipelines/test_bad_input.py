@@ -60,6 +60,8 @@ def corrupt_dataset(tmp_path_factory):
         (dict(lot_size=100_000), "lot_size=100000 is larger than the dataset"),
         (dict(target_epsilon=0.01), "target_epsilon=0.01 cannot be reached in 60 epochs"),
         (dict(noise_multiplier=0.5, target_epsilon=0.05), "cannot take even one step"),
+        (dict(noise_multiplier=0.0), "Leave --noise-multiplier unset to calibrate σ from --target-epsilon"),
+        (dict(noise_multiplier=float("nan")), "noise_multiplier=nan is invalid"),
         (dict(tracking_uri="http://127.0.0.1:9"), "MLflow tracking server http://127.0.0.1:9 is unreachable"),
         (dict(model="resnet99"), "model='resnet99' is unknown"),
         (dict(num_workers=0), "num_workers=0 is invalid"),

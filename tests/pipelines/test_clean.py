@@ -60,6 +60,7 @@ def test_clean_lists_everything_and_removes_nothing_without_yes(tmp_path):
     assert all(p.exists() for p in paths.values())
     dry = _clean(tmp_path, "--dry-run")
     assert dry.returncode == 0 and all(p.exists() for p in paths.values())
+    assert "this would remove (nothing is removed)" in dry.stdout and "This removes" not in dry.stdout
 
 
 def test_clean_yes_removes_the_leftovers_and_nothing_else(tmp_path):
