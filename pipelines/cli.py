@@ -135,12 +135,36 @@ def fetch_ledger(run_id: str, tracking_uri: str):
         return pq.read_table(path).combine_chunks()
 
 
+def find_run(client, run_id: str):
+    """The run ``run_id`` names: its full id, or a prefix of it (8 characters, as MLflow's UI
+    shows) that exactly one run of the store starts with. Raises ``LookupError`` with the reason."""
+    import mlflow
+
+    try:
+        return client.get_run(run_id)
+    except mlflow.exceptions.MlflowException as e:
+        reason = e.message.splitlines()[0]
+    if len(run_id) < 32 and run_id.isascii() and run_id.isalnum():  # nothing to quote in the filter
+        view = mlflow.entities.ViewType.ALL
+        ids = [x.experiment_id for x in client.search_experiments(view_type=view)]
+        like = f"attributes.run_id LIKE '{run_id.lower()}%'"
+        hits = client.search_runs(ids, filter_string=like, run_view_type=view, max_results=6) if ids else []
+        if len(hits) == 1:
+            return hits[0]
+        if len(hits) > 1:
+            names = ", ".join(f"{r.info.run_id} ({r.info.run_name})" for r in hits[:5])
+            more = " …" if len(hits) > 5 else ""
+            raise LookupError(f"several runs start with {run_id!r}: {names}{more}; give more of the id")
+        reason = f"no run id starts with {run_id!r}"
+    raise LookupError(reason)
+
+
 def _ledger(argv: list[str]) -> int:
     p = Parser(
         prog=f"{PROG} ledger",
         description="Print a run's privacy ledger (every noisy release, with the cumulative ε) from MLflow.",
     )
-    p.add_argument("run_id", help="MLflow run id (printed by train)")
+    p.add_argument("run_id", help="MLflow run id (printed by train), or its first characters (8 are shown in the UI)")
     p.add_argument(
         "--tracking-uri",
         default=os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db",
@@ -163,10 +187,11 @@ def _ledger(argv: list[str]) -> int:
         )
         return 2
     try:
-        run = mlflow.MlflowClient(uri).get_run(a.run_id)
-    except mlflow.exceptions.MlflowException as e:
-        print(f"error: no run {a.run_id} in {uri}: {e.message.splitlines()[0]}", file=sys.stderr)
+        run = find_run(mlflow.MlflowClient(uri), a.run_id)
+    except LookupError as e:
+        print(f"error: no run {a.run_id} in {uri}: {e}", file=sys.stderr)
         return 2
+    a.run_id = run.info.run_id
     try:
         table = fetch_ledger(a.run_id, uri)
     except mlflow.exceptions.MlflowException as e:
@@ -207,6 +232,8 @@ def _ledger(argv: list[str]) -> int:
             f"{r['index']:>5} {r['step']:>6} {r['kind']:<17} {r['sample_rate']:>8.4f} {r['noise_multiplier']:>8.4f} "
             f"{r['clip_norm']:>6.3g} {r['status'] + (' (replayed)' if r.get('replayed') else ''):<20} {eps:>8}"
         )
+    if any(r is not None and (r["epsilon"] is None or math.isnan(r["epsilon"])) for r in show):
+        print("(a blank ε: not composed at that release; the budget check before it was exact. ε spent is above.)")
     return 0
 
 

@@ -156,12 +156,13 @@ def test_logged_model_loads_and_predicts_like_the_checkpoint(e2e, tmp_path):
 
 def test_ledger_command_prints_the_runs_ledger(e2e):
     res = subprocess.run(
-        [sys.executable, "-m", "pipelines.cli", "ledger", e2e["run_id"], "--tracking-uri", e2e["tracking_uri"]],
+        [sys.executable, "-m", "pipelines.cli", "ledger", e2e["run_id"][:8], "--tracking-uri", e2e["tracking_uri"]],
         capture_output=True,
         text=True,
         timeout=120,
-    )
+    )  # the 8 characters the UI shows name the run
     assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(f"run {e2e['run_id']} (")
     assert f"{e2e['steps']} releases: {e2e['steps']} committed, 0 rolled back" in res.stdout
     assert "poisson_gaussian" in res.stdout
     assert f"{e2e['epsilon']:.4f}" in res.stdout

@@ -84,3 +84,43 @@ def test_ui_links_open_the_model_training_view():
         tracking.ui_link("http://h:5000", "3", "abc")
         == "http://h:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
     )
+
+
+def test_a_run_is_found_by_its_id_or_the_first_characters_of_it(client):
+    """`dp-platform ledger` takes the 8 characters the MLflow UI shows; a prefix that several runs
+    share, or none, is refused with the reason."""
+    from collections import Counter
+
+    from pipelines.cli import find_run
+
+    ids = [client.create_run(client.create_experiment(f"e{i % 2}") if i < 2 else "1").info.run_id for i in range(40)]
+    for run_id in (ids[0], ids[1][:8], ids[2][:8].upper()):
+        assert find_run(client, run_id).info.run_id.startswith(run_id.lower())
+    client.delete_run(ids[3])  # a deleted run's ledger is still the run's: found too
+    assert find_run(client, ids[3][:8]).info.run_id == ids[3]
+    shared = next(c for c, n in Counter(i[0] for i in ids).items() if n > 1)  # 40 ids, 16 first digits
+    with pytest.raises(LookupError, match=f"several runs start with '{shared}'"):
+        find_run(client, shared)
+    with pytest.raises(LookupError, match="no run id starts with 'zzzzzzzz'"):  # not hex: no run's id
+        find_run(client, "zzzzzzzz")
+    with pytest.raises(LookupError):
+        find_run(client, "' OR 1=1 --")  # not an id: not put in a filter
+
+
+def test_the_ledger_command_explains_a_blank_epsilon(client, capsys):
+    """ε is composed only when asked: the rows in between are blank, and the command says why."""
+    import dpcore
+    from pipelines.cli import main
+
+    ledger = dpcore.PrivacyLedger(3.0, 1e-5, "pld")  # ε on the first entry of a kind, then when asked
+    event = dpcore.PrivacyEvent.of(dpcore.events.POISSON_GAUSSIAN, 1.1, 0.01)
+    for step in range(1, 4):
+        ledger.append(event, step, clip_norm=1.0)
+    ledger.epsilon()  # fills the last entry
+    run_id = client.create_run(client.create_experiment("ledger")).info.run_id
+    tracking.log_ledger(client, run_id, ledger)
+    assert main(["ledger", run_id[:8], "--tracking-uri", client.tracking_uri]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if "committed" in line and "poisson_gaussian" in line]
+    assert len(rows) == 3 and rows[1].rstrip().endswith("committed")  # step 2's ε: blank
+    assert "(a blank ε: not composed at that release; the budget check before it was exact." in out
