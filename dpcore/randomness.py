@@ -370,6 +370,15 @@ class SeededRandomness(Randomness):
         return f"seeded (seed={self.seed}; not for production)"
 
 
+def torch_seed(randomness: Randomness) -> int:
+    """A 64-bit seed for torch's own generator (``torch.manual_seed``) from ``randomness``: secret in
+    secure mode. Training-time randomness inside a model (dropout) is drawn from torch's global
+    generator in batch order, so one example's presence shifts every later example's draws; that
+    is harmless only while the generator's seed is secret (see ``pipelines.augment``)."""
+    hi, lo = (randomness.uniform(2) * 2.0**32).floor().long().tolist()
+    return (hi << 32) | lo
+
+
 def make_randomness(seed: int | None = None) -> Randomness:
     """Secure randomness unless a seed is given explicitly."""
     return SecureRandomness() if seed is None else SeededRandomness(seed)

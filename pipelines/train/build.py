@@ -27,8 +27,11 @@ def method_options(cfg: TrainConfig, plan: RunPlan, rank: int) -> dict:
     if cfg.augmentation_multiplicity > 1:
         from ..augment import CropFlipMultiplicity
 
-        augment = CropFlipMultiplicity(
-            cfg.augmentation_multiplicity, cfg.augment_padding, cfg.augment_flip, seed=cfg.init_seed * 1000 + rank
+        augment = CropFlipMultiplicity(  # secret draws: see pipelines.augment
+            cfg.augmentation_multiplicity,
+            cfg.augment_padding,
+            cfg.augment_flip,
+            randomness=dpcore.make_randomness(cfg.seed).spawn("augment", rank),
         )
     options = cfg.method_options()
     return {

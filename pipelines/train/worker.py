@@ -121,6 +121,8 @@ class Worker:
             warnings.simplefilter("ignore", dpcore.SeededRandomnessWarning)  # the driver already warned and tagged
         torch.manual_seed(cfg.init_seed)  # public: identical initial weights on every rank
         self.model = build_run_model(cfg, tuple(plan.input_shape), plan.num_classes, load_pca(plan)).to(self.device)
+        # Then secret: dropout (tv: models) draws from torch's generator in lot order (dpcore.randomness.torch_seed).
+        torch.manual_seed(dpcore.randomness.torch_seed(dpcore.make_randomness(cfg.seed).spawn("model", self.rank)))
         # With cached features (ScatterNet), the workers read the features and train the rest of the model.
         self.front, self.trained = split_public_front(self.model) if plan.features else (None, self.model)
         data_dir = plan.train_data_dir or plan.data_dir

@@ -126,3 +126,15 @@ def test_the_cli_flag(tmp_path):
     assert logs.split()[1].startswith(str(tmp_path / "dp_runs" / "logs" / "train-"))
     i = out.index(logs)
     assert out[i + 1].startswith(delta) and out[i + 2].startswith("warning: NON-PRIVATE diagnostics were on")
+
+
+def test_dropout_draws_from_a_secret_generator_not_the_public_init_seed(tmp_path):
+    """The worker builds the model from the public init_seed, then reseeds torch's generator
+    from the run's randomness: dropout (tv: models) draws masks in lot order, so a public stream
+    would let one example decide the others' masks (as the augmentation draws did)."""
+    seeds = []
+    for i in range(2):  # the same public settings twice, in secure mode
+        (tmp_path / str(i)).mkdir()
+        run(_cfg(tmp_path / str(i), epochs=1, checkpoint_every=100))
+        seeds.append(torch.initial_seed())  # in-process: the worker's generator is this process's
+    assert seeds[0] != seeds[1] and 0 not in seeds  # init_seed is 0
