@@ -74,7 +74,8 @@ def _ingest(argv: list[str]) -> int:
         "--email-view", default="message", help="text datasets of e-mails: message (as shipped) or subject-body"
     )
     p.add_argument(
-        "--text-classes", help="text tables (CSV/Parquet): the public class list, in order, comma-separated (neg,pos)"
+        "--text-classes",
+        help="text: the public class list, in order, comma-separated (neg,pos); needed for a CSV/Parquet table",
     )
     a = p.parse_args(argv)
     from .config import load_config  # torch and pyarrow: after the flags are parsed

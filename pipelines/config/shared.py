@@ -42,8 +42,9 @@ class DatasetOptions(Section):
     )
     text_classes: str | None = option(
         None,
-        "text tables (CSV/Parquet): the classes in order, comma-separated (neg,pos); public, never read from the "
-        "labels: a string label is matched by name, an integer label indexes the list",
+        "dataset 'text': the classes in order, comma-separated (neg,pos); public, never read from the labels. A "
+        "CSV/Parquet table needs it (a string label is matched by name, an integer label indexes the list); a folder "
+        "of class sub-folders takes it (each sub-folder must be in it), else its sub-folder names count as public",
     )
 
     def check(self) -> None:
@@ -55,7 +56,7 @@ class DatasetOptions(Section):
         if self.text_classes is not None:
             if self.dataset != "text":
                 raise dpcore.DPConfigError(
-                    f"text_classes applies to dataset='text' read from a CSV/Parquet table, not to {self.dataset!r}."
+                    f"text_classes applies to dataset='text' (a CSV/Parquet table or class folders), not to {self.dataset!r}."
                 )
             from ..text.sources import parse_classes  # no torch or transformers at import
 

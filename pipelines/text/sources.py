@@ -6,9 +6,11 @@
   ``easy-ham-1``, ``easy-ham-2``, ``hard-ham-1``, ``spam-1`` and ``spam-2``. A group is ham
   (0) or spam (1) by its name. ``data_dir`` may be the untarred ``package`` folder, its
   ``data`` folder, or the folder that holds ``package``.
-* ``text``: a folder with one sub-folder of text files per class (the class names, sorted, are
-  the labels), or a ``.csv`` / ``.parquet`` file with ``text`` and ``label`` columns (labels
-  are class names, or integers 0..K−1).
+* ``text``: a folder with one sub-folder of text files per class, or a ``.csv`` / ``.parquet``
+  file with ``text`` and ``label`` columns (labels are class names, or integers 0..K−1). The
+  class list shapes the model's head and is logged with it, so it must be public: a table needs
+  it (``text_classes``); a folder takes it when given (each sub-folder must be in it), and
+  otherwise treats its sorted sub-folder names as public, with a warning and a manifest note.
 
 The tokenizer is the model's (``model="hf:..."``): public and fixed, so tokenizing costs no
 privacy. Each text becomes ``max_length`` token ids (int32), padded with the tokenizer's pad id.
@@ -68,13 +70,37 @@ def spamassassin(data_dir: Path) -> tuple[list[str], list[int], list[str], list[
     return texts, labels, ["ham", "spam"], files
 
 
-def class_folders(data_dir: Path) -> tuple[list[str], list[int], list[str], list[str]]:
-    classes = sorted(d.name for d in data_dir.iterdir() if d.is_dir() and not d.name.startswith("."))
+FOLDER_NAMES_WARNING = (
+    "the class list is the folder's sub-folder names, treated as public: they shape the model's head and are "
+    "logged with it. If the folders were made from the labels (one per label found), one rare example can add "
+    "a class; give the classes, in order, with --text-classes."
+)
+
+
+def class_folders(
+    data_dir: Path, classes: list[str] | None = None
+) -> tuple[list[str], list[int], list[str], list[str]]:
+    """One sub-folder of text files per class. With ``classes`` (public, in order) every
+    sub-folder must be one of them (a class may have none); without, the sorted sub-folder
+    names are the classes, with a warning."""
+    found = sorted(d.name for d in data_dir.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if classes is not None:
+        extra = [d for d in found if d not in classes]
+        if extra:  # not printed: a folder's name may be a label of the private data
+            raise DPConfigError(
+                f"{data_dir}: {len(extra)} sub-folder(s) are not among --text-classes ({', '.join(classes)}). The class "
+                "list is public and fixed before the data is read: add the class to the list, or move the folder out."
+            )
+    else:
+        classes = found
+        if len(classes) >= 2:
+            log.warning("%s: %s", data_dir, FOLDER_NAMES_WARNING)
     if len(classes) < 2:
         raise DPConfigError(f"{data_dir} needs one sub-folder of text files per class (found {classes}).")
     texts, labels, files = [], [], []
     for label, name in enumerate(classes):
-        for f in sorted(p for p in (data_dir / name).rglob("*") if p.is_file() and not p.name.startswith(".")):
+        folder = data_dir / name
+        for f in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
             texts.append(_read(f))
             labels.append(label)
             files.append(str(f))
@@ -161,11 +187,7 @@ def read_texts(
             raise DPConfigError(f"{path}: a text table must be a .csv or .parquet file with text and label columns.")
         got = table(path, parse_classes(text_classes))
     else:
-        if text_classes is not None:
-            raise DPConfigError(
-                f"--text-classes is for a CSV/Parquet table; {path} is a folder, whose sub-folders name the classes."
-            )
-        got = class_folders(path)
+        got = class_folders(path, parse_classes(text_classes))
     texts, _, _, files = got
     empty = [
         f"{files[i]}" + (f" (row {i})" if files[i] == str(path) else "") for i, t in enumerate(texts) if not t.strip()
@@ -255,6 +277,13 @@ def load_text_dataset(
     source = {
         "texts": len(texts),
         "classes": classes,
+        "classes_from": (
+            "the corpus's fixed groups"
+            if name == "spamassassin"
+            else "--text-classes"
+            if text_classes is not None
+            else "the folder's sub-folder names, treated as public"
+        ),
         "tokenizer": model,
         "max_length": max_length,
         "email_view": email_view,

@@ -151,12 +151,28 @@ def test_text_classes_are_checked_with_the_config(tmp_path):
         TrainConfig(text_classes="neg,pos").validate()
 
 
-def test_class_folders_name_their_own_classes(minilm, tmp_path):
-    for label in ("neg", "pos"):
+def test_class_folders_take_the_public_class_list_or_warn_that_their_names_count_as_public(minilm, tmp_path, caplog):
+    """helper-30: folders made one per label found let one rare example add a class (a third
+    output, and spam's index moved). With --text-classes every sub-folder must be in the list;
+    without it the sorted names are the classes, said in a warning and in the manifest."""
+    for label in ("ham", "spam", "hiv-positive"):
         (tmp_path / label).mkdir()
-        (tmp_path / label / "a.txt").write_text("some text")
-    with pytest.raises(dpcore.DPConfigError, match="--text-classes is for a CSV/Parquet table"):
-        load_text_dataset("text", str(tmp_path), minilm, text_classes="neg,pos")
+        (tmp_path / label / "a.txt").write_text(f"some text about {label}")
+    with pytest.raises(dpcore.DPConfigError, match="1 sub-folder\\(s\\) are not among --text-classes") as err:
+        load_text_dataset("text", str(tmp_path), minilm, text_classes="ham,spam")
+    assert "hiv-positive" not in str(err.value)  # a folder's name may be a private label: not printed
+    opts = dict(test_fraction=0.0, val_fraction=0.0)
+    ds = load_text_dataset("text", str(tmp_path), minilm, text_classes="spam,ham,hiv-positive,other", **opts)
+    assert ds.source["classes"] == ["spam", "ham", "hiv-positive", "other"] and ds.num_classes == 4  # as given
+    assert ds.source["classes_from"] == "--text-classes"
+    assert sorted(ds.train.y.tolist()) == [0, 1, 2]  # spam, ham, hiv-positive by the list's order
+    with caplog.at_level("WARNING", logger="pipelines.text.sources"):
+        ds = load_text_dataset("text", str(tmp_path), minilm, **opts)
+    assert ds.source["classes"] == ["ham", "hiv-positive", "spam"]
+    assert (
+        "treated as public" in ds.source["classes_from"]
+        and "give the classes, in order, with --text-classes" in caplog.text
+    )
 
 
 @pytest.mark.parametrize(
