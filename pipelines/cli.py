@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import dpcore
+from dpcore.readout import epsilon_text
 
 from ._trace import trace
 from .config.options import Parser
@@ -228,7 +229,7 @@ def _ledger(argv: list[str]) -> int:
         if r is None:
             print(f"{'…':>5}")
             continue
-        eps = "" if r["epsilon"] is None or math.isnan(r["epsilon"]) else f"{r['epsilon']:.4f}"
+        eps = "" if r["epsilon"] is None or math.isnan(r["epsilon"]) else epsilon_text(r["epsilon"], ".4f")
         print(
             f"{r['index']:>5} {r['step']:>6} {r['kind']:<17} {r['sample_rate']:>8.4f} {r['noise_multiplier']:>8.4f} "
             f"{r['clip_norm']:>6.3g} {r['status'] + (' (replayed)' if r.get('replayed') else ''):<20} {eps:>8}"

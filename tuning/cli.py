@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import dpcore
+from dpcore.readout import epsilon_text
 from pipelines.config.options import Parser
 
 from .config import SWEEP_FIELDS, SweepConfig
@@ -21,7 +22,8 @@ def print_summary(s: dict) -> None:
     )
     if s["selection_total_epsilon"] is not None:
         print(
-            f"private selection: the sweep's total ε = {s['selection_total_epsilon']:.4f} (best of a random number of trials, RDP)"
+            f"private selection: the sweep's total ε = {epsilon_text(s['selection_total_epsilon'], '.4f')} "
+            f"at δ = {s['delta']:g} (best of a random number of trials, RDP)"
         )
     else:
         print("selection: the best trial was chosen on the validation split; that choice is not accounted in ε")
@@ -39,7 +41,7 @@ def print_summary(s: dict) -> None:
         scores = f"validation {b['val_accuracy']:.4f}  test {b['test_accuracy']:.4f}"
     print(
         f"best trial {b['number']}: {b['params']}  {scores}  "
-        f"ε={b['epsilon']:.4f}  σ={b['noise_multiplier']:.4f}  run {b['run_id']}"
+        f"ε={epsilon_text(b['epsilon'], '.4f')}  σ={b['noise_multiplier']:.4f}  run {b['run_id']}"
     )
     if b["registered_model"]:
         print(f"model: {b['registered_model']} in the MLflow registry")
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None, prog: str = "dp-platform sweep") -> int:
             print_summary(s)
         if out.get("search_epsilon_bound") is not None:
             print(
-                f"the three stages together cost a training example at most ε ≤ {out['search_epsilon_bound']:.4g} "
+                f"the three stages together cost a training example at most ε ≤ {epsilon_text(out['search_epsilon_bound'], '.4g')} "
                 "(RDP, data-independent: each stage's bound composed)"
             )
     else:

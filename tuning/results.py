@@ -8,6 +8,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from dpcore.readout import epsilon_text
 from pipelines import tracking
 
 from . import search_cost
@@ -87,7 +88,7 @@ def finish_trial(study, trial, ref, sel, randomness, client, parent_id) -> str:
         study._storage.set_trial_user_attr(trial._trial_id, "private_score", value)
     study.tell(trial, value)
     return (
-        f"trial {trial.number}: validation {out['val_accuracy']:.4f}, ε={out['epsilon']:.3f}, "
+        f"trial {trial.number}: validation {out['val_accuracy']:.4f}, ε={epsilon_text(out['epsilon'], '.3f')}, "
         f"σ={out['noise_multiplier']:.3f}, {out['seconds']:.0f}s"
     )
 
@@ -111,6 +112,7 @@ def finalise(
         "complete": len(complete),
         "n_trials": n_trials,
         "selection_total_epsilon": None if sel is None else sel["total_epsilon"],
+        "delta": base.target_delta,
         **search,
     }
     if sel is None:  # with private selection they would show every trial's score: only the best's is covered
@@ -156,20 +158,24 @@ def _describe_parent(client, parent_id: str, study: str, base, sel, complete, se
     spent = [float(t.user_attrs["epsilon"]) for t in complete if "epsilon" in t.user_attrs]
     met = f"every trial ε ≤ {base.target_epsilon:g} at δ = {base.target_delta:g}"
     if spent:
-        met += f" (largest spent {max(spent):.2f}, over {len(spent)} complete trials)"
-        client.set_tag(parent_id, "dp.trial_epsilon_max", f"{max(spent):.6g}")
+        met += f" (largest spent {epsilon_text(max(spent), '.2f')}, over {len(spent)} complete trials)"
+        client.set_tag(parent_id, "dp.trial_epsilon_max", epsilon_text(max(spent)))
     if sel is None:
         choice = "choosing the best trial on validation data is **not** accounted"
         if search.get("search_epsilon_bound") is not None:
             choice += (
-                f"; the whole search costs a training example at most **ε ≤ {search['search_epsilon_bound']:.2f}** "
+                f"; the whole search costs a training example at most **ε ≤ {epsilon_text(search['search_epsilon_bound'], '.2f')}** "
                 f"(a data-independent RDP bound for at most {search['search_trials']} trials; "
                 f"{search['trials_started']} started)"
             )
     else:
-        choice = f"choosing the best trial is accounted: total **ε = {sel['total_epsilon']:.2f}** (RDP)"
+        choice = (
+            f"choosing the best trial is accounted: total **ε = {epsilon_text(sel['total_epsilon'], '.2f')}** (RDP)"
+        )
     client.set_tag(parent_id, "mlflow.note.content", f"**{met}**; {choice}")
-    title = f"ε≤{base.target_epsilon:g} each" if sel is None else f"ε={sel['total_epsilon']:.2f} in all"
+    title = (
+        f"ε≤{base.target_epsilon:g} each" if sel is None else f"ε={epsilon_text(sel['total_epsilon'], '.2f')} in all"
+    )
     client.update_run(parent_id, name=f"{title} · sweep-{study}")
 
 
@@ -181,9 +187,9 @@ def _release_run(client, base, parent_id: str, study: str, best, sel: dict) -> s
     experiment_id = client.get_run(parent_id).info.experiment_id
     run = client.create_run(
         experiment_id,
-        run_name=f"ε={sel['total_epsilon']:.2f} · {study} · selected",
+        run_name=f"ε={epsilon_text(sel['total_epsilon'], '.2f')} · {study} · selected",
         tags={
-            "dp.epsilon": f"{sel['total_epsilon']:.6g}",
+            "dp.epsilon": epsilon_text(sel["total_epsilon"]),
             "dp.delta": f"{base.target_delta:g}",
             "dp.accountant": "rdp",
             "dp.selection": "the release of a privately selected trial (Papernot & Steinke 2022): these settings, "
@@ -218,7 +224,7 @@ def _register_best(
     mlflow.set_tracking_uri(client.tracking_uri)
     trial_cfg = config_from_dict(spec.config)  # the trial's own options (a searched LoRA rank, say)
     trial_epsilon = float(attrs["epsilon"])
-    scope = {"dp.trial_epsilon": f"{trial_epsilon:.6g}"}
+    scope = {"dp.trial_epsilon": epsilon_text(trial_epsilon)}
     if sel is None and search.get("search_epsilon_bound") is not None:
         # The model depends on every trial (it was chosen among them): the registry's ε is the
         # whole search's bound, which covers that choice; the trial's own ε stays beside it.
@@ -226,9 +232,9 @@ def _register_best(
         scope["dp.epsilon_covers"] = "the whole search (a data-independent bound), this model's choice included"
         selection = (
             f"Not accounted as a selection, but bounded: chosen among {n_complete} complete trials on the validation "
-            f"split; ε is the whole search's bound, ε ≤ {search['search_epsilon_bound']:.4g} at δ={base.target_delta:g} "
+            f"split; ε is the whole search's bound, ε ≤ {epsilon_text(search['search_epsilon_bound'], '.4g')} at δ={base.target_delta:g} "
             f"for a training example (at most {search['search_trials']} trials; RDP, data-independent). "
-            f"This trial's own ε was {trial_epsilon:.4g}."
+            f"This trial's own ε was {epsilon_text(trial_epsilon, '.4g')}."
         )
     elif sel is None:
         epsilon, accountant = trial_epsilon, base.accountant

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import dpcore
 from dpcore.accountants.rdp import quiet_absl
+from dpcore.readout import epsilon_text
 
 # options that change what a trial releases, besides the ones the plan reads
 MECHANISM_OPTIONS = ("lot_size", "epochs")
@@ -83,7 +84,7 @@ class SearchBound:
             for m in self.mechanisms
         )
         return (
-            f"ε ≤ {self.epsilon(trials):.4g} at δ={self.delta:g} for the whole search ({trials} trials, each any of: "
+            f"ε ≤ {epsilon_text(self.epsilon(trials), '.4g')} at δ={self.delta:g} for the whole search ({trials} trials, each any of: "
             f"{lots}; RDP, data-independent)"
         )
 

@@ -32,6 +32,7 @@ import warnings
 from pathlib import Path
 
 import dpcore
+from dpcore.readout import epsilon_text
 from pipelines import tracking
 from pipelines.tracking import redact
 
@@ -193,7 +194,7 @@ def run_sweep(
             client.set_tag(parent_id, k, v)
         if sel is not None:
             client.log_metric(parent_id, "sweep_total_epsilon", sel["total_epsilon"])
-            client.set_tag(parent_id, "dp.sweep_total_epsilon", f"{sel['total_epsilon']:.6g}")
+            client.set_tag(parent_id, "dp.sweep_total_epsilon", epsilon_text(sel["total_epsilon"]))
         # The bound holds for at most `cap` trials started, fixed here: the loop starts no more.
         # Without private selection: n_trials finished plus max_failed_trials failed (an error, or
         # a process that died); with it: exactly K (a failed run is one of them, never retried).
@@ -341,7 +342,8 @@ def _parent_tags(sweep: SweepConfig, base, space, sel: dict | None, n_trials: in
         selection_tag = (
             f"accounted (Papernot & Steinke 2022): K ~ {sweep.private_selection}(mean {sweep.selection_mean:g}"
             f"{'' if sweep.private_selection == 'poisson' else f', shape {sweep.selection_shape:g}'}), noisy validation "
-            f"count σ={sweep.selection_noise_multiplier:g}; total ε={sel['total_epsilon']:.4g} at δ={base.target_delta:g} (RDP), "
+            f"count σ={sweep.selection_noise_multiplier:g}; total ε={epsilon_text(sel['total_epsilon'], '.4g')} "
+            f"at δ={base.target_delta:g} (RDP), "
             f"for the selected trial's release: {SCOPE}"
             + (
                 ""

@@ -1,6 +1,8 @@
 """Privacy audits: the one-run training audit (canaries in a real run) and the distinguishing
 audit of one release of each mechanism (:mod:`.mechanisms`); ``dp-platform audit`` is :mod:`.cli`."""
 
+from dpcore.readout import epsilon_text
+
 _NAMES = ("MECHANISMS", "MechanismAudit", "claimed_epsilon", "mechanism_audit", "mechanism_audits", "mechanism_scores")
 
 
@@ -27,7 +29,7 @@ def one_run_audit_lines(out: dict, canaries: str) -> list[tuple[str, bool]]:
         (
             f"audit (one run, {a['canaries']} {canaries}, {a['guesses']} guesses): {a['correct']} correct -> "
             f"ε_lb = {a['epsilon_lower_bound']:.3f} at {a['confidence']:.0%} confidence "
-            f"({'ABOVE' if above else '≤'} ε = {out['epsilon']:.3f})",
+            f"({'ABOVE' if above else '≤'} ε = {epsilon_text(out['epsilon'], '.3f')})",
             False,
         )
     ]

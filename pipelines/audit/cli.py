@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dpcore
+from dpcore.readout import epsilon_text
 
 from ..catalog import AUDIT_MECHANISMS as MECHANISMS
 from ..config.options import Parser
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None, prog: str = "dp-platform audit") -> int:
                 )
             print(
                 f"{res.mechanism} ({res.workers} worker(s)): ε_lb = {res.epsilon_lower_bound:.3f} at {res.confidence:.0%} confidence, "
-                f"ledger ε = {res.epsilon:.3f} at δ={res.delta:g}; {res.samples_in} 'in' and {res.samples_out} 'out' scores"
+                f"ledger ε = {epsilon_text(res.epsilon, '.3f')} at δ={res.delta:g}; "
+                f"{res.samples_in} 'in' and {res.samples_out} 'out' scores"
             )
             print("ok: ε_lb ≤ ε" if res.epsilon_lower_bound <= res.epsilon else "AUDIT FAILED: ε_lb > ε")
             return 0 if res.epsilon_lower_bound <= res.epsilon else AUDIT_FAILED

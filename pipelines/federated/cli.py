@@ -7,6 +7,7 @@ import sys
 import warnings
 
 import dpcore
+from dpcore.readout import epsilon_text
 
 from ..config import add_config_arguments, load_config
 from ..config.options import config_parser
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.federat
     )
     print(f"test accuracy: {out['test_accuracy']:.4f}")
     print(
-        f"ε spent: {out['epsilon']:.4f} at δ={out['target_delta']:g}; δ at ε={out['target_epsilon']:g}: "
+        f"ε spent: {epsilon_text(out['epsilon'], '.4f')} at δ={out['target_delta']:g}; δ at ε={out['target_epsilon']:g}: "
         f"{out['delta_at_target_epsilon']:.3g} "
         "(client-level, add/remove one client, Poisson sampling of clients)"
     )

@@ -13,6 +13,7 @@ import torch
 
 import dpcore
 from dpcore.federated import AdaptiveClipping, ClientLevelDP, nonprivate_median_clip_norm
+from dpcore.readout import epsilon_text
 
 from .. import tracking
 from ..data import public_example
@@ -225,7 +226,7 @@ def run_federated(cfg: FederatedConfig | None = None, faults: ActorFault | None 
                         if not cfg.quiet:
                             eta = (rounds - r) * elapsed / r
                             print(
-                                f"[{'#' * int(24 * r / rounds):.<24}] round {r}/{rounds}  ε={eps:.3f}  "
+                                f"[{'#' * int(24 * r / rounds):.<24}] round {r}/{rounds}  ε={epsilon_text(eps, '.3f')}  "
                                 f"δ(ε={cfg.target_epsilon:g})={dlt:.3g}  "
                                 f"S={s:.3g}  test acc={test_acc:.4f}  {elapsed:6.1f}s  ETA {eta:6.1f}s",
                                 file=sys.stderr,
@@ -239,10 +240,12 @@ def run_federated(cfg: FederatedConfig | None = None, faults: ActorFault | None 
                 seconds_rounds = time.monotonic() - t_rounds
                 say(f"{done} round(s) done" + ("; stopping the local Ray cluster" if cluster == "started" else ""))
             epsilon = ledger.epsilon()
-            say(f"ε = {epsilon:.4f} from the run's ledger ({cfg.accountant}); logging the ledger and plots to MLflow")
+            say(
+                f"ε = {epsilon_text(epsilon, '.4f')} from the run's ledger ({cfg.accountant}); logging the ledger and plots to MLflow"
+            )
             dlt = dpcore.accountants.delta(ledger.groups(), cfg.target_epsilon, cfg.accountant) if len(ledger) else 0.0
             test_acc, _ = _evaluate(model, data.test)
-            client.set_tag(run_id, "dp.epsilon", f"{epsilon:.6g}")
+            client.set_tag(run_id, "dp.epsilon", epsilon_text(epsilon))
             client.set_tag(run_id, "dp.delta_at_target_epsilon", f"{dlt:.6g}")
             tracking.log_ledger(client, run_id, ledger)
             client.log_metric(run_id, "final_epsilon", epsilon)

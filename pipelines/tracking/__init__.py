@@ -35,6 +35,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import dpcore
+from dpcore.readout import epsilon_text
 
 # The run's model, logged and registered: a module of its own, re-exported here.
 from .models import log_model, log_run_model, model_label, skips_registry, text_model_meta  # noqa: F401
@@ -254,20 +255,21 @@ def describe_run(
     picks them, and cuts names after about 17 characters). Its description, the first thing
     its page shows: ε rounded for reading (the full value stays in the ``epsilon`` metrics and
     the ``dp.epsilon`` tag), δ and test accuracy."""
-    text = f"**ε = {epsilon:.2f}** at δ = {delta:g} ({accountant})"
-    title = f"ε={epsilon:.2f}"
+    shown = epsilon_text(epsilon, ".2f")  # rounded up: never below the ledger's ε
+    text = f"**ε = {shown}** at δ = {delta:g} ({accountant})"
+    title = f"ε={shown}"
     if accuracy is not None and accuracy == accuracy:  # not NaN
         text += f" · test accuracy **{accuracy:.2%}**"
         title += f" · {accuracy:.1%}"
     client.set_tag(run_id, "mlflow.note.content", text)
-    client.set_tag(run_id, "dp.epsilon_rounded", f"{epsilon:.2f}")
+    client.set_tag(run_id, "dp.epsilon_rounded", shown)
     client.update_run(run_id, name=f"{title} · {name}")
 
 
 def record_released(client, run_id: str, ledger: dpcore.PrivacyLedger) -> None:
     """The ε tag and the ledger of whatever was released (for a run that stops early)."""
     if len(ledger):
-        client.set_tag(run_id, "dp.epsilon", f"{ledger.epsilon():.6g}")
+        client.set_tag(run_id, "dp.epsilon", epsilon_text(ledger.epsilon()))
         log_ledger(client, run_id, ledger)
 
 

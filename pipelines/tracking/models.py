@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dpcore.readout import epsilon_text
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -36,7 +38,7 @@ def log_model(
     import torch
     from mlflow.models import infer_signature
 
-    tags = {"dp.epsilon": f"{epsilon:.6g}", "dp.delta": f"{delta:g}"}
+    tags = {"dp.epsilon": epsilon_text(epsilon), "dp.delta": f"{delta:g}"}
     if no_guarantee:
         tags = {"dp.epsilon": "none", "dp.guarantee": no_guarantee}
     with mlflow.start_run(run_id=run_id):
@@ -83,7 +85,7 @@ def log_model(
         version.version,
         description=f"No differential-privacy guarantee: {no_guarantee} Run {run_id}."
         if no_guarantee
-        else f"Trained with (ε={epsilon:.4g}, δ={delta:g})-DP ({accountant}), run {run_id}."
+        else f"Trained with (ε={epsilon_text(epsilon, '.4g')}, δ={delta:g})-DP ({accountant}), run {run_id}."
         + (f" {selection}" if selection else ""),
     )
     return version

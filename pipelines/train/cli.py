@@ -13,6 +13,7 @@ import sys
 import warnings
 
 import dpcore
+from dpcore.readout import epsilon_text
 
 from .. import tracking
 from ..config import add_config_arguments, load_config
@@ -92,7 +93,7 @@ def print_summary(out: dict) -> None:
     f1_text = f"   test F1 of class 1 ({out['classes'][1]}): {f1:.4f}" if f1 == f1 and out.get("classes") else ""
     print(f"test accuracy: {out['test_accuracy']:.4f}{f1_text}   validation accuracy: {out['val_accuracy']:.4f}")
     print(
-        f"ε spent: {out['epsilon']:.4f} at δ={out['delta']:g} ({out['accountant']} accountant; example-level, add/remove, "
+        f"ε spent: {epsilon_text(out['epsilon'], '.4f')} at δ={out['delta']:g} ({out['accountant']} accountant; example-level, add/remove, "
         "Poisson sampling)"
     )
     if out.get("audit"):

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import dpcore
+from dpcore.readout import epsilon_text
 
 from .. import tracking
 from .._trace import trace
@@ -323,7 +324,7 @@ def _fit_and_log(
     ledger = open_run_ledger(plan, read_only=True)
     epsilon = ledger.epsilon()
     progress.phase(
-        f"ε = {epsilon:.4f} from the run's ledger ({cfg.accountant}); logging the ledger and plots to MLflow"
+        f"ε = {epsilon_text(epsilon, '.4f')} from the run's ledger ({cfg.accountant}); logging the ledger and plots to MLflow"
     )
     metrics = result.metrics or {}
     checkpoint = final_checkpoint(plan, cfg.num_workers, result.checkpoint)
@@ -334,7 +335,7 @@ def _fit_and_log(
             f"the last checkpoint ({checkpoint}: step {meta['step']}) is not the end of the ledger ({len(committed)} committed steps)"
         )
     model = load_final_model(plan, checkpoint)
-    client.set_tag(run_id, "dp.epsilon", f"{epsilon:.6g}")
+    client.set_tag(run_id, "dp.epsilon", epsilon_text(epsilon))
     from .placement import read_placement
 
     placement = read_placement(plan)

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dpcore.readout import epsilon_text
+
 if TYPE_CHECKING:
     from ..plan import RunPlan
 
@@ -163,7 +165,7 @@ class JournalProgress:
             eta_text = ", ETA    …" if eta is None else f", ETA {eta:5.1f}s"
         width = 24
         filled = int(width * min(self._steps, self.total) / self.total)
-        eps = "…" if self._eps is None else f"{self._eps:.3f}"
+        eps = "…" if self._eps is None else epsilon_text(self._eps, ".3f")
         if self._eps is not None and self._eps_step != self._steps:  # an earlier step's ε: say which
             eps += f" (step {self._eps_step})"
         label = self._phase if self._steps == 0 and not final else f"step {self._steps}/{self.total}"

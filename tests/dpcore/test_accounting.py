@@ -582,3 +582,22 @@ print(json.dumps([first, many]))
     acc = dp_accounting.pld.PLDAccountant()
     acc.compose(dp_accounting.PoissonSampledDpEvent(0.0379, dp_accounting.GaussianDpEvent(0.7968)), 1)
     assert there[0] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-12)
+
+
+def test_epsilon_is_shown_rounded_up_never_below_the_ledgers_value():
+    """helper-29/31: ``f"{1.00499:.2f}"`` reads 1.00, below the ledger's ε; what is shown rounds up."""
+    import random
+
+    from dpcore.readout import epsilon_text
+
+    assert epsilon_text(1.00499, ".2f") == "1.01" and epsilon_text(1.99499, ".2f") == "2.00"
+    assert epsilon_text(2.98701) == "2.98701" and epsilon_text(2.9870100001) == "2.98702"  # .6g
+    assert epsilon_text(9.99991, ".4g") == "10" and epsilon_text(3.0, ".2f") == "3.00"
+    assert epsilon_text(float("inf"), ".2f") == "inf"
+    rng = random.Random(0)
+    for _ in range(2000):
+        eps = 10 ** rng.uniform(-3, 3)
+        for spec, unit in ((".2f", 1e-2), (".4f", 1e-4), (".4g", None), (".6g", None)):
+            shown = float(epsilon_text(eps, spec))
+            step = unit if unit else 10 ** (math.floor(math.log10(eps)) - int(spec[1]) + 1)
+            assert eps <= shown < eps + step * (1 + 1e-9), (eps, spec, shown)

@@ -20,6 +20,7 @@ from scipy import stats
 import dpcore
 from dpcore.clipping import CLIP_MARGIN
 from dpcore.federated import AdaptiveClipping, ClientLevelDP, clip_update, split_noise_multiplier
+from dpcore.readout import epsilon_text
 from dpcore.sampling import PoissonSampler
 from pipelines.data import load_digits
 from pipelines.federated import ActorFault, FederatedConfig, plan_federated, run_federated
@@ -379,7 +380,7 @@ def test_a_model_trained_without_a_guarantee_is_registered_without_an_epsilon(tm
             assert version.description.startswith("No differential-privacy guarantee: S is the non-private median")
             assert model_tags.get("dp.epsilon") == "none"
         else:
-            assert version.tags["dp.epsilon"] == f"{out['epsilon']:.6g}" and version.tags["dp.accountant"] == "pld"
+            assert version.tags["dp.epsilon"] == epsilon_text(out["epsilon"]) and version.tags["dp.accountant"] == "pld"
             assert "dp.guarantee" not in version.tags and version.description.startswith("Trained with (ε=")
 
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 from dp_accounting import pld
 
+from dpcore.readout import epsilon_text
 from pipelines import tracking
 from pipelines.config import TrainConfig
 from pipelines.data import open_split
@@ -165,7 +166,7 @@ def test_ledger_command_prints_the_runs_ledger(e2e):
     assert res.stdout.startswith(f"run {e2e['run_id']} (")
     assert f"{e2e['steps']} releases: {e2e['steps']} committed, 0 rolled back" in res.stdout
     assert "poisson_gaussian" in res.stdout
-    assert f"{e2e['epsilon']:.4f}" in res.stdout
+    assert epsilon_text(e2e["epsilon"], ".4f") in res.stdout  # rounded up
 
 
 def test_the_ledger_command_makes_no_store_where_there_is_none(tmp_path):

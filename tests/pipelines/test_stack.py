@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from dpcore.readout import epsilon_text
 from pipelines import tracking
 from pipelines.ops import stack as stk
 from pipelines.ops.stack import commands as stk_commands
@@ -420,11 +421,13 @@ def test_browser_tells_the_privacy_story_without_a_click(stack):
     parent = client.get_run(stack.results["sweep"])
     exp = run.info.experiment_id
     eps = run.data.metrics["epsilon"]
-    assert run.info.run_name.startswith(f"ε={eps:.2f} · ") and parent.info.run_name.startswith("ε≤2 each · sweep-")
+    assert run.info.run_name.startswith(f"ε={epsilon_text(eps, '.2f')} · ") and parent.info.run_name.startswith(
+        "ε≤2 each · sweep-"
+    )
     user = f"{stack.creds['MLFLOW_TRACKING_USERNAME']}:{stack.creds['MLFLOW_TRACKING_PASSWORD']}"
     with browser(base64.b64encode(user.encode()).decode()) as d:
         d.get(ui_link(stack.mlflow, exp))  # the link `train` prints for a tracking server, less the run
-        text = wait_for_text(d, "Run Name", f"ε={eps:.2f} · ", "ε≤2 each · ")
+        text = wait_for_text(d, "Run Name", f"ε={epsilon_text(eps, '.2f')} · ", "ε≤2 each · ")
         assert "No data available" not in text and "Overview" not in text.split("Run Name")[0]
         screenshot(d, "mlflow_runs_table.png")
 

@@ -68,9 +68,10 @@ def test_the_description_rounds_epsilon_and_the_full_value_stays(client):
         tracking.describe_run(client, run_id, "fmnist", 1.994528386924076, 1e-5, "pld", 0.89687)
     run = client.get_run(run_id)
     tags = run.data.tags
-    assert tags["mlflow.note.content"] == "**ε = 1.99** at δ = 1e-05 (pld) · test accuracy **89.69%**"
-    assert tags["dp.epsilon_rounded"] == "1.99" and tags["dp.epsilon"] == "1.994528386924076"
-    assert run.info.run_name == "ε=1.99 · 89.7% · fmnist"  # what the runs list shows first
+    # rounded up (1.99 would read below the ledger's ε), the full value in dp.epsilon
+    assert tags["mlflow.note.content"] == "**ε = 2.00** at δ = 1e-05 (pld) · test accuracy **89.69%**"
+    assert tags["dp.epsilon_rounded"] == "2.00" and tags["dp.epsilon"] == "1.994528386924076"
+    assert run.info.run_name == "ε=2.00 · 89.7% · fmnist"  # what the runs list shows first
     with tracking.mlflow_run(client, experiment="e", run_name="early") as run_id:
         tracking.describe_run(client, run_id, "early", 0.5, 1e-5, "rdp", float("nan"))  # no accuracy (stopped early)
     run = client.get_run(run_id)
@@ -124,3 +125,11 @@ def test_the_ledger_command_explains_a_blank_epsilon(client, capsys):
     rows = [line for line in out.splitlines() if "committed" in line and "poisson_gaussian" in line]
     assert len(rows) == 3 and rows[1].rstrip().endswith("committed")  # step 2's ε: blank
     assert "(a blank ε: not composed at that release; the budget check before it was exact." in out
+
+
+def test_the_runs_name_and_description_round_epsilon_up(client):
+    run_id = client.create_run(client.create_experiment("shown")).info.run_id
+    tracking.describe_run(client, run_id, "digits-mlp", 1.00499, 1e-5, "pld", 0.9312)
+    run = client.get_run(run_id)
+    assert run.info.run_name.startswith("ε=1.01 · 93.1%") and run.data.tags["dp.epsilon_rounded"] == "1.01"
+    assert run.data.tags["mlflow.note.content"].startswith("**ε = 1.01** at δ = 1e-05")

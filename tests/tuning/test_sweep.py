@@ -26,6 +26,7 @@ import optuna
 import pytest
 
 import dpcore
+from dpcore.readout import epsilon_text
 from pipelines.config import TrainConfig
 from tuning import selection
 from tuning.config import SweepConfig
@@ -102,7 +103,10 @@ def test_sweep_completes_its_trials_with_parent_and_child_runs(e2e):
     # the parent says, without a click, the ε every trial met and that the choice is not accounted
     spent = max(t.user_attrs["epsilon"] for t in complete)
     note = parent.data.tags["mlflow.note.content"]
-    assert f"every trial ε ≤ {e2e['base'].target_epsilon:g}" in note and f"largest spent {spent:.2f}" in note
+    assert (
+        f"every trial ε ≤ {e2e['base'].target_epsilon:g}" in note
+        and f"largest spent {epsilon_text(spent, '.2f')}" in note
+    )
     assert "**not** accounted" in note
     assert parent.info.run_name == f"ε≤{e2e['base'].target_epsilon:g} each · sweep-e2e"  # the runs list's first words
     assert float(parent.data.tags["dp.trial_epsilon_max"]) == pytest.approx(spent, rel=1e-5)  # 6 significant digits
@@ -214,8 +218,8 @@ def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path, ca
     assert "accounted (Papernot & Steinke 2022)" in parent.data.tags["dp.selection"]
     assert "child runs and the study's storage keep every trial's exact scores" in parent.data.tags["dp.selection"]
     assert "dp.search_epsilon_bound" not in parent.data.tags  # the accounted total says it all
-    assert f"total **ε = {reference:.2f}**" in parent.data.tags["mlflow.note.content"]
-    assert parent.info.run_name == f"ε={reference:.2f} in all · sweep-private"
+    assert f"total **ε = {epsilon_text(reference, '.2f')}**" in parent.data.tags["mlflow.note.content"]
+    assert parent.info.run_name == f"ε={epsilon_text(reference, '.2f')} in all · sweep-private"
     # the parent carries the noisy score the total covers, not the best trial's exact accuracies
     assert "best_val_accuracy" not in parent.data.metrics and "best_test_accuracy" not in parent.data.metrics
     if out["best"] is not None:
