@@ -113,6 +113,7 @@ def _source_fingerprint(cfg: TrainConfig) -> dict:
         fingerprint.update(
             model=cfg.model, max_length=cfg.max_length, email_view=cfg.email_view, text_classes=cfg.text_classes
         )
+        fingerprint["tokenization"] = 2  # 2: special tokens' text split (2026-11-29); older caches are made again
     fingerprint["files"] = sorted((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     return fingerprint
 
@@ -178,6 +179,31 @@ def check_shards(cfg: TrainConfig, data_dir: Path, manifest: dict) -> None:
         )
 
 
+def check_tokenizer(cfg: TrainConfig, data_dir: Path, manifest: dict) -> None:
+    """A text dataset's shards hold token ids: the run's model must read them with the tokenizer
+    that made them (the logged model tokenizes with the run's). Compared by the manifest's
+    fingerprint of that tokenizer, or, for a dataset ingested before it was kept, by name."""
+    source = manifest.get("source")
+    if not isinstance(source, dict) or "tokenizer" not in source or not cfg.model.startswith("hf:"):
+        return
+    made_by = source["tokenizer"]
+    fix = f"re-ingest {data_dir} with --model {cfg.model}, or train with --model {made_by}"
+    if "tokenizer_sha256" in source:
+        from .text.hf import load_tokenizer
+        from .text.sources import tokenizer_fingerprint
+
+        if tokenizer_fingerprint(load_tokenizer(cfg.model)) != source["tokenizer_sha256"]:
+            raise dpcore.DPConfigError(
+                f"{data_dir} was tokenized by {made_by}, whose tokenizer is not model={cfg.model!r}'s (other ids, "
+                f"special tokens or padding): the model would read other words than the shards hold. {fix[0].upper()}{fix[1:]}."
+            )
+    elif made_by != cfg.model:
+        raise dpcore.DPConfigError(
+            f"{data_dir} was tokenized by {made_by} (an ingest that kept no fingerprint of its tokenizer), not by "
+            f"model={cfg.model!r}: {fix}."
+        )
+
+
 def plan_run(cfg: TrainConfig, on_checked: Callable[[], None] | None = None) -> RunPlan:
     """Validate everything and plan the run. Raises DPConfigError before anything starts.
     ``on_checked`` is called once the config, the data (every shard) and the model have passed
@@ -189,6 +215,7 @@ def plan_run(cfg: TrainConfig, on_checked: Callable[[], None] | None = None) -> 
     data_dir, manifest = prepare_data(cfg)
     n = sum(e["rows"] for e in manifest["files"] if e["split"] == "train")
     check_shards(cfg, data_dir, manifest)
+    check_tokenizer(cfg, data_dir, manifest)
     input_shape = tuple(manifest["input_shape"])
     prior = []
     if cfg.pca_components:

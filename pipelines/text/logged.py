@@ -88,19 +88,13 @@ def predict_texts(clf, tokenizer, meta: dict, texts: list[str], batch: int = 64)
     """A DataFrame: each text's ``label`` (a class name) and ``p_<class>`` for every class."""
     import pandas as pd
 
-    from .sources import email_text
+    from .sources import email_text, encode
 
     texts = [email_text(t, meta["email_view"]) for t in texts]
     probs = []
     with torch.no_grad():
         for lo in range(0, len(texts), batch):
-            enc = tokenizer(
-                texts[lo : lo + batch],
-                truncation=True,
-                max_length=meta["max_length"],
-                padding="max_length",
-                return_tensors="pt",
-            )
+            enc = encode(tokenizer, texts[lo : lo + batch], meta["max_length"], return_tensors="pt")
             probs.append(torch.softmax(clf(enc["input_ids"]), dim=1))
     p = torch.cat(probs) if probs else torch.zeros(0, len(meta["classes"]))
     classes = meta["classes"]

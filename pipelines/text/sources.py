@@ -228,6 +228,38 @@ def email_text(raw: str, view: str) -> str:
     return text if body.strip() or subject.strip() else raw
 
 
+def encode(tokenizer, texts: list[str], max_length: int, return_tensors: str = "np", **kw):
+    """Texts as ``max_length`` token ids each, the same at ingest and when the logged model
+    predicts. A special token's text inside a text (``[PAD]``, ``[SEP]``) is read as plain text
+    (``split_special_tokens``): taken as the token itself, ``[PAD]`` would be masked as padding."""
+    return tokenizer(
+        texts,
+        truncation=True,
+        max_length=max_length,
+        padding="max_length",
+        return_tensors=return_tensors,
+        split_special_tokens=True,
+        **kw,
+    )
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """SHA-256 of what decides a tokenizer's ids: its class, vocabulary, special tokens, pad id
+    and its ids for a fixed public probe. Kept in a text dataset's manifest, so that a run can
+    tell whether its model's tokenizer is the one that made the shards."""
+    import hashlib
+
+    probe = ["The quick brown fox, 3.14 ÄÖÜ ñ 漢字 <b>mail</b> [SEP]", "  ", "Re: FW: meeting @ 10am?!"]
+    blob = {
+        "class": type(tokenizer).__name__,
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special": sorted(map(str, tokenizer.all_special_tokens)),
+        "pad": tokenizer.pad_token_id,
+        "probe": encode(tokenizer, probe, 32, return_tensors="np")["input_ids"].tolist(),
+    }
+    return hashlib.sha256(json.dumps(blob, ensure_ascii=False, default=str).encode()).hexdigest()
+
+
 def tokenize(texts: list[str], tokenizer, max_length: int) -> tuple[np.ndarray, int]:
     """(token ids [N, max_length] int32, how many texts were truncated)."""
     if max_length < 8:
@@ -235,12 +267,13 @@ def tokenize(texts: list[str], tokenizer, max_length: int) -> tuple[np.ndarray, 
     limit = getattr(tokenizer, "model_max_length", None)
     if limit and limit < 10**6 and max_length > limit:
         raise DPConfigError(f"max_length={max_length} exceeds the model's maximum of {limit} tokens.")
-    enc = tokenizer(texts, truncation=True, max_length=max_length, padding="max_length", return_tensors="np")
+    enc = encode(tokenizer, texts, max_length)
     encodings = enc.encodings  # a fast tokenizer's: each keeps the tokens that truncation cut off
     if encodings is not None and len(encodings) == len(texts):
         truncated = sum(bool(e.overflowing) for e in encodings)
     else:  # a slow (Python) tokenizer: count on a second, untruncated pass
-        full = tokenizer(texts, truncation=False, add_special_tokens=True, verbose=False)["input_ids"]
+        full = tokenizer(texts, truncation=False, add_special_tokens=True, verbose=False, split_special_tokens=True)
+        full = full["input_ids"]
         truncated = sum(len(ids) > max_length for ids in full)
     return enc["input_ids"].astype(np.int32), int(truncated)
 
@@ -285,6 +318,7 @@ def load_text_dataset(
             else "the folder's sub-folder names, treated as public"
         ),
         "tokenizer": model,
+        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
         "max_length": max_length,
         "email_view": email_view,
         "truncated": truncated,

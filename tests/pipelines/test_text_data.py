@@ -294,3 +294,54 @@ def test_truncation_is_counted_in_one_pass_as_the_untruncated_lengths_count_it(m
         assert truncated == sum(n > 32 for n in lengths) >= 5, type(tok).__name__
         reference = tok(texts, truncation=True, max_length=32, padding="max_length", return_tensors="np")["input_ids"]
         assert ids.dtype == np.int32 and np.array_equal(ids, reference)
+
+
+def test_a_special_tokens_text_inside_a_text_is_plain_text(minilm, tmp_path):
+    """helper-30: "[PAD]" in an e-mail became the pad id mid-text (masked as padding), "[SEP]"
+    and "[CLS]" control tokens. Ingest and the logged model's prediction both split them."""
+    from pipelines.text.hf import load_tokenizer
+    from pipelines.text.sources import encode
+
+    path = tmp_path / "t.csv"
+    path.write_text('text,label\n"a [PAD] b [SEP] c [CLS]",neg\nplain words,pos\n')
+    ds = load_text_dataset(
+        "text", str(path), minilm, max_length=24, text_classes="neg,pos", test_fraction=0, val_fraction=0
+    )
+    tok = load_tokenizer(minilm)
+    row = next(r for r in ds.train.x.tolist() if len([i for i in r if i != tok.pad_token_id]) > 6)
+    body = row[1 : row.index(tok.sep_token_id)]  # between [CLS] and the first [SEP]
+    assert tok.pad_token_id not in body and tok.cls_token_id not in body and tok.sep_token_id not in body
+    assert "[ pad ]" in tok.decode(body)  # the characters, as words
+    assert encode(tok, ["a [PAD] b [SEP] c [CLS]"], 24)["input_ids"][0].tolist() == row  # as the logged model reads it
+
+
+def test_a_run_refuses_shards_made_by_another_tokenizer(minilm, minilm_folder, tmp_path):
+    """helper-30: shards tokenized by model A were trained on by model B (B's pad id as the mask,
+    B's tokenizer in the logged model). A copy of A elsewhere is the same tokenizer: accepted."""
+    import json
+    import shutil
+
+    from pipelines.config import TrainConfig
+    from pipelines.plan import check_tokenizer
+
+    root = _spam_tree(tmp_path / "corpus")
+    out = ingest(load_text_dataset("spamassassin", str(root), minilm, max_length=24), tmp_path / "ingested")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(manifest["source"]["tokenizer_sha256"]) == 64
+    copy = shutil.copytree(minilm_folder, tmp_path / "copy-of-a")
+    other = shutil.copytree(minilm_folder, tmp_path / "model-b")
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]  # one swap: another tokenizer
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+
+    def cfg(model):
+        return TrainConfig(dataset="spamassassin", data_dir=str(out), model=f"hf:{model}")
+
+    check_tokenizer(cfg(copy), out, manifest)
+    with pytest.raises(dpcore.DPConfigError, match="whose tokenizer is not model=.*Re-ingest"):
+        check_tokenizer(cfg(other), out, manifest)
+    del manifest["source"]["tokenizer_sha256"]  # an ingest from before the fingerprint: by name
+    check_tokenizer(cfg(minilm_folder), out, manifest)
+    with pytest.raises(dpcore.DPConfigError, match="kept no fingerprint"):
+        check_tokenizer(cfg(copy), out, manifest)
