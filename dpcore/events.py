@@ -145,8 +145,16 @@ EVENT_KINDS = tuple(EVENTS)
 
 
 def positive_groups(groups) -> list[tuple[PrivacyEvent, int]]:
-    """``groups`` with counts as ints, those ≤ 0 dropped."""
-    return [(e, int(c)) for e, c in groups if int(c) > 0]
+    """``groups`` in one canonical form: counts as ints, those ≤ 0 dropped, equal events merged,
+    in the order of their ``repr``. Composition is commutative but its floating point is not
+    (PLD: 5e-12 between orders): in this form the budget check, which composes the step event
+    after the others, and the ledger, which lists events as first seen, compute the same ε to
+    the bit."""
+    merged: dict[PrivacyEvent, int] = {}
+    for e, c in groups:
+        if int(c) > 0:
+            merged[e] = merged.get(e, 0) + int(c)
+    return sorted(merged.items(), key=lambda kv: repr(kv[0]))
 
 
 def compose(groups) -> dp_accounting.DpEvent:

@@ -601,3 +601,22 @@ def test_epsilon_is_shown_rounded_up_never_below_the_ledgers_value():
             shown = float(epsilon_text(eps, spec))
             step = unit if unit else 10 ** (math.floor(math.log10(eps)) - int(spec[1]) + 1)
             assert eps <= shown < eps + step * (1 + 1e-9), (eps, spec, shown)
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_epsilon_does_not_depend_on_the_order_or_grouping_of_the_releases(accountant):
+    """helper-29: PLD composition in another order gave ε 5e-12 apart, so the budget check (the
+    step event last) and the ledger (events as first seen) could disagree at the boundary. Every
+    accountant now composes one canonical form: equal events merged, in a fixed order."""
+    import itertools
+
+    from dpcore.accountants import epsilon
+
+    a = dpcore.PrivacyEvent.dpsgd_step(1.1, 0.01)
+    b = dpcore.PrivacyEvent.dpsgd_step(0.9, 0.02)
+    c = dpcore.PrivacyEvent.of(dpcore.events.GAUSSIAN, 5.0)
+    groups = [(a, 300), (b, 200), (c, 1)]
+    values = {epsilon(list(p), 1e-5, accountant) for p in itertools.permutations(groups)}
+    assert len(values) == 1  # to the bit
+    split = [(a, 100), (b, 200), (c, 1), (a, 200), (b, 0)]  # a's releases in two groups, an empty one
+    assert epsilon(split, 1e-5, accountant) == values.pop()
