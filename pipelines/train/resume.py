@@ -47,5 +47,28 @@ def resume_plan(run_id: str, tracking_uri: str, changes: dict) -> tuple[RunPlan,
             f"run {run_id} is still training somewhere (its ledger journal {plan.journal} is locked by a worker). "
             "Stop that job before resuming; two trainers on one run could spend the budget twice."
         )
+    check_same_data(plan)
     plan.config.update(changes)
     return plan, config_from_dict(plan.config)
+
+
+def check_same_data(plan: RunPlan) -> None:
+    """The dataset a resumed run trains on is the one it was planned on: verified against its
+    manifest (every file whose stat changed is hashed again), with the planned N, input shape
+    and classes. q = lot/N and σ were fixed for that N; a dataset ingested again in place would
+    be trained on under the old plan's numbers (helper-31)."""
+    from ..data import CorruptShardError, verify
+
+    try:
+        manifest = verify(plan.data_dir)
+    except (CorruptShardError, OSError, ValueError) as e:
+        raise dpcore.DPConfigError(f"--resume: the run's dataset {plan.data_dir} does not verify: {e}") from None
+    n = sum(e["rows"] for e in manifest["files"] if e["split"] == "train")
+    now = (n, list(manifest["input_shape"]), manifest.get("num_classes", plan.num_classes))
+    then = (plan.dataset_size, list(plan.input_shape), plan.num_classes)
+    if now != then:
+        raise dpcore.DPConfigError(
+            f"--resume: the run's dataset {plan.data_dir} changed since the run was planned (training examples, input "
+            f"shape, classes: {then[0]}, {then[1]}, {then[2]} then; {now[0]}, {now[1]}, {now[2]} now). A resumed run "
+            "keeps its plan (q = lot/N, σ); start a new run on the new data."
+        )
