@@ -4,7 +4,7 @@ dp-platform train [CONFIG.yaml] [--flags]     train with DP on Ray; ledger and m
 dp-platform sweep [CONFIG.yaml] [--flags]     Optuna sweep at a fixed (ε, δ); trials on Ray, runs in MLflow
 dp-platform federated [CONFIG.yaml] [--flags] client-level DP federated averaging on Ray actors
 dp-platform audit [CONFIG.yaml] [--flags]     privacy audit: one training run with canaries, or --mechanism
-dp-platform ingest DATASET OUT_DIR            write a dataset once as Parquet shards
+dp-platform ingest DATASET OUT_DIR            write a dataset once as Arrow shards (checksummed)
 dp-platform ledger RUN_ID                     print a run's privacy ledger from MLflow
 dp-platform ui                                the MLflow UI on 127.0.0.1, on the same store
 dp-platform bench                             private step time and memory, beside Opacus

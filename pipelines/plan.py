@@ -267,7 +267,8 @@ def plan_run(cfg: TrainConfig, on_checked: Callable[[], None] | None = None) -> 
         cfg, data_dir, manifest, model
     )  # last: everything that can fail cheaply has been checked
     every = cfg.checkpoint_every or max(1, math.ceil(steps / 10))
-    name = cfg.run_name or f"{cfg.dataset}-{tracking.model_label(cfg.model)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    method = "" if cfg.method == "dpsgd" else f"-{cfg.method}"  # a BAM run reads as one in the runs list
+    name = cfg.run_name or f"{cfg.dataset}-{tracking.model_label(cfg.model)}{method}-{time.strftime('%Y%m%d-%H%M%S')}"
     ray_run_name = f"{name}-{uuid.uuid4().hex[:6]}"
     storage = Path(cfg.storage_path).resolve()
     run_dir = storage / ray_run_name

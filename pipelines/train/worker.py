@@ -2,7 +2,7 @@
 
 Every worker (rank r of W):
 
-1. reads only its own training shards of the ingested Parquet dataset;
+1. reads only its own training shards of the ingested dataset (Arrow IPC files);
 2. builds the model from the public ``init_seed`` (identical on every rank) and the private
    pieces from the driver's plan (σ, q, steps): a Poisson sampler over its shard, a
    :class:`dpcore.DPOptimizer` that adds noise on rank 0 only, and an all-reduce SUM of the

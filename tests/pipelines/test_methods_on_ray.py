@@ -89,6 +89,7 @@ def test_bam_run_is_tagged_and_logs_diagnostics_per_step(bam_pca):
     client = mlflow.MlflowClient(bam_pca["tracking_uri"])
     run = client.get_run(bam_pca["run_id"])
     assert run.data.tags["dp.method"] == "bam-sam" and run.data.tags["dp.diagnostics"] == "non-private"
+    assert "· digits-mlp-bam-" in run.info.run_name  # the runs list tells a BAM run from DP-SGD's
     assert run.data.tags["dp.pca"].startswith("k=16")
     hist = client.get_metric_history(bam_pca["run_id"], "diag_bias")
     assert sorted(m.step for m in hist) == list(range(1, bam_pca["steps"] + 1))
