@@ -84,8 +84,9 @@ class SearchBound:
             for m in self.mechanisms
         )
         return (
-            f"ε ≤ {epsilon_text(self.epsilon(trials), '.4g')} at δ={self.delta:g} for the whole search ({trials} trials, each any of: "
-            f"{lots}; RDP, data-independent)"
+            f"ε ≤ {epsilon_text(self.epsilon(trials), '.4g')} at δ={self.delta:g} for the whole search ({trials} trials: every "
+            f"trial the sweep could start, counted whether it ran, pruned or failed; each any of: {lots}; RDP, "
+            "data-independent)"
         )
 
 
