@@ -74,15 +74,20 @@ def ensure_features(
     elif out.exists():  # a folder without its manifest: an interrupted write
         shutil.rmtree(out, ignore_errors=True)
     total = sum(e["rows"] for e in manifest["files"])
-    done, t0 = [0], time.monotonic()
+    done, t0, said = [0], time.monotonic(), [-1.0]
+    interactive = stream is not None and getattr(stream, "isatty", lambda: False)()
 
     def progress(n: int) -> None:
         done[0] += n
-        if stream is not None:
-            stream.write(
-                f"\rcomputing {key} features once for {manifest['name']}: {done[0]}/{total} examples  {time.monotonic() - t0:4.0f}s"
-            )
-            stream.flush()
+        if stream is None:
+            return
+        line = f"computing {key} features once for {manifest['name']}: {done[0]}/{total} examples  {time.monotonic() - t0:4.0f}s"
+        if interactive:  # redrawn in place
+            stream.write("\r" + line)
+        elif time.monotonic() - said[0] >= 10 or done[0] >= total:  # a log file: a line every 10 s, and the last
+            stream.write(line + "\n")
+            said[0] = time.monotonic()
+        stream.flush()
 
     front = front.eval()
     splits = {}
@@ -95,7 +100,7 @@ def ensure_features(
             splits[split] = shards
         else:
             splits[split] = [_transform(front, Path(data_dir), split, 0, 1, progress)]
-    if stream is not None:
+    if interactive:
         stream.write("\n")
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -90,3 +90,19 @@ def test_a_library_imported_inside_gets_its_terminal_handler_quieted_too(tmp_pat
     finally:
         ray_logger.removeHandler(late)
     library_imported()  # outside any command log: nothing to do
+
+
+def test_the_features_progress_writes_whole_lines_into_a_log_file(tmp_path):
+    """helper-28: the public features' progress redrew itself with \\r into log files (one
+    endless line); a stream that is not a terminal gets whole lines, the last with the total."""
+    from torch import nn
+
+    from pipelines.data import ingest, load_dataset, verify
+    from pipelines.data.features import ensure_features
+
+    ingest(load_dataset("digits"), tmp_path / "ds", num_shards=2)
+    log = io.StringIO()
+    ensure_features(tmp_path / "ds", verify(tmp_path / "ds"), nn.Flatten(), "flat", tmp_path / "store", stream=log)
+    text = log.getvalue()
+    assert "\r" not in text and text.endswith("\n")
+    assert text.splitlines()[-1].startswith("computing flat features once for digits: 1797/1797 examples")
