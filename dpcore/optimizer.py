@@ -71,7 +71,7 @@ class DPOptimizer:
         diagnostics: NON-PRIVATE research mode (:mod:`dpcore.diagnostics`): per-step statistics
             in :attr:`diagnostics_history`; forces the vmap path and costs an extra all-reduce.
         autocast: ``"none"`` or ``"bf16"``: the model's forward under bf16 autocast; clipping
-            and noise stay in float32 or wider, every sum over examples in float64
+            stays in float32 or wider, the noise and every sum over examples in float64
             (:mod:`dpcore.precision`).
     """
 
@@ -214,7 +214,6 @@ class DPOptimizer:
         """Release the lot's clipped sum (check → noise once → reduce → ÷ qN → record), then
         step the wrapped optimizer on it."""
         sums = [self.lot.sums[n] for n in self.params]
-        params = list(self.params.values())
         warn_if_pieces_uncovered(self.dataset_size, self.physical_batch_size, self.workers, self.lot.batch_sums)
         diag = self.lot.diag
         try:
@@ -224,8 +223,9 @@ class DPOptimizer:
                 sums,
                 event=self.event,
                 ledger=self.ledger,
-                # drawn in the parameters' dtype (as before the sums were float64: seeded streams unchanged)
-                noise=(lambda: draw_noise(self.randomness, params, std, laplace)) if self.add_noise else None,
+                # drawn in the sums' float64: float32 noise lies on a grid 2⁻²³·σC apart, and the float64
+                # sum's bits below it survived into the update, telling which neighbour it was (helper-33)
+                noise=(lambda: draw_noise(self.randomness, sums, std, laplace)) if self.add_noise else None,
                 reduce_fn=self.reduce_fn,
                 expected_size=self.expected_lot_size,
                 step=self.steps_taken + 1,
@@ -264,12 +264,10 @@ class DPOptimizer:
             for start in range(0, x.shape[0], self.physical_batch_size):
                 self.lot.augmented(x[start : start + self.physical_batch_size])
         if self.add_noise and not isinstance(self.randomness, SecureRandomness):  # secure noise has no stream state
+            like = [torch.empty(p.shape, dtype=torch.float64, device=p.device) for p in self.params.values()]
             draw_noise(
-                self.randomness,
-                list(self.params.values()),
-                self.noise_multiplier * self.clip_norm,
-                self.noise == "laplace",
-            )
+                self.randomness, like, self.noise_multiplier * self.clip_norm, self.noise == "laplace"
+            )  # as step
         for p, g in zip(self.params.values(), released, strict=True):
             p.grad = g.to(device=p.device, dtype=p.dtype).view_as(p)
         self.optimizer.step()

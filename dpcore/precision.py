@@ -33,7 +33,7 @@ def check_autocast(mode: str) -> str:
     if mode not in AUTOCAST_MODES:
         raise DPConfigError(
             f"autocast={mode!r} is unknown; use one of {', '.join(AUTOCAST_MODES)} (bf16: the model's forward in "
-            "bfloat16 under torch.autocast; clipping and noise stay in float32)."
+            "bfloat16 under torch.autocast; clipping stays in float32 or wider, the noise and the sums in float64)."
         )
     return mode
 

@@ -82,7 +82,8 @@ def test_noise_is_added_once_and_update_is_divided_by_expected_lot_size():
     opt.step()
     replay = dpcore.SeededRandomness(11).spawn("noise")
     for name, p in model.named_parameters():
-        expected = (ref_sum[name] + replay.normal(p.shape, sigma * clip)) / (q * n)
+        noise = replay.normal(p.shape, sigma * clip, dtype=torch.float64)  # drawn in the sums' float64
+        expected = (ref_sum[name].double() + noise) / (q * n)
         assert p.grad.dtype == p.dtype and torch.allclose(p.grad, expected.to(p.dtype), atol=1e-6), name
     assert opt.expected_lot_size == pytest.approx(20.0)
 
@@ -376,3 +377,36 @@ def test_a_gpu_draw_falls_back_to_pageable_memory_when_pinned_memory_is_refused(
         warnings.simplefilter("error")  # once: later pieces do not try again, nor warn again
         second = rnd._keystream_piece(4, pin=True)
     assert second.shape == (64,) and not torch.equal(first, second)
+
+
+def test_a_float32_models_noise_is_drawn_in_float64_like_the_sums(monkeypatch):
+    """helper-33: float32 noise lies on a grid 2⁻²³·σC apart, and the float64 sum's bits below it
+    survived ÷ qN and the cast to float32: knowing the other examples' sums, one step told
+    whether an example was in the lot (20 of 20 in the review's script). The noise is drawn in
+    the sums' dtype, on the step and on a replay alike (a seeded stream advances the same)."""
+    import dpcore.optimizer as optimizer_module
+
+    seen = []
+    real = optimizer_module.draw_noise
+
+    def spy(randomness, like, std, laplace=False):
+        out = real(randomness, like, std, laplace)
+        seen.append({t.dtype for t in out})
+        return out
+
+    monkeypatch.setattr(optimizer_module, "draw_noise", spy)
+    torch.manual_seed(0)
+    model = tiny_mlp()
+    stream = dpcore.SeededRandomness(5, _quiet=True)
+    opt = _optimizer(model, sigma=1.0, clip=1.0, q=0.05, n=400, randomness=stream)
+    opt.accumulate(torch.randn(7, 6), torch.randint(0, 3, (7,)))
+    opt.step()
+    after_step = stream.state_dict()["generator"].clone()
+    opt.replay([p.grad.clone() for p in model.parameters()], None)
+    assert seen == [{torch.float64}, {torch.float64}]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    fresh = dpcore.SeededRandomness(5, _quiet=True)  # float64 draws, tensor by tensor: the step, then the replay
+    for states in (after_step, stream.state_dict()["generator"]):
+        for p in model.parameters():
+            fresh.normal(p.shape, 1.0, dtype=torch.float64)
+        assert torch.equal(fresh.state_dict()["generator"], states)

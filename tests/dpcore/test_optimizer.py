@@ -45,7 +45,7 @@ def test_adam_moments_equal_recomputation_from_noised_gradients_alone():
         # The noised gradient, computed independently of the optimizer, before its step.
         ref_sum, _ = clipped_sum(PerSampleGradients(model, ce)(x, y), clip)
         noised = {
-            k: ((ref_sum[k] + replay.normal(p.shape, sigma * clip)) / (q * n)).to(p.dtype)
+            k: ((ref_sum[k].double() + replay.normal(p.shape, sigma * clip, dtype=torch.float64)) / (q * n)).to(p.dtype)
             for k, p in model.named_parameters()
         }
         opt.accumulate(x, y)
