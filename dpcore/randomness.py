@@ -5,8 +5,9 @@ Two modes:
 * :class:`SecureRandomness` (the default outside tests). Every draw is keyed by fresh
   operating-system entropy (``os.urandom``, i.e. ``getrandom(2)`` on Linux): 256 bits of it
   key AES-256 in counter mode (OpenSSL, through ``cryptography``), whose keystream gives the
-  random bits: the CTR_DRBG construction of NIST SP 800-90A, with a new key for every draw
-  and for every 64 MiB of output, never stored. That is 12–14× faster than reading all the
+  random bits: an AES-256-CTR generator in the style of NIST SP 800-90A's CTR_DRBG (not that
+  construction itself: no derivation function, no key update per request), with a new key and
+  counter for every draw and for every 64 MiB of output, never stored. That is 12–14× faster than reading all the
   bits from the kernel here (docs/benchmarks/README.md) and as unpredictable to anyone
   without the key. Without ``cryptography`` every bit comes from ``os.urandom``. It accepts
   no seed and has no state to save or log: a restart simply draws fresh bits. Uniforms carry
@@ -179,6 +180,16 @@ def _box_muller(u: torch.Tensor, std: float, out: torch.Tensor) -> None:
 # 0.23 s against 0.05 s for 22.7M normals); a GPU does it in a fraction of a millisecond.
 _CUDA_PIECE_PAIRS = (1 << 19) - 1
 _CUDA_POOL = None
+
+
+def _forget_pools() -> None:
+    """In a forked child the parent's thread pools have no threads: make new ones on first use."""
+    global _POOL, _CUDA_POOL
+    _POOL = _CUDA_POOL = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
 
 
 _PIN_FAILED: str | None = None  # why pinned host memory could not be had, once it could not

@@ -410,3 +410,26 @@ def test_a_float32_models_noise_is_drawn_in_float64_like_the_sums(monkeypatch):
         for p in model.parameters():
             fresh.normal(p.shape, 1.0, dtype=torch.float64)
         assert torch.equal(fresh.state_dict()["generator"], states)
+
+
+def test_a_forked_child_draws_after_its_parent_used_the_thread_pool():
+    """helper-33: a child forked after the parent filled a large request through the thread
+    pool hung on that pool (its threads do not survive the fork); the child now makes its own."""
+    import os
+    import signal
+
+    from dpcore import randomness
+
+    randomness._urandom(randomness._PARALLEL_BYTES * 2)  # the parent's pool exists now
+    if os.cpu_count() == 1:
+        pytest.skip("one CPU: no pool")
+    pid = os.fork()
+    if pid == 0:  # the child: draw through the pool, or die by the alarm
+        signal.alarm(20)
+        ok = False
+        try:
+            ok = len(randomness._urandom(randomness._PARALLEL_BYTES * 2)) == randomness._PARALLEL_BYTES * 2
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
