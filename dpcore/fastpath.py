@@ -11,6 +11,7 @@ anything it cannot handle at run time, it warns and the step stays on the vmap p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import warnings
@@ -92,6 +93,19 @@ FORMULA_RTOL = 1e-9
 # loose beside the two paths' float64 rounding of natural examples, and, were a form to fall short
 # by it in training, a share would reach at most C·(1 − CLIP_MARGIN)·√(1 + 1e-7), inside the margin.
 BELOW_RTOL = 1e-7
+# The check at the configured batch size (:meth:`CheckedBookKeeping.batch_mixes`) compares float32
+# norms, batched against alone: 4.6e-5 apart at most on WRN-16-4, 2.5e-5 on ResNet-9, 1e-8 on the
+# MNIST CNN (2026-11-29); with a bf16 forward, bf16's rounding. Mixing moves them by far more.
+BATCH_RTOL = 1e-3
+BATCH_RTOL_BF16 = 5e-2
+
+
+@contextlib.contextmanager
+def _no_vmap_fallback_note():
+    """Without torch's note that an op (attention) has no vmap rule: the checks run a few examples, once."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
+        yield
 
 
 class CheckedBookKeeping:
@@ -168,7 +182,31 @@ class CheckedBookKeeping:
             ref, bad = clipped_sum(reference(x, y), self.clip_norm, batch_size=batch_size)
             agree = self._agree(fast, fast_bad, ref, bad)
             why = "" if agree else "its clipped sum differs from the per-example (vmap) reference"
+        if not why and batch_size is not None and batch_size > examples:
+            why = self.batch_mixes(xb, yb, reference, batch_size)
         return why
+
+    def batch_mixes(self, xb: torch.Tensor, yb: torch.Tensor, reference: Callable, batch_size: int) -> str:
+        """ "" if book-keeping's norms, at the configured batch size, are per-example norms: for
+        :data:`CHECK_EXAMPLES` of ``batch_size`` seeded inputs (:func:`check_inputs`), spread over
+        the batch, each norm equals the vmap reference's of that example alone, to
+        :data:`BATCH_RTOL` (the float32 paths' rounding, 5e-5 measured on WRN-16-4). The float64
+        check above runs a batch of :data:`CHECK_EXAMPLES`: a model that mixes the examples of
+        larger batches only passed it (helper-34: x − x.mean(0) above 8 examples moved a lot's
+        sum by 2.52·C). One extra pass of book-keeping, at a training batch's memory."""
+        x, y = check_inputs(self.model, xb, yb, batch_size)
+        at = torch.linspace(0, batch_size - 1, CHECK_EXAMPLES).round().long().unique().to(x.device)
+        sq, _ = self.clipper.measure(x, y, self.clip_norm, batch_size)
+        with _no_vmap_fallback_note():
+            ref = per_sample_norms(reference(x[at], y[at])).square().to(sq.dtype)
+        mine = sq[at]
+        finite = torch.isfinite(ref) & torch.isfinite(mine)
+        rtol = BATCH_RTOL_BF16 if self.clipper.autocast != "none" else BATCH_RTOL
+        if not torch.equal(torch.isfinite(ref), torch.isfinite(mine)) or not bool(
+            ((mine - ref).abs() <= rtol * ref.abs() + 1e-30)[finite].all()
+        ):
+            return f"in a batch of {batch_size} its norms are not each example's own (the model mixes examples)"
+        return ""
 
     def _agree(self, fast: Sums, fast_bad: int, ref: Sums, bad: int) -> bool:
         scale = max(float(v.abs().max()) for v in ref.values()) if ref else 0.0
@@ -192,10 +230,7 @@ class CheckedBookKeeping:
             clipper.MAX_PER_EXAMPLE_ELEMENTS = self.clipper.MAX_PER_EXAMPLE_ELEMENTS
             norms: list = []
             sq, parts = clipper.measure(x64, y, self.clip_norm, batch_size, norms)
-            with warnings.catch_warnings():  # torch's note that an op (attention) has no vmap rule: 8 examples, once
-                warnings.filterwarnings(
-                    "ignore", message="There is a performance drop because we have not yet implemented"
-                )
+            with _no_vmap_fallback_note():
                 per_example = PerSampleGradients(model64, self.loss_fn, multiplicity=self.multiplicity)(x64, y)
         except Exception:  # a model that cannot be copied or run in float64 (its float32 run passed)
             return None

@@ -383,6 +383,14 @@ class Center(nn.Module):
         return x - x.mean(0, keepdim=True)
 
 
+class CenterLargeBatches(nn.Module):
+    """Mixes the examples of batches of more than 8 only (helper-34): the float64 check's batch of
+    8 passed it, and a lot's sum then moved by 2.52·C when one example was added."""
+
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True) if x.shape[0] > 8 else x
+
+
 def _bk_optimizer(model, clip=0.01):
     return dpcore.DPOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1),
@@ -404,8 +412,9 @@ def _bk_optimizer(model, clip=0.01):
     [
         lambda: nn.Sequential(nn.Linear(4, 8), Center(), nn.Tanh(), nn.Linear(8, 3)),  # mixes examples
         lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 3)),  # in place on an output
+        lambda: nn.Sequential(nn.Linear(4, 8), CenterLargeBatches(), nn.Tanh(), nn.Linear(8, 3)),  # at 16, not 8
     ],
-    ids=["batch-mixing", "inplace-relu"],
+    ids=["batch-mixing", "inplace-relu", "mixing-above-8"],
 )
 def test_book_keeping_is_verified_against_vmap_before_it_is_trusted(make):
     """Book-keeping runs one batched forward; a model that mixes examples, or modifies a layer's
