@@ -132,7 +132,8 @@ class PerSampleGradients:
         """BAM's per-example gradients and the plain per-example gradients at θ they started from.
 
         ``variant="sam"``: ∇L_i(θ + λ·g_i/‖g_i‖). ``variant="exact"``: ∇L_i + λ·H_i g_i/‖g_i‖.
-        An example whose gradient is zero (norm ≤ 1e-30) or not finite takes no ascent step.
+        An example whose gradient is zero (norm ≤ 1e-30) takes no ascent step; one whose gradient
+        is not finite gets a non-finite BAM vector, which the lot skips and counts like any other.
         """
         lam_t = torch.tensor(float(lam), dtype=torch.float64)
         with forward_autocast(self.autocast, x):
