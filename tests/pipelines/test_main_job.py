@@ -127,7 +127,7 @@ def test_main_job_prints_the_ui_command_and_the_ui_lists_the_run(tmp_path):
             screenshot(d, "ui_runs_table.png")
             d.get(link.replace("?", f"/runs/{run_id}?"))
             text = wait_for_text(d, "Description", "Parameters")
-            assert f"ε = {eps_full:.2f} at δ = 1e-05 (pld) · test accuracy {acc_full:.2%}" in text
+            assert f"ε = {epsilon_text(eps_full, '.2f')} at δ = 1e-05 (pld) · test accuracy {acc_full:.2%}" in text
             lines = text.splitlines()
             assert abs(float(lines[lines.index("epsilon") + 1]) - eps) < 1e-4
             assert not re.search(r"(?m)^fault", text), "a test hook among the user's parameters"

@@ -433,7 +433,9 @@ def test_browser_tells_the_privacy_story_without_a_click(stack):
 
         d.get(ui_link(stack.mlflow, exp, run.info.run_id))
         text = wait_for_text(d, "Description", "Parameters")
-        assert f"ε = {eps:.2f} at δ = 1e-05 (pld) · test accuracy" in text  # rounded where people read it
+        assert (
+            f"ε = {epsilon_text(eps, '.2f')} at δ = 1e-05 (pld) · test accuracy" in text
+        )  # rounded where people read it
         lines = text.splitlines()
         assert abs(float(lines[lines.index("epsilon") + 1]) - eps) < 1e-9  # the full value, in the metric
         assert not re.search(r"(?m)^fault", text), "a test hook among the user's parameters"

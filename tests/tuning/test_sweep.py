@@ -139,11 +139,16 @@ def test_sweep_completes_its_trials_with_parent_and_child_runs(e2e):
         mechs.append((q, sigma, dpcore.max_steps(sigma, q, 2.0, 1e-5, "pld")))
     assert max(rdp_epsilon([m] * k) for m in mechs) <= bound * (1 + 1e-9)  # k trials of any one lot size
     assert bound < rdp_epsilon(mechs * k)  # and below k trials that each ran all three
-    assert parent.data.tags["dp.search_epsilon_bound"].startswith(f"ε ≤ {bound:.4g} at δ=1e-05 for the whole search")
-    assert f"at most **ε ≤ {bound:.2f}** (a data-independent RDP bound for at most 6 trials; 4 started)" in note
+    assert parent.data.tags["dp.search_epsilon_bound"].startswith(
+        f"ε ≤ {epsilon_text(bound, '.4g')} at δ=1e-05 for the whole search"
+    )
+    assert (
+        f"at most **ε ≤ {epsilon_text(bound, '.2f')}** (a data-independent RDP bound for at most 6 trials; 4 started)"
+        in note
+    )
     assert float(version.tags["dp.epsilon"]) == pytest.approx(bound, rel=1e-5) and bound > out["best"]["epsilon"]
-    assert f"ε is the whole search's bound, ε ≤ {bound:.4g}" in version.tags["dp.selection"]
-    assert version.description.startswith(f"Trained with (ε={bound:.4g}, δ=1e-05)-DP (rdp)")
+    assert f"ε is the whole search's bound, ε ≤ {epsilon_text(bound, '.4g')}" in version.tags["dp.selection"]
+    assert version.description.startswith(f"Trained with (ε={epsilon_text(bound, '.4g')}, δ=1e-05)-DP (rdp)")
     plots = {f.path for f in client.list_artifacts(out["parent_run_id"], "plots")}
     assert {"plots/optimization_history.png", "plots/param_importances.png", "plots/contour_lr_lot_size.png"} <= plots
 
