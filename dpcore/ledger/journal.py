@@ -45,8 +45,10 @@ class Journal:
             try:
                 records.append(json.loads(line.decode("utf-8")))
             except (json.JSONDecodeError, UnicodeDecodeError):
-                if i == len(lines) - 1:  # a torn last line: the crash came mid-write, before append returned
-                    break
+                if i == len(lines) - 1 and not raw.endswith(b"\n"):
+                    break  # a torn last line: the crash came mid-write (each record is written with its newline)
+                # a whole line that does not parse (its newline was written: not torn) is damage, and
+                # dropping it could drop a release (helper-29)
                 raise DPConfigError(
                     f"ledger journal {self.path} is corrupt at line {i + 1}; it cannot be trusted."
                 ) from None

@@ -435,6 +435,22 @@ def test_a_torn_or_unterminated_last_journal_line_is_repaired_and_the_journal_st
     assert path.read_bytes().endswith(b"\n")
 
 
+def test_a_whole_last_journal_line_that_does_not_parse_is_refused_not_dropped(tmp_path):
+    """helper-29: a torn write lacks its newline (each record is written with it); a last line
+    that has its newline but does not parse is damage, and dropping it could drop a release."""
+    path = tmp_path / "ledger.journal.jsonl"
+    ev = dpcore.PrivacyEvent.dpsgd_step(1.0, 0.01)
+    ledger = dpcore.PrivacyLedger(5.0, 1e-5, journal=path)
+    ledger.append(ev, step=1, clip_norm=1.0)
+    ledger.append(ev, step=2, clip_norm=1.0)
+    raw = path.read_bytes()
+    damaged = raw[:-10] + b"\x00" * 9 + b"\n"  # the last record's end zeroed, its newline kept
+    path.write_bytes(damaged)
+    with pytest.raises(dpcore.DPConfigError, match="is corrupt at line 3"):
+        dpcore.PrivacyLedger(5.0, 1e-5, journal=path)
+    assert path.read_bytes() == damaged  # nothing cut
+
+
 def test_a_read_only_ledger_leaves_a_line_being_written_and_records_nothing(tmp_path):
     """The driver reads the journal that rank 0 may still be writing: it must not cut a last
     line that is not yet complete (rank 0's write would then end in a corrupt line), and it
