@@ -44,6 +44,34 @@ def method_options(cfg: TrainConfig, plan: RunPlan, rank: int) -> dict:
     }
 
 
+def private_arguments(
+    cfg: TrainConfig, plan: RunPlan, rank: int, world: int, shard_size: int, ledger: dpcore.PrivacyLedger
+) -> dict:
+    """``dpcore.build_private``'s arguments for rank ``rank`` of ``world``: the driver's plan (σ,
+    q, steps, and N, the whole training split's size: the update is ÷ q·N on every rank), the
+    rank's own shard and streams, noise on rank 0 alone, and the all-reduce where there are
+    several ranks. Rank 0 is the budget authority (the others' ledgers hold no target)."""
+    return dict(
+        noise_multiplier=plan.noise_multiplier,
+        sample_rate=plan.sample_rate,
+        steps=plan.steps,
+        dataset_size=plan.dataset_size,
+        target_epsilon=cfg.target_epsilon if rank == 0 else None,
+        target_delta=cfg.target_delta,
+        clip_norm=cfg.clip_norm,
+        accountant=cfg.accountant,
+        randomness=dpcore.make_randomness(cfg.seed),
+        ledger=ledger,
+        shard=torch.arange(shard_size),
+        rank=rank,
+        reduce_fn=allreduce_sum if world > 1 else None,
+        physical_batch_size=cfg.physical_batch_size,
+        clipping=cfg.clipping,
+        autocast=cfg.autocast,
+        **method_options(cfg, plan, rank),
+    )
+
+
 def load_pca(plan: RunPlan):
     """The run's DP-PCA components (released by the driver before training), or None."""
     if not plan.pca_path:

@@ -43,7 +43,7 @@ from ..config import TrainConfig, config_from_dict
 from ..data import open_split
 from ..models import build_run_model, split_public_front
 from . import replay
-from .build import ShardInputs, allreduce_sum, load_pca, make_optimizer, method_options
+from .build import ShardInputs, load_pca, make_optimizer, private_arguments
 from .checkpoint import (
     AUDIT_FILE,
     find_checkpoint,
@@ -173,23 +173,7 @@ class Worker:
             self.trained,
             self.optimizer,
             F.cross_entropy,
-            noise_multiplier=plan.noise_multiplier,
-            sample_rate=plan.sample_rate,
-            steps=plan.steps,
-            dataset_size=plan.dataset_size,
-            target_epsilon=cfg.target_epsilon if rank == 0 else None,  # rank 0 is the budget authority
-            target_delta=cfg.target_delta,
-            clip_norm=cfg.clip_norm,
-            accountant=cfg.accountant,
-            randomness=dpcore.make_randomness(cfg.seed),
-            ledger=self.ledger,
-            shard=torch.arange(len(self.train)),
-            rank=rank,
-            reduce_fn=allreduce_sum if self.world > 1 else None,
-            physical_batch_size=cfg.physical_batch_size,
-            clipping=cfg.clipping,
-            autocast=cfg.autocast,
-            **method_options(cfg, plan, rank),
+            **private_arguments(cfg, plan, rank, self.world, len(self.train), self.ledger),
         )
         trace("private built")
         fitted = self._fit_physical_batch(rank_state)
