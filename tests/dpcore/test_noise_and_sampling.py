@@ -256,6 +256,20 @@ def test_secure_bits_are_aes_256_ctr_keystream_under_fresh_os_keys(monkeypatch):
     assert a != b and len(a) == len(b) == 64
 
 
+def test_secure_uniforms_are_the_keystreams_53_bit_words(monkeypatch):
+    """Poisson sampling and the augmentation draws: each uniform is the top 53 bits of the next
+    8 keystream bytes (helper-32: torch's global generator in their place went unseen)."""
+    from dpcore import randomness as rnd
+
+    taken, fake_urandom, keystream = _fake_os_entropy(bytes((5 * i + 1) % 256 for i in range(1024)))
+    monkeypatch.setattr(rnd.os, "urandom", fake_urandom)
+    torch.manual_seed(0)  # torch's own generator in any state: not what is read
+    got = dpcore.SecureRandomness().uniform(9)
+    words = np.frombuffer(keystream(0, 72), dtype="<u8")
+    assert got.dtype == torch.float64 and taken == [32, 16]
+    np.testing.assert_array_equal(got.numpy(), (words >> np.uint64(11)).astype(np.float64) * 2.0**-53)
+
+
 def test_secure_normals_are_box_muller_of_the_keystream_chunk_by_chunk(monkeypatch):
     """A draw is made chunk by chunk (``_NORMAL_CHUNK`` normals, here 6; the last chunk odd):
     each chunk's 53-bit uniforms come from the next bytes of one keystream, rekeyed every 64 MiB

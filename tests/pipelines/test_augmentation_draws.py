@@ -22,7 +22,7 @@ from pipelines.train.build import method_options
 
 
 def _augment(**over):
-    cfg = TrainConfig(model="small_cnn", augmentation_multiplicity=4, augment_padding=2, **over)
+    cfg = TrainConfig(**{"model": "small_cnn", "augmentation_multiplicity": 4, "augment_padding": 2, **over})
     return method_options(cfg, types.SimpleNamespace(steps=10), rank=0)["augment"]
 
 
@@ -57,3 +57,18 @@ def test_crops_and_flips_are_uniform_and_the_state_round_trips():
     assert torch.equal(aug(x).reshape(-1, 3, 3), out)
     with pytest.raises(dpcore.DPConfigError, match="public generator"):
         aug.load_state_dict({"generator": torch.Generator().get_state()})  # an old checkpoint's
+
+
+def test_the_flips_are_secret_too_and_follow_the_runs_seed_not_init_seed():
+    """helper-32: crops drawn secretly beside flips drawn from a public generator passed the
+    tests above (the crops alone made the outputs differ). Without padding only flips vary."""
+    x = torch.arange(8.0).reshape(1, 1, 1, 8).expand(64, 1, 1, 8)  # left ≠ right
+
+    def flips(aug):
+        return (aug(x)[:, :, 0, 0, 0] == 7.0).flatten()  # which copies were flipped
+
+    a, b = (_augment(init_seed=7, augment_padding=0) for _ in range(2))
+    assert not torch.equal(flips(a), flips(b))
+    with pytest.warns(dpcore.SeededRandomnessWarning):
+        s3, s3b, s4 = (_augment(init_seed=7, augment_padding=0, seed=s) for s in (3, 3, 4))
+    assert torch.equal(flips(s3), flips(s3b)) and not torch.equal(flips(s3), flips(s4))

@@ -34,7 +34,9 @@ def test_only_rank_zero_adds_noise_and_every_rank_divides_by_the_whole_splits_q_
     for p in ranks:
         assert p.optimizer.expected_lot_size == PLAN.sample_rate * PLAN.dataset_size  # not q·(its shard)
         assert p.optimizer.reduce_fn is allreduce_sum
-        assert p.sampler.sample_rate == PLAN.sample_rate == p.optimizer.event.sample_rate  # sampled at what is accounted
+        assert (
+            p.sampler.sample_rate == PLAN.sample_rate == p.optimizer.event.sample_rate
+        )  # sampled at what is accounted
         assert len(p.sampler.indices) == 500  # its own shard
     assert ranks[0].ledger.target_epsilon == 3.0 and ranks[1].ledger.target_epsilon is None
     alone = _private(0, 1, shard_size=1000)

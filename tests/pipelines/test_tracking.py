@@ -133,3 +133,20 @@ def test_the_runs_name_and_description_round_epsilon_up(client):
     run = client.get_run(run_id)
     assert run.info.run_name.startswith("ε=1.01 · 93.1%") and run.data.tags["dp.epsilon_rounded"] == "1.01"
     assert run.data.tags["mlflow.note.content"].startswith("**ε = 1.01** at δ = 1e-05")
+
+
+def test_the_runs_tags_say_its_randomness_accountant_and_diagnostics_as_configured():
+    """Invariants 6, 7 and 9 as MLflow shows them (helper-32: no fast test read these tags)."""
+    import types
+
+    from pipelines.config import TrainConfig
+
+    plan = types.SimpleNamespace(
+        noise_multiplier=1.1, sample_rate=0.01, run_dir="/r", ray_run_name="r", dataset_size=10**4
+    )
+    plain = tracking.dp_tags(TrainConfig(), plan)
+    assert TrainConfig().accountant == "pld" and plain["dp.accountant"] == "pld"  # the tight accountant by default
+    assert plain["dp.randomness"] == "secure" and "dp.diagnostics" not in plain
+    seeded = tracking.dp_tags(TrainConfig(seed=3, diagnostics=True, accountant="rdp"), plan)
+    assert seeded["dp.randomness"] == "seeded (seed=3; not for production)"
+    assert seeded["dp.diagnostics"] == "non-private" and seeded["dp.accountant"] == "rdp"
