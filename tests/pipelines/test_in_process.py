@@ -6,9 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dp_accounting
 import mlflow
 import pytest
 import torch
+from dp_accounting import pld
 
 import dpcore
 from pipelines.config import TrainConfig
@@ -35,6 +37,20 @@ def _cfg(root: Path, **over) -> TrainConfig:
     return TrainConfig(**values)
 
 
+def _epsilon_of_journal(out) -> float:
+    """ε at δ = 1e-5 of every release in the run's journal, by dp_accounting's PLD directly."""
+    records = [json.loads(line) for line in Path(out["spec"].journal).read_text().splitlines()]
+    acc = pld.PLDAccountant()
+    for a in (r for r in records if r["op"] == "append"):
+        gaussian = dp_accounting.GaussianDpEvent(a["noise_multiplier"])
+        kind = {
+            "poisson_gaussian": dp_accounting.PoissonSampledDpEvent(a["sample_rate"], gaussian),
+            "gaussian": gaussian,
+        }
+        acc.compose(kind[a["kind"]])
+    return acc.get_epsilon(1e-5)
+
+
 def test_an_in_process_run_trains_ledgers_and_checkpoints_without_a_cluster(tmp_path):
     import ray
 
@@ -52,6 +68,21 @@ def test_an_in_process_run_trains_ledgers_and_checkpoints_without_a_cluster(tmp_
     assert meta["step"] == out["steps"] and meta["releases"] == len(out["ledger"])
     r = mlflow.MlflowClient(out["tracking_uri"]).get_run(out["run_id"])
     assert r.info.status == "FINISHED" and float(r.data.tags["dp.epsilon"]) == pytest.approx(out["epsilon"], rel=1e-5)
+    # ε from the run's journal alone, by dp_accounting directly (invariant 6; helper-32: a driver
+    # reporting the plan's ε passed, since the two agree on a run without restarts: so the
+    # journal is read here, every append counted whatever its status)
+    appends = [json.loads(line) for line in Path(out["spec"].journal).read_text().splitlines()]
+    appends = [a for a in appends if a["op"] == "append"]
+    assert len(appends) == out["releases"] == out["steps"]
+    assert all(a["kind"] == "poisson_gaussian" for a in appends)
+    assert out["epsilon"] == pytest.approx(_epsilon_of_journal(out), rel=1e-9) and out["accountant"] == "pld"
+    assert r.data.metrics["final_epsilon"] == pytest.approx(out["epsilon"], rel=1e-9)
+    # Nothing computed from the training data is logged without diagnostics (invariant 7): what
+    # is logged is ε, counts the plan fixes, timing (README, Timing) and held-out metrics.
+    allowed = {"epsilon", "final_epsilon", "committed_steps", "releases", "steps_per_second"}
+    allowed |= {"expected_examples_per_second", "val_accuracy", "val_loss", "test_accuracy", "test_loss"}
+    assert set(r.data.metrics) <= allowed, set(r.data.metrics) - allowed
+    assert "dp.diagnostics" not in r.data.tags
     # memory_budget_mb: auto (the default): half of the node's memory for its one worker; the
     # digits MLP fits the configured 256, and the checkpoint records it for a resumed run.
     budget = dpcore.memory.auto_budget_bytes(torch.device("cpu"), 1.0) / 2**20
@@ -138,3 +169,12 @@ def test_dropout_draws_from_a_secret_generator_not_the_public_init_seed(tmp_path
         run(_cfg(tmp_path / str(i), epochs=1, checkpoint_every=100))
         seeds.append(torch.initial_seed())  # in-process: the worker's generator is this process's
     assert seeds[0] != seeds[1] and 0 not in seeds  # init_seed is 0
+
+
+def test_the_reported_epsilon_is_the_journals_with_dp_pcas_release_in_it(tmp_path):
+    """A run whose releases are not just its planned steps (DP-PCA's projection at step 0): the
+    ε it reports is its journal's, not one composed from the plan (helper-32)."""
+    out = run(_cfg(tmp_path, epochs=1, pca_components=8, checkpoint_every=100))
+    kinds = [json.loads(line).get("kind") for line in Path(out["spec"].journal).read_text().splitlines()]
+    assert kinds.count("gaussian") == 1 and kinds.count("poisson_gaussian") == out["steps"]
+    assert out["epsilon"] == pytest.approx(_epsilon_of_journal(out), rel=1e-9)
