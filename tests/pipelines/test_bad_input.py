@@ -211,6 +211,29 @@ def test_a_locked_journal_refuses_a_second_trainer(tmp_path):
     assert allowance == 10 and len(ledger) == 0
 
 
+def test_a_restart_allows_only_what_the_budget_has_left_after_rolled_back_releases(tmp_path):
+    """Rolled-back releases stay spent: a restart without a checkpoint trains only as many steps
+    as the budget still allows, fewer than the plan's (helper-32: an allowance of plan.steps −
+    upto went unseen by every fast test; the release-level check would then have stopped the run
+    with an error in place of its planned end)."""
+    from pipelines.train.run_ledger import open_ledger, unlock_journal
+
+    journal = str(tmp_path / "ledger.journal.jsonl")
+    event = dpcore.PrivacyEvent.dpsgd_step(5.0, 0.1)
+    total = dpcore.accountants.calibration.max_steps(5.0, 0.1, 0.5, 1e-5)  # 45 releases fit ε = 0.5
+    spec = small_plan(
+        config={"target_epsilon": 0.5, "target_delta": 1e-5, "accountant": "pld"}, journal=journal,
+        epsilon_every=10**9, noise_multiplier=5.0, sample_rate=0.1, steps=10, max_releases=total,
+    )  # fmt: skip
+    before = dpcore.PrivacyLedger(0.5, 1e-5, journal=journal)
+    for s in range(1, total - 3 + 1):  # a first attempt's releases, then it died before any checkpoint
+        before.append(event, step=s, clip_norm=1.0)
+    ledger, allowance, upto, _ = open_ledger(spec, None, None, rank=0, world=1, layout=[])
+    assert upto == 0 and all(e.status == "rolled_back" for e in ledger.entries)
+    assert allowance == 3 == ledger.allowance(event) < spec.steps
+    unlock_journal()
+
+
 def test_a_worker_refuses_a_pca_projection_that_is_not_in_the_ledger(tmp_path):
     """The driver ledgers DP-PCA before it saves the components; a worker that finds a
     projection but no step-0 release refuses to train on it."""
