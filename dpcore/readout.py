@@ -9,16 +9,20 @@ def epsilon_text(epsilon: float, spec: str = ".6g") -> str:
     """ε for a person to read: rounded *up* to the precision of ``spec`` (``".2f"``: decimals,
     ``".6g"``: significant digits), so that what is shown is never below the ledger's ε
     (``f"{1.00499:.2f}"`` reads 1.00; this reads 1.01)."""
-    from decimal import ROUND_CEILING, Decimal
+    import re
+    from decimal import ROUND_CEILING, Decimal, localcontext
 
     value = float(epsilon)
-    if not (value == value and abs(value) != float("inf")):
-        return format(value, spec)
-    kind, places = spec[-1], int(spec.lstrip(".")[:-1])
+    form = re.fullmatch(r"\.(\d+)([fg])", spec)
+    if form is None or not (value == value and abs(value) != float("inf")):
+        return format(value, spec)  # a spec it does not round (or inf, nan): as format() gives it
+    places, kind = int(form.group(1)), form.group(2)
     exact = Decimal(repr(value))  # the shortest decimal that is this float (not its binary tail)
-    if kind == "f":
-        return str(exact.quantize(Decimal(1).scaleb(-places), rounding=ROUND_CEILING))
-    if kind == "g" and value != 0:
+    with localcontext() as ctx:
+        ctx.prec = max(28, exact.adjusted() + places + 5)  # room for every digit kept, however large ε is
+        if kind == "f":
+            return str(exact.quantize(Decimal(1).scaleb(-places), rounding=ROUND_CEILING))
+        if value == 0:
+            return format(value, spec)
         up = exact.quantize(Decimal(1).scaleb(exact.adjusted() - places + 1), rounding=ROUND_CEILING)
         return format(float(up), spec)  # the float nearest a ≤ places-digit decimal prints as that decimal
-    return format(value, spec)

@@ -147,10 +147,21 @@ def find_run(client, run_id: str):
     except mlflow.exceptions.MlflowException as e:
         reason = e.message.splitlines()[0]
     if len(run_id) < 32 and run_id.isascii() and run_id.isalnum():  # nothing to quote in the filter
-        view = mlflow.entities.ViewType.ALL
-        ids = [x.experiment_id for x in client.search_experiments(view_type=view)]
-        like = f"attributes.run_id LIKE '{run_id.lower()}%'"
-        hits = client.search_runs(ids, filter_string=like, run_view_type=view, max_results=6) if ids else []
+        view, like = mlflow.entities.ViewType.ALL, f"attributes.run_id LIKE '{run_id.lower()}%'"
+        hits, token = [], None
+        try:
+            while len(hits) < 6:  # every page of experiments (a store may hold more than one page)
+                page = client.search_experiments(view_type=view, max_results=1000, page_token=token)
+                ids = [x.experiment_id for x in page]
+                if ids:
+                    hits += client.search_runs(ids, filter_string=like, run_view_type=view, max_results=6)
+                token = page.token
+                if not token:
+                    break
+        except mlflow.exceptions.MlflowException as e:
+            raise LookupError(
+                f"{reason}; searching for runs that start with {run_id!r} failed too: {e.message.splitlines()[0]}"
+            ) from None
         if len(hits) == 1:
             return hits[0]
         if len(hits) > 1:

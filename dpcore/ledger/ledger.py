@@ -41,6 +41,7 @@ from .. import accountants
 from ..accountants import calibration, check_accountant
 from ..errors import BudgetExceededError, DPConfigError
 from ..events import PrivacyEvent, compose
+from ..readout import epsilon_text
 from ..validation import check_clip_norm, check_delta, check_epsilon
 from . import views
 from .journal import Journal
@@ -234,7 +235,7 @@ class PrivacyLedger:
                 f"Refused: {count} more release(s) of {event.kind} (q={event.sample_rate:.4g}, "
                 f"σ={event.noise_multiplier:.4g}) would take ε past the budget "
                 f"ε={self.target_epsilon:g} at δ={self.target_delta:g} ({max(0, left)} more fit; "
-                f"ε spent so far {self.epsilon():.4g}). Nothing was released."
+                f"ε spent so far {epsilon_text(self.epsilon(), '.4g')}). Nothing was released."
             )
 
     def append(self, event: PrivacyEvent, step: int, clip_norm: float, check_budget: bool = True) -> LedgerEntry:

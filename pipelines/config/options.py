@@ -39,8 +39,11 @@ class Parser(argparse.ArgumentParser):
     (``--epoch`` → did you mean --epochs?)."""
 
     def error(self, message: str):
-        if message.startswith("unrecognized arguments:"):
-            flags = [s for s in self._option_string_actions if s.startswith("--")]
+        if message.startswith("unrecognized arguments:"):  # a subcommand's leftovers come here too
+            parsers = [self] + [
+                sub for a in self._actions if isinstance(a, argparse._SubParsersAction) for sub in a.choices.values()
+            ]
+            flags = list(dict.fromkeys(s for p in parsers for s in p._option_string_actions if s.startswith("--")))
             for word in message.split(":", 1)[1].split():
                 close = close_names(word.split("=")[0], flags) if word.startswith("--") else []
                 if close:

@@ -594,6 +594,8 @@ def test_epsilon_is_shown_rounded_up_never_below_the_ledgers_value():
     assert epsilon_text(2.98701) == "2.98701" and epsilon_text(2.9870100001) == "2.98702"  # .6g
     assert epsilon_text(9.99991, ".4g") == "10" and epsilon_text(3.0, ".2f") == "3.00"
     assert epsilon_text(float("inf"), ".2f") == "inf"
+    assert epsilon_text(1e30, ".4f") == "1000000000000000000000000000000.0000"  # past Decimal's 28 digits (helper-35)
+    assert epsilon_text(3.0, "6.2f") == "  3.00" and epsilon_text(0.0, ".4g") == "0"  # other specs: as format()
     rng = random.Random(0)
     for _ in range(2000):
         eps = 10 ** rng.uniform(-3, 3)

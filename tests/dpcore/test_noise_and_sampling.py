@@ -469,3 +469,13 @@ def test_make_private_accounts_with_pld_by_default():
         epochs=1, target_epsilon=2.0, target_delta=1e-5, clip_norm=1.0, seed=0,
     )  # fmt: skip
     assert private.ledger.accountant == "pld" and private.optimizer.event.sample_rate == private.sampler.sample_rate
+
+
+def test_torch_seed_gives_64_secret_bits_in_secure_mode_and_a_fixed_seed_when_seeded():
+    from dpcore.randomness import torch_seed
+
+    seeds = [torch_seed(dpcore.SecureRandomness()) for _ in range(16)]
+    assert len(set(seeds)) == 16 and all(0 <= s < 2**64 for s in seeds) and max(seeds) >= 2**32
+    torch.manual_seed(max(seeds))  # torch accepts the whole range
+    same = [torch_seed(dpcore.SeededRandomness(3, _quiet=True).spawn("model", 1)) for _ in range(2)]
+    assert same[0] == same[1] != torch_seed(dpcore.SeededRandomness(3, _quiet=True).spawn("model", 0))

@@ -114,6 +114,7 @@ def test_a_reader_that_leaves_early_gets_no_traceback(monkeypatch):
         (["sweep", "--n-trail", "3"], "--n-trials"),
         (["clean", "--dryrun"], "--dry-run"),
         (["federated", "--local-rl=0.1"], "--local-lr"),
+        (["stack", "up", "--dirr", "x"], "--dir"),  # a subcommand's flag (helper-35)
     ],
 )
 def test_a_misspelled_flag_is_answered_with_the_flag_meant(argv, meant, capsys):
@@ -123,8 +124,8 @@ def test_a_misspelled_flag_is_answered_with_the_flag_meant(argv, meant, capsys):
         main(argv)
     assert stop.value.code == 2
     err = capsys.readouterr().err
-    wrong = argv[1].split("=")[0]
-    assert f"unrecognized arguments: {argv[1]}" in err
+    wrong = next(a for a in argv if a.startswith("--")).split("=")[0]
+    assert f"unrecognized arguments: {wrong}" in err
     assert f"{wrong}: did you mean {meant}" in err
 
 

@@ -150,3 +150,20 @@ def test_the_runs_tags_say_its_randomness_accountant_and_diagnostics_as_configur
     seeded = tracking.dp_tags(TrainConfig(seed=3, diagnostics=True, accountant="rdp"), plan)
     assert seeded["dp.randomness"] == "seeded (seed=3; not for production)"
     assert seeded["dp.diagnostics"] == "non-private" and seeded["dp.accountant"] == "rdp"
+
+
+def test_a_failing_search_for_a_run_is_said_not_raised(client, monkeypatch):
+    """An id prefix whose search fails (an unreachable or refusing server) is reported as such
+    (helper-35: the exception left as a traceback)."""
+    import mlflow
+
+    from pipelines.cli import find_run
+
+    def refuse(*a, **k):
+        raise mlflow.exceptions.MlflowException("permission denied")
+
+    monkeypatch.setattr(client, "search_experiments", refuse)
+    with pytest.raises(
+        LookupError, match="searching for runs that start with 'abcd1234' failed too: permission denied"
+    ):
+        find_run(client, "abcd1234")
