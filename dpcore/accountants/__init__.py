@@ -66,17 +66,24 @@ def get(accountant: str) -> Accountant:
 
 
 def epsilon(
-    groups: Groups, delta: float, accountant: str = "pld", value_discretization_interval: float | None = None
+    groups: Groups,
+    delta: float,
+    accountant: str = "pld",
+    value_discretization_interval: float | None = None,
+    *,
+    coarse: bool = False,
 ) -> float:
-    """ε at ``delta`` after composing ``count`` repetitions of each event.
-    ``value_discretization_interval`` sets the PLD grid (default: dp_accounting's 1e-4)."""
+    """ε at ``delta`` after composing ``count`` repetitions of each event, in their canonical form
+    (:func:`dpcore.events.positive_groups`): the ledger, the budget check and the calibration all
+    compose through here. ``value_discretization_interval`` sets the PLD grid (default:
+    dp_accounting's 1e-4); ``coarse``, the searches' coarser grid."""
     acc = get(accountant)
     groups = positive_groups(groups)
     if not groups:
         return 0.0
     if value_discretization_interval is not None and accountant == "pld":
         acc = pld.PLD(value_discretization_interval)
-    return float(acc.epsilon(groups, delta))
+    return float(acc.epsilon(groups, delta, coarse=coarse))
 
 
 def delta(groups: Groups, epsilon: float, accountant: str = "pld") -> float:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from ..errors import DPConfigError
 from ..events import POISSON_GAUSSIAN, POISSON_LAPLACE, PrivacyEvent
 from ..validation import check_delta, check_epsilon, check_sample_rate
-from . import check_accountant, delta, epsilon, get
+from . import check_accountant, delta, epsilon
 
 
 def dpsgd_epsilon(
@@ -28,8 +28,7 @@ def dpsgd_epsilon(
 
 def _eps_fn(groups_of, target_delta: float, accountant: str, coarse: bool):
     """ε as a function of the search variable, with ``accountant`` (a name) on its fine or coarse grid."""
-    acc = get(accountant)
-    return lambda x: acc.epsilon(groups_of(x), target_delta, coarse=coarse) if groups_of(x) else 0.0
+    return lambda x: epsilon(groups_of(x), target_delta, accountant, coarse=coarse)
 
 
 def calibrate_noise_multiplier(
@@ -72,7 +71,7 @@ def calibrate_noise_multiplier(
 
     def eps_at(coarse: bool):
         def eps(sigma: float, acc: str = accountant) -> float:
-            return get(acc).epsilon(prior + [(step.with_noise(sigma), steps)], target_delta, coarse=coarse)
+            return epsilon(prior + [(step.with_noise(sigma), steps)], target_delta, acc, coarse=coarse)
 
         return eps
 
@@ -161,10 +160,10 @@ def max_steps(
     target_delta = check_delta(target_delta)
     ev = event or PrivacyEvent.dpsgd_step(noise_multiplier, sample_rate)
     prior = [(e, c) for e, c in prior_groups if int(c) > 0]
-    acc = get(accountant)
+    check_accountant(accountant)
 
     def fits(coarse: bool):
-        return lambda t: acc.epsilon(prior + [(ev, t)], target_delta, coarse=coarse) <= target_epsilon
+        return lambda t: epsilon(prior + [(ev, t)], target_delta, accountant, coarse=coarse) <= target_epsilon
 
     # Search on the coarse grid, then settle the answer exactly on the fine one around it.
     guess = _largest_count(fits(True), limit)

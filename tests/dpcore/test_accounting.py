@@ -622,3 +622,24 @@ def test_epsilon_does_not_depend_on_the_order_or_grouping_of_the_releases(accoun
     assert len(values) == 1  # to the bit
     split = [(a, 100), (b, 200), (c, 1), (a, 200), (b, 0)]  # a's releases in two groups, an empty one
     assert epsilon(split, 1e-5, accountant) == values.pop()
+
+
+def test_the_budget_check_composes_the_canonical_form_the_ledger_does(monkeypatch):
+    """The allowance search (the step event after the others) and the ledger's ε (events as
+    first seen) hand the accountant the same canonical form, so they agree to the bit at the
+    boundary (the review of the day's diff: the search called the accountant directly)."""
+    from dpcore.accountants import calibration, pld
+
+    seen = []
+    real = pld.PLD.epsilon
+
+    def spy(self, groups, delta, *, coarse=False):
+        seen.append(list(groups))
+        return real(self, groups, delta, coarse=coarse)
+
+    monkeypatch.setattr(pld.PLD, "epsilon", spy)
+    a, b = dpcore.PrivacyEvent.dpsgd_step(1.1, 0.01), dpcore.PrivacyEvent.dpsgd_step(1.3, 0.02)
+    assert dpcore.events.positive_groups([(b, 1), (a, 1)])[0][0] == a  # the canonical order is not the search's
+    calibration.max_steps(1.1, 0.01, 2.0, 1e-5, prior_groups=[(b, 50), (a, 0)], event=a)
+    calibration.calibrate_noise_multiplier(3.0, 1e-5, 0.01, 100, prior_groups=[(b, 5)])
+    assert seen and all(g == dpcore.events.positive_groups(g) for g in seen)
