@@ -416,14 +416,19 @@ def test_journal_of_another_budget_is_refused(tmp_path):
         dpcore.PrivacyLedger(3.0, 1e-5, journal=j)
 
 
-@pytest.mark.parametrize("tail", [b'{"op": "append", "index": 2, "st', b""])
-def test_a_torn_or_unterminated_last_journal_line_is_repaired_and_the_journal_stays_usable(tmp_path, tail):
+def _two_release_journal(tmp_path):
+    """A journal of two releases: (its path, the step event, its bytes)."""
     path = tmp_path / "ledger.journal.jsonl"
     ev = dpcore.PrivacyEvent.dpsgd_step(1.0, 0.01)
     ledger = dpcore.PrivacyLedger(5.0, 1e-5, journal=path)
     ledger.append(ev, step=1, clip_norm=1.0)
     ledger.append(ev, step=2, clip_norm=1.0)
-    raw = path.read_bytes()
+    return path, ev, path.read_bytes()
+
+
+@pytest.mark.parametrize("tail", [b'{"op": "append", "index": 2, "st', b""])
+def test_a_torn_or_unterminated_last_journal_line_is_repaired_and_the_journal_stays_usable(tmp_path, tail):
+    path, ev, raw = _two_release_journal(tmp_path)
     # A crash mid-write: either half a record, or a whole record without its newline.
     path.write_bytes(raw + tail if tail else raw[:-1])
     reopened = dpcore.PrivacyLedger(5.0, 1e-5, journal=path)
@@ -438,12 +443,7 @@ def test_a_torn_or_unterminated_last_journal_line_is_repaired_and_the_journal_st
 def test_a_whole_last_journal_line_that_does_not_parse_is_refused_not_dropped(tmp_path):
     """helper-29: a torn write lacks its newline (each record is written with it); a last line
     that has its newline but does not parse is damage, and dropping it could drop a release."""
-    path = tmp_path / "ledger.journal.jsonl"
-    ev = dpcore.PrivacyEvent.dpsgd_step(1.0, 0.01)
-    ledger = dpcore.PrivacyLedger(5.0, 1e-5, journal=path)
-    ledger.append(ev, step=1, clip_norm=1.0)
-    ledger.append(ev, step=2, clip_norm=1.0)
-    raw = path.read_bytes()
+    path, _, raw = _two_release_journal(tmp_path)
     damaged = raw[:-10] + b"\x00" * 9 + b"\n"  # the last record's end zeroed, its newline kept
     path.write_bytes(damaged)
     with pytest.raises(dpcore.DPConfigError, match="is corrupt at line 3"):
