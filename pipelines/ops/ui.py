@@ -58,19 +58,43 @@ def _wait_for_page(proc: subprocess.Popen, url: str, timeout: float = 180.0) -> 
 
 
 def _experiment_links(url: str) -> list[tuple[str, str]]:
-    """(name, link to its runs table) for the store's experiments, the most recently updated
-    first, from the REST API the UI itself calls; the empty Default experiment is left out."""
+    """(name, link to its runs table) for the store's experiments, the one with the newest run
+    first, from the REST API the UI itself calls; the empty Default experiment is left out.
+
+    An experiment's ``last_update_time`` does not move when a run is added to it (MLflow 3.17),
+    so the order comes from the runs' start times; experiments without runs follow, newest first.
+    """
     import json
     import urllib.request
 
     from ..tracking import ui_link
 
+    def call(path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            f"{url}/api/2.0/mlflow/{path}", data=data, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
     try:
-        with urllib.request.urlopen(f"{url}/api/2.0/mlflow/experiments/search?max_results=100", timeout=10) as r:
-            exps = json.loads(r.read()).get("experiments", [])
+        exps = call("experiments/search?max_results=100").get("experiments", [])
+        ids = [e["experiment_id"] for e in exps]
+        runs = (
+            call(
+                "runs/search",
+                {"experiment_ids": ids, "max_results": 1000, "order_by": ["attributes.start_time DESC"]},
+            ).get("runs", [])
+            if ids
+            else []
+        )
     except (OSError, ValueError):
         return []
-    exps.sort(key=lambda e: -int(e.get("last_update_time", 0)))
+    newest: dict[str, int] = {}
+    for r in runs:
+        info = r.get("info", {})
+        newest.setdefault(info.get("experiment_id"), int(info.get("start_time", 0)))
+    exps.sort(key=lambda e: (-newest.get(e["experiment_id"], 0), -int(e.get("last_update_time", 0))))
     named = [e for e in exps if e["name"] != "Default"] or exps
     return [(e["name"], ui_link(url, e["experiment_id"])) for e in named]
 

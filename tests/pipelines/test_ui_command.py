@@ -56,3 +56,53 @@ def test_an_unwritable_store_is_refused_before_anything_starts(tmp_path):
 def test_a_tracking_server_is_pointed_at_not_served_again(tmp_path):
     out = _ui(tmp_path, "--tracking-uri", "http://127.0.0.1:5999")
     assert out.returncode == 0 and "serves its own UI" in out.stdout
+
+
+def test_the_experiment_with_the_newest_run_is_linked_first(tmp_path):
+    """MLflow does not move an experiment's last_update_time when a run is added to it, so
+    ordering by it linked the newest-made experiment, not the one just trained in."""
+    import re
+    import signal
+    import time
+
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    trained_in = client.create_experiment("trained-in")
+    older_run = client.create_experiment("older-run")
+    time.sleep(0.05)
+    client.create_experiment("no-runs")  # the newest experiment, and the one last_update_time puts first
+    time.sleep(0.05)
+    client.set_terminated(client.create_run(older_run).info.run_id)
+    time.sleep(0.05)
+    client.set_terminated(client.create_run(trained_in).info.run_id)
+
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["DP_STACK_DIR"] = str(tmp_path / "stack")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ui = subprocess.Popen(
+        CLI + ["--tracking-uri", uri, "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        said = []
+        for line in ui.stdout:
+            said.append(line)
+            if line.startswith("  experiment no-runs"):
+                break
+        else:
+            raise AssertionError(f"the UI did not list the experiments (exit {ui.wait()}): {''.join(said)}")
+        named = [re.search(r"experiment ([\w-]+)", line).group(1) for line in said if "experiment " in line]
+        assert named == ["trained-in", "older-run", "no-runs"], said
+        assert f"#/experiments/{trained_in}?" in next(line for line in said if line.startswith("MLflow UI: "))
+    finally:
+        os.killpg(ui.pid, signal.SIGTERM)
+        ui.wait(timeout=30)
