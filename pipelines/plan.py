@@ -26,7 +26,7 @@ from . import tracking
 from .catalog import TEXT_DATASETS
 from .config import TrainConfig
 from .data.cache_names import cache_digest
-from .data.shards import FORMAT_VERSION
+from .data.shards import FORMAT_VERSION, manifest_digest
 from .models import build_run_model
 
 
@@ -59,6 +59,8 @@ class RunPlan:
     tracking_uri: str
     parameters: int  # trainable parameters
     run_id: str | None = None  # the MLflow run, once it exists
+    data_digest: str | None = None  # data_dir's manifest (shards, shape, classes): a resume and the workers check it
+    train_data_digest: str | None = None  # train_data_dir's (the features' where a public front end is cached)
     memory_share: float = 1.0  # of each node's memory, for the run's workers there (a sweep: 1/trials at once)
     extra: dict = field(default_factory=dict)  # keys of older plans this version does not know
 
@@ -299,5 +301,7 @@ def plan_run(cfg: TrainConfig, on_checked: Callable[[], None] | None = None) -> 
             "epsilon_every": max(1, steps // 20),
             "tracking_uri": tracking_uri,
             "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "data_digest": manifest_digest(manifest),
+            "train_data_digest": manifest_digest(features[1]) if features else manifest_digest(manifest),
         }
     )

@@ -5,7 +5,7 @@ dataset (:mod:`.features`)."""
 from ..catalog import DATASETS, IDX_DATASETS, NEEDS_DATA_DIR, USES_DATA_DIR
 from .idx import find_idx_files, read_idx_split
 from .mapped import MappedSplit, model_example, open_split, public_example, read_split, train_size
-from .shards import CorruptShardError, ingest, read_manifest, sha256_file, verify
+from .shards import CorruptShardError, ingest, manifest_digest, read_manifest, sha256_file, verify
 from .sources import (
     Dataset,
     Normalization,
@@ -32,6 +32,7 @@ __all__ = [
     "load_dataset",
     "load_digits",
     "load_generated",
+    "manifest_digest",
     "model_example",
     "public_example",
     "open_split",

@@ -55,14 +55,20 @@ def resume_plan(run_id: str, tracking_uri: str, changes: dict) -> tuple[RunPlan,
 def check_same_data(plan: RunPlan) -> None:
     """The dataset a resumed run trains on is the one it was planned on: verified against its
     manifest (every file whose stat changed is hashed again), with the planned N, input shape
-    and classes. q = lot/N and σ were fixed for that N; a dataset ingested again in place would
-    be trained on under the old plan's numbers (helper-31)."""
-    from ..data import CorruptShardError, verify
+    and classes, and the manifest's digest (every shard, so the split too). q = lot/N and σ were
+    fixed for that N; a dataset ingested again in place would be trained on under the old plan's
+    numbers (helper-31), and one ingested with another split seed would train on examples the
+    run had evaluated and logged as held out (helper-36). Cached features (ScatterNet) are
+    verified and compared the same way."""
+    from ..data import CorruptShardError, manifest_digest, verify
 
-    try:
-        manifest = verify(plan.data_dir)
-    except (CorruptShardError, OSError, ValueError) as e:
-        raise dpcore.DPConfigError(f"--resume: the run's dataset {plan.data_dir} does not verify: {e}") from None
+    def verified(folder: str) -> dict:
+        try:
+            return verify(folder)
+        except (CorruptShardError, OSError, ValueError) as e:
+            raise dpcore.DPConfigError(f"--resume: the run's dataset {folder} does not verify: {e}") from None
+
+    manifest = verified(plan.data_dir)
     n = sum(e["rows"] for e in manifest["files"] if e["split"] == "train")
     now = (n, list(manifest["input_shape"]), manifest.get("num_classes", plan.num_classes))
     then = (plan.dataset_size, list(plan.input_shape), plan.num_classes)
@@ -72,3 +78,14 @@ def check_same_data(plan: RunPlan) -> None:
             f"shape, classes: {then[0]}, {then[1]}, {then[2]} then; {now[0]}, {now[1]}, {now[2]} now). A resumed run "
             "keeps its plan (q = lot/N, σ); start a new run on the new data."
         )
+    pairs = [(plan.data_dir, getattr(plan, "data_digest", None), manifest)]
+    train_dir = getattr(plan, "train_data_dir", None)
+    if train_dir and train_dir != plan.data_dir:
+        pairs.append((train_dir, getattr(plan, "train_data_digest", None), verified(train_dir)))
+    for folder, digest, found in pairs:
+        if digest is not None and manifest_digest(found) != digest:
+            raise dpcore.DPConfigError(
+                f"--resume: the run's dataset {folder} was ingested again since the run was planned: its shards "
+                "differ (same N, shape and classes; another split seed or other examples). The run's held-out "
+                "splits would no longer be held out; start a new run on the new data."
+            )

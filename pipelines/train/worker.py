@@ -43,7 +43,7 @@ from ..config import TrainConfig, config_from_dict
 from ..data import open_split
 from ..models import build_run_model, split_public_front
 from . import replay
-from .build import ShardInputs, load_pca, make_optimizer, private_arguments
+from .build import ShardInputs, check_planned_data, load_pca, make_optimizer, private_arguments
 from .checkpoint import (
     AUDIT_FILE,
     find_checkpoint,
@@ -126,6 +126,7 @@ class Worker:
         # With cached features (ScatterNet), the workers read the features and train the rest of the model.
         self.front, self.trained = split_public_front(self.model) if plan.features else (None, self.model)
         data_dir = plan.train_data_dir or plan.data_dir
+        check_planned_data(plan, data_dir)
         self.canaries = torch.load(plan.audit_path) if self.rank == 0 and plan.audit_path else None
         trace("model built")
         self.train = ShardInputs(
