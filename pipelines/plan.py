@@ -219,6 +219,11 @@ def plan_run(cfg: TrainConfig, on_checked: Callable[[], None] | None = None) -> 
     check_shards(cfg, data_dir, manifest)
     check_tokenizer(cfg, data_dir, manifest)
     input_shape = tuple(manifest["input_shape"])
+    if manifest["num_classes"] < 2:
+        raise dpcore.DPConfigError(
+            f"{data_dir} has {manifest['num_classes']} class(es): a classifier needs two or more (its loss would be 0 "
+            "and its accuracy 100 % whatever it learned)."
+        )
     prior = []
     if cfg.pca_components:
         d = math.prod(input_shape)

@@ -9,9 +9,10 @@
 * ``cifar10``, ``cifar100``: the real ``torchvision.datasets`` loaders, read from ``data_dir``
   (the folder torchvision would download into), or downloaded there with ``download=True``.
 * ``imagefolder``: any ``torchvision.datasets.ImageFolder`` tree under ``data_dir`` (one folder
-  per class), e.g. ImageNet32-style data. If ``data_dir`` has ``train/`` and ``test/`` (or
-  ``val/``) subfolders those are used as the split; otherwise the test split is carved out of
-  the one tree.
+  per class), e.g. ImageNet32-style data. ``train/``, ``val/`` and ``test/`` sub-folders are the
+  splits; with ``train/`` and one of the other two, that one is the test split and validation
+  is carved out of ``train/``; with ``train/`` alone, or a tree without them, every split is
+  carved out of the one tree. The class folders' names are treated as public (a warning says so).
 * ``generated``: class-conditional Gaussian images of any size (``generated_size``), for scale
   tests. Drawn from a fixed public seed: synthetic, not private.
 
@@ -27,6 +28,7 @@ and never trained on.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -47,6 +49,8 @@ from .dataset import (
     with_sizes,
 )
 from .idx import IDX_DATASETS, find_idx_files, read_idx_split
+
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------
@@ -218,17 +222,59 @@ def load_imagefolder(
         return torch.stack(xs), torch.tensor(ys, dtype=torch.long), ds.classes
 
     norm = Normalization(1.0 / 255.0)  # pixels to [0, 1]: a fixed public scale, no statistic of the private images
-    test_dir = next((root / d for d in ("test", "val") if (root / d).is_dir()), None)
-    if (root / "train").is_dir() and test_dir is not None:
-        *train, classes = load(root / "train")
-        *test, test_classes = load(test_dir)
-        if test_classes != classes:
-            raise DPConfigError(f"{root}/train and {test_dir} have different class folders.")
+    found = {d: root / d for d in ("train", "val", "test") if (root / d).is_dir()}
+    if "train" not in found:  # one tree, one sub-folder per class: every split is carved out of it
+        x, y, classes = _classes_checked(root, *load(root))
+        return split_dataset(
+            "imagefolder", x, y, len(classes), test_fraction, val_fraction, split_seed, normalization=norm
+        )
+    *train, classes = _classes_checked(found["train"], *load(found["train"]))
+
+    def same_classes(folder: Path):
+        *xy, other = load(folder)
+        if other != classes:
+            raise DPConfigError(f"{found['train']} and {folder} have different class folders.")
+        return xy
+
+    if "val" in found and "test" in found:  # the tree's own three splits, as given
+        (x_tr, y_tr), (x_va, y_va), (x_te, y_te) = train, same_classes(found["val"]), same_classes(found["test"])
+        info = {"source": "the tree's train/, val/ and test/ folders"}
+        return Dataset(
+            "imagefolder",
+            Split(x_tr, y_tr),
+            Split(x_va, y_va),
+            Split(x_te, y_te),
+            len(classes),
+            tuple(x_tr.shape[1:]),
+            with_sizes(info, len(y_tr), len(y_va), len(y_te)),
+            normalization=norm,
+        )
+    if "val" in found or "test" in found:  # train/ and one held-out folder: its test split; validation from train/
+        test = same_classes(found.get("test", found.get("val")))
         return train_test_dataset(
             "imagefolder", train, test, len(classes), val_fraction, split_seed, normalization=norm
         )
-    x, y, classes = load(root)
-    return split_dataset("imagefolder", x, y, len(classes), test_fraction, val_fraction, split_seed, normalization=norm)
+    # train/ alone: it is the one tree (its class folders are the classes, not 'train' itself)
+    return split_dataset(
+        "imagefolder", *train, len(classes), test_fraction, val_fraction, split_seed, normalization=norm
+    )
+
+
+IMAGE_FOLDER_NAMES = (
+    "the class list is the tree's sub-folder names, treated as public: their number sets the model's head, which "
+    "is logged with the model. If the folders were made from the labels (one per label found), one rare example "
+    "can add a class."
+)
+
+
+def _classes_checked(folder: Path, x, y, classes: list[str]):
+    if len(classes) < 2:
+        raise DPConfigError(
+            f"{folder} has {len(classes)} class folder(s) ({', '.join(classes) or 'none'}); an ImageFolder tree needs "
+            "one sub-folder of images per class, two or more (train/ and test/ folders may hold them)."
+        )
+    log.warning("%s: %s", folder, IMAGE_FOLDER_NAMES)
+    return x, y, classes
 
 
 def load_dataset(name: str, **kwargs) -> Dataset:

@@ -303,9 +303,31 @@ def _mixed_sizes(root):
     return root
 
 
+def _one_class_tree(root):
+    import numpy as np
+    from PIL import Image
+
+    (root / "train" / "only").mkdir(parents=True)
+    for i in range(3):
+        Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(root / "train" / "only" / f"{i}.png")
+    return root
+
+
+def _one_class_ingested(root):
+    import dataclasses
+
+    from pipelines.data import Split
+
+    ds = load_digits()
+    zero = {k: Split(getattr(ds, k).x, getattr(ds, k).y * 0) for k in ("train", "val", "test")}
+    return ingest(dataclasses.replace(ds, num_classes=1, **zero), root, num_shards=2)
+
+
 @pytest.mark.parametrize(
     "make, over, message",
     [
+        (_one_class_tree, dict(dataset="imagefolder"), "1 class folder(s) (only)"),
+        (_one_class_ingested, dict(dataset="digits"), "1 class(es): a classifier needs two or more"),
         (
             lambda d: _idx_folder(d, train=False),
             dict(dataset="fashion-mnist"),
@@ -320,7 +342,15 @@ def _mixed_sizes(root):
         ),
         (lambda d: d / "nowhere", dict(dataset="digits"), "does not read data_dir"),
     ],
-    ids=["only-test-files", "label-count", "imagefolder-mixed-sizes", "data-dir-is-a-file", "unused-data-dir"],
+    ids=[
+        "imagefolder-one-class",
+        "ingested-one-class",
+        "only-test-files",
+        "label-count",
+        "imagefolder-mixed-sizes",
+        "data-dir-is-a-file",
+        "unused-data-dir",
+    ],
 )
 def test_bad_real_data_fails_before_anything_starts(tmp_path, make, over, message):
     """Issue H's bad input: each gets a clear error; no cluster, no MLflow run, no ledger."""

@@ -70,6 +70,33 @@ def test_imagefolder_one_tree_is_split_and_a_train_test_tree_is_respected(tmp_pa
     assert ds.input_shape == (3, 8, 8) and len(ds.test) == 6 and len(ds.train) + len(ds.val) == 18
 
 
+def test_imagefolder_train_alone_and_train_val_test_trees(tmp_path, caplog):
+    """train/ alone was read as a tree whose one class was 'train' (helper-36: loss 0, accuracy
+    100 %); a val/ beside test/ was ignored. The folder names are public, and said so."""
+    _png_tree(tmp_path / "alone" / "train")
+    with caplog.at_level("WARNING", logger="pipelines.data.sources"):
+        ds = load_dataset("imagefolder", data_dir=str(tmp_path / "alone"), test_fraction=0.2, val_fraction=0.1)
+    assert ds.num_classes == 3 and sorted(set(ds.train.y.tolist())) == [0, 1, 2]
+    assert len(ds.train) + len(ds.val) + len(ds.test) == 18 and len(ds.test) == 4
+    assert "treated as public" in caplog.text
+    for split, per_class in (("train", 6), ("val", 3), ("test", 2)):
+        _png_tree(tmp_path / "three" / split, per_class=per_class)
+    ds = load_dataset("imagefolder", data_dir=str(tmp_path / "three"), val_fraction=0.5)
+    assert (len(ds.train), len(ds.val), len(ds.test)) == (18, 9, 6)
+    assert "train/, val/ and test/" in ds.split_info["source"]
+    _png_tree(tmp_path / "odd" / "train")
+    _png_tree(tmp_path / "odd" / "val", classes=("ant", "bee"))
+    _png_tree(tmp_path / "odd" / "test")
+    with pytest.raises(dpcore.DPConfigError, match="different class folders"):
+        load_dataset("imagefolder", data_dir=str(tmp_path / "odd"))
+
+
+def test_an_imagefolder_tree_with_one_class_is_refused(tmp_path):
+    _png_tree(tmp_path / "one", classes=("ant",))
+    with pytest.raises(dpcore.DPConfigError, match=r"1 class folder\(s\) \(ant\).*two or more"):
+        load_dataset("imagefolder", data_dir=str(tmp_path / "one"))
+
+
 def test_generated_dataset_has_the_requested_size_and_is_learnable_signal():
     ds = load_dataset("generated", generated_size=500)
     assert len(ds.train) + len(ds.val) + len(ds.test) == 500 and ds.input_shape == (1, 8, 8)
