@@ -100,7 +100,8 @@ def class_folders(
     texts, labels, files = [], [], []
     for label, name in enumerate(classes):
         folder = data_dir / name
-        for f in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        visible = (p for p in folder.rglob("*") if not any(s.startswith(".") for s in p.relative_to(folder).parts))
+        for f in sorted(p for p in visible if p.is_file()):
             texts.append(_read(f))
             labels.append(label)
             files.append(str(f))
@@ -112,10 +113,7 @@ def table(path: Path, classes: list[str] | None) -> tuple[list[str], list[int], 
     label is matched by name, an integer label indexes the list. The list is never taken from the
     labels (one training row could then add a class that the logged model names), and a label
     outside it is refused without printing it."""
-    import pyarrow.csv
-    import pyarrow.parquet
-
-    t = pyarrow.parquet.read_table(path) if path.suffix == ".parquet" else pyarrow.csv.read_csv(path)
+    t = _read_table(path)
     missing = [c for c in ("text", "label") if c not in t.column_names]
     if missing:
         raise DPConfigError(f"{path} has no {' and no '.join(missing)} column (it has: {', '.join(t.column_names)}).")
@@ -146,6 +144,46 @@ def table(path: Path, classes: list[str] | None) -> tuple[list[str], list[int], 
             )
         labels.append(k)
     return texts, labels, list(classes), [str(path)] * len(texts)
+
+
+def _read_table(path: Path):
+    """The table as written: a CSV's text column is read as text (inferred, ``007`` became
+    ``7`` and ``1.50`` became ``1.5``), quoted texts may hold line breaks, and a row that does
+    not parse is named by its line, never printed (Arrow's own message quotes the row)."""
+    import pyarrow as pa
+    import pyarrow.csv
+    import pyarrow.parquet
+
+    if path.suffix == ".parquet":
+        try:
+            return pyarrow.parquet.read_table(path)
+        except (pa.ArrowException, OSError) as e:
+            raise DPConfigError(f"{path} is not a readable Parquet file: {e}") from None
+    bad = []
+
+    def on_bad_row(row) -> str:
+        bad.append(row)
+        return "error"
+
+    try:
+        return pyarrow.csv.read_csv(
+            path,
+            parse_options=pyarrow.csv.ParseOptions(newlines_in_values=True, invalid_row_handler=on_bad_row),
+            convert_options=pyarrow.csv.ConvertOptions(column_types={"text": pa.string()}),
+        )
+    except pa.ArrowInvalid:
+        if bad:
+            row = bad[0]
+            where = f"line {row.number}" if row.number is not None else "a row"
+            what = f"{where} has {row.actual_columns} column(s) where the header has {row.expected_columns}"
+        else:
+            what = (
+                "it does not parse as CSV with a text and a label column (a label that is not a class name or index?)"
+            )
+        raise DPConfigError(
+            f"{path}: {what}. The row is not printed (it is private data). Quote texts that hold commas or line "
+            'breaks ("...", with "" for a quote inside).'
+        ) from None
 
 
 def _is_int(name: str) -> bool:

