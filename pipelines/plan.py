@@ -85,7 +85,7 @@ MAX_PCA_DIM = 8192  # a d×d float64 matrix of 512 MiB
 # ------------------------------------------------------------------------------------------
 # Planning (driver side, before any worker starts)
 def _source_fingerprint(cfg: TrainConfig) -> dict:
-    """What the raw data is, cheaply (names, sizes and times of its files; no reading): the key
+    """What the raw data is, cheaply (names, sizes, times and inodes of its files; no reading): the key
     of the ingest cache, so that a cached dataset is re-used without loading the source."""
     from .data import IDX_DATASETS, find_idx_files
 
@@ -116,8 +116,15 @@ def _source_fingerprint(cfg: TrainConfig) -> dict:
             model=cfg.model, max_length=cfg.max_length, email_view=cfg.email_view, text_classes=cfg.text_classes
         )
         fingerprint["tokenization"] = 2  # 2: special tokens' text split (2026-11-29); older caches are made again
-    fingerprint["files"] = sorted((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    # The change time and inode too: an edit that sets the modification time back (cp -p, rsync -t,
+    # tar x) keeps size and mtime, and would re-use the cache of the old content (helper-36).
+    fingerprint["files"] = sorted(_stat_of(f) for f in files)
     return fingerprint
+
+
+def _stat_of(f: Path) -> tuple:
+    st = f.stat()
+    return str(f.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 def prepare_data(cfg: TrainConfig) -> tuple[Path, dict]:

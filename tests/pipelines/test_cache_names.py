@@ -42,3 +42,37 @@ def test_a_filesystem_without_hard_links_still_gets_one_whole_key(tmp_path, monk
     a = cache_digest(tmp_path, b"x", 12)
     assert a == cache_digest(tmp_path, b"x", 12) and len((tmp_path / KEY_FILE).read_bytes()) == 32
     assert [p.name for p in tmp_path.iterdir()] == [KEY_FILE]
+
+
+def test_an_edit_that_sets_the_modification_time_back_is_ingested_again(tmp_path):
+    """cp -p, rsync -t and tar x restore a file's mtime: the cache keyed by name, size and mtime
+    alone re-used the old content (helper-36). The change time cannot be set back."""
+    import os
+    import time
+
+    import numpy as np
+    from PIL import Image
+
+    from pipelines.config import TrainConfig
+    from pipelines.plan import prepare_data
+
+    tree = tmp_path / "tree"
+    for c in ("a", "b"):
+        (tree / c).mkdir(parents=True)
+        for i in range(5):
+            Image.fromarray(np.full((4, 4, 3), 10 * i, np.uint8)).save(tree / c / f"{i}.bmp")
+    cfg = TrainConfig(
+        dataset="imagefolder",
+        data_dir=str(tree),
+        storage_path=str(tmp_path / "runs"),
+        tracking_uri=f"sqlite:///{tmp_path}/m.db",
+    )
+    first, _ = prepare_data(cfg)
+    assert prepare_data(cfg)[0] == first  # unchanged: re-used
+    target = tree / "a" / "0.bmp"
+    before = target.stat()
+    time.sleep(0.01)
+    Image.fromarray(np.full((4, 4, 3), 250, np.uint8)).save(target)  # the same size (uncompressed)
+    os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (target.stat().st_size, target.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert prepare_data(cfg)[0] != first
