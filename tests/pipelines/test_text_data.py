@@ -205,6 +205,23 @@ def test_a_csv_text_is_read_as_written_and_a_bad_row_is_named_not_printed(tmp_pa
     assert "4321" not in str(err.value) and "Dear Bob" not in str(err.value)
 
 
+def test_a_spamassassin_tree_missing_a_class_is_refused_and_a_missing_group_is_said(tmp_path, caplog):
+    import shutil
+
+    from pipelines.text.sources import spamassassin
+
+    root = _spam_tree(tmp_path / "c")
+    data = root / "package" / "data"
+    shutil.rmtree(data / "hard-ham-1")
+    with caplog.at_level("WARNING", logger="pipelines.text.sources"):
+        _, labels, _, _ = spamassassin(root)
+    assert sorted(set(labels)) == [0, 1] and "groups hard-ham-1 are missing or empty" in caplog.text
+    shutil.rmtree(data / "easy-ham-1")
+    shutil.rmtree(data / "easy-ham-2")
+    with pytest.raises(dpcore.DPConfigError, match="has no ham e-mails: its groups easy-ham-1, easy-ham-2, hard-ham-1"):
+        spamassassin(root)
+
+
 def test_hidden_folders_inside_a_class_folder_are_not_read(tmp_path):
     from pipelines.text.sources import class_folders
 
