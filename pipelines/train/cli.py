@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import warnings
 
 import dpcore
@@ -37,6 +38,7 @@ def build_parser(prog: str = "python -m pipelines.train") -> argparse.ArgumentPa
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m pipelines.train") -> int:
+    started = time.monotonic()
     args = vars(build_parser(prog).parse_args(argv))
     config_path, resume = args.pop("config"), args.pop("resume")
     try:
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipelines.train")
         traceback.print_exc(limit=-4)
         print(f"error: training failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    out["wall_seconds"] = time.monotonic() - started
     print_summary(out)
     from ..audit import AUDIT_FAILED, audit_failed
 
@@ -85,6 +88,9 @@ def print_summary(out: dict) -> None:
         f"steps={out['steps']}/{out['planned_steps']}  q={out['sample_rate']:.4f}  σ={out['noise_multiplier']:.4f}  "
         f"randomness={out['randomness']}"
     )
+    rounded = steps_note(out)
+    if rounded:
+        print(rounded)
     if out.get("replayed"):
         print(f"restarts replayed {out['replayed']} release(s) from the replay log; each was released and counted once")
     if out["rolled_back"]:
@@ -103,15 +109,36 @@ def print_summary(out: dict) -> None:
             print(line, file=sys.stderr if to_stderr else sys.stdout)
     if out["registered_model"]:
         print(f"model: {out['registered_model']} in the MLflow registry")
-    print(f"time: {out['seconds']:.1f}s")
+    if "wall_seconds" in out:
+        print(
+            f"time: {out['wall_seconds']:.1f}s from the command's start ({out['seconds']:.1f}s since the run's MLflow "
+            "record was made: the progress line's clock)"
+        )
+    else:
+        print(f"time: {out['seconds']:.1f}s since the run's MLflow record was made")
     if out.get("log") is not None:
-        out["log"].print_report("MLflow, Ray", "; the workers' output is in Ray's session logs")
+        if out.get("in_process"):
+            out["log"].print_report("MLflow, Ray", "; the training's own output is above")
+        else:
+            out["log"].print_report("MLflow, Ray", "; the workers' output is in Ray's session logs")
     if out.get("diagnostics"):
         print(
             "warning: NON-PRIVATE diagnostics were on: the run's training-set statistics (loss, accuracy, clip "
             "fractions) are logged without noise and are not covered by ε (tag dp.diagnostics=non-private)"
         )
     print(f"open the UI: {ui_command(out['tracking_uri'], out.get('experiment_id'), out['run_id'])}")
+
+
+def steps_note(out: dict) -> str | None:
+    """A line when the planned steps are far from the epochs asked for: ``--epochs 0.001`` at
+    q = 0.41 is 0.0025 of a step, and a run takes at least one (0.41 epochs)."""
+    epochs, q, planned = out.get("epochs"), out["sample_rate"], out["planned_steps"]
+    if epochs is None or planned * q <= 1.5 * epochs:
+        return None
+    return (
+        f"note: epochs={epochs:g} is {epochs / q:.3g} steps at q={q:.4f}; a run takes at least one step, so it "
+        f"planned {planned} ({planned * q:.3g} epochs)"
+    )
 
 
 def cli_command() -> str:

@@ -318,7 +318,8 @@ def _fit_and_log(
         trace("fit returned")
         metrics_to_mlflow.drain()  # rank 0's last metrics, before the plots read them
         progress.steps_done()
-        progress.phase("Ray Train finished" + ("; stopping the local Ray cluster" if cluster == "started" else ""))
+        done = "training finished" if cfg.in_process else "Ray Train finished"
+        progress.phase(done + ("; stopping the local Ray cluster" if cluster == "started" else ""))
     if result.error is not None:
         raise _worker_dp_error(result.error) or result.error
     ledger = open_run_ledger(plan, read_only=True)
@@ -370,6 +371,8 @@ def _fit_and_log(
         "dataset": cfg.dataset,
         "train_examples": plan.dataset_size,
         "num_workers": cfg.num_workers,
+        "in_process": bool(cfg.in_process),
+        "epochs": cfg.epochs,
         "nodes": len({p["node_id"] for p in placement}),
         "steps": len(committed),
         "planned_steps": plan.steps,

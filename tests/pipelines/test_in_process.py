@@ -2,6 +2,7 @@
 process (no Ray cluster, no worker processes), with the same ledger, checkpoints and MLflow run."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -145,7 +146,7 @@ def test_the_cli_flag(tmp_path):
     last = next(i for i, line in enumerate(err) if "] step 2/2" in line)
     assert [line.split("  (")[0] for line in err[last + 1 :]] == [
         "  last step done; evaluating on the validation and test splits, saving the checkpoint",
-        "  Ray Train finished",
+        "  training finished",
         "  ε = "
         + res.stdout.split("ε spent: ")[1][:6]
         + " from the run's ledger (pld); logging the ledger and plots to MLflow",
@@ -155,6 +156,9 @@ def test_the_cli_flag(tmp_path):
     out = res.stdout.splitlines()
     logs = next(line for line in out if line.startswith("logs: "))
     assert logs.split()[1].startswith(str(tmp_path / "dp_runs" / "logs" / "train-"))
+    assert logs.endswith("; the training's own output is above") and "Ray's session logs" not in res.stdout
+    wall, record = re.search(r"^time: ([\d.]+)s from the command's start \(([\d.]+)s since", res.stdout, re.M).groups()
+    assert float(wall) > float(record) > 0  # the wall time includes the start-up before the run's record
     i = out.index(logs)
     assert out[i + 1].startswith(delta) and out[i + 2].startswith("warning: NON-PRIVATE diagnostics were on")
 
@@ -178,3 +182,14 @@ def test_the_reported_epsilon_is_the_journals_with_dp_pcas_release_in_it(tmp_pat
     kinds = [json.loads(line).get("kind") for line in Path(out["spec"].journal).read_text().splitlines()]
     assert kinds.count("gaussian") == 1 and kinds.count("poisson_gaussian") == out["steps"]
     assert out["epsilon"] == pytest.approx(_epsilon_of_journal(out), rel=1e-9)
+
+
+def test_a_run_far_shorter_than_one_step_says_how_many_epochs_it_takes():
+    from pipelines.train.cli import steps_note
+
+    out = {"epochs": 0.001, "sample_rate": 0.407, "planned_steps": 1}
+    assert steps_note(out) == (
+        "note: epochs=0.001 is 0.00246 steps at q=0.4070; a run takes at least one step, so it planned 1 (0.407 epochs)"
+    )
+    assert steps_note({**out, "epochs": 30.0, "planned_steps": 74}) is None  # rounding of a real run: nothing said
+    assert steps_note({**out, "epochs": 0.3}) is None  # within 1.5× of what was asked
