@@ -359,6 +359,9 @@ class SeededRandomness(Randomness):
         z = torch.randn(shape, generator=self._generator, dtype=dtype)
         if std != 1.0:
             z.mul_(float(std))
+        if device is not None and torch.device(device).type == "cuda":  # drawn on the host (the same
+            # sequence on any device), copied from pinned memory without a host sync
+            return z.pin_memory().to(device, non_blocking=True)
         return z.to(device) if device is not None else z
 
     def spawn(self, *key: Any) -> SeededRandomness:

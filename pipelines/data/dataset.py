@@ -8,6 +8,7 @@ where one exists): nothing is computed from the private data.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +38,11 @@ class Normalization:
 
     def coefficients(self, channels: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(a, b), each of ``channels`` values (1 if the constants are shared), with
-        input = x·a + b per channel."""
+        input = x·a + b per channel. Made once per device and kept: built on the host and
+        moved at every batch, they were two blocking copies (host syncs on a GPU) a step."""
+        return _coefficients(self, channels, None if device is None else torch.device(device))
+
+    def _make_coefficients(self, channels: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         mean = torch.tensor(self.mean, dtype=torch.float64)
         std = torch.tensor(self.std, dtype=torch.float64)
         if len(mean) != 1 and len(mean) != channels:
@@ -66,6 +71,11 @@ class Normalization:
             return cls()
         mean, std = tuple(float(v) for v in d["mean"]), tuple(float(v) for v in d["std"])
         return cls(float(d["scale"]), mean, std, bool(d.get("tokens", False)))
+
+
+@functools.lru_cache(maxsize=64)
+def _coefficients(norm: Normalization, channels: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return norm._make_coefficients(channels, device)
 
 
 @dataclass(frozen=True)

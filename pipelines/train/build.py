@@ -124,13 +124,21 @@ class ShardInputs:
     canaries appended after them, already in the module's input space."""
 
     def __init__(self, shard: MappedSplit, device, extra: tuple[torch.Tensor, torch.Tensor] | None = None):
-        self.shard, self.device = shard, device
+        self.shard, self.device = shard, torch.device(device)
         self.extra_x = None if extra is None else extra[0].to(device)
-        self.y = torch.cat([shard.y, extra[1]]) if extra is not None else shard.y
-        self.y = self.y.to(device)
+        # Labels stay on the host, where the lot's indices are: indexing device labels with host
+        # indices is a blocking copy of the indices (a host sync on a GPU) at every step.
+        self.y = (torch.cat([shard.y, extra[1].cpu()]) if extra is not None else shard.y).cpu()
 
     def __len__(self) -> int:
         return len(self.y)
+
+    def labels(self, idx) -> torch.Tensor:
+        """The labels of rows ``idx`` on the training device (pinned, copied without waiting)."""
+        y = self.y[torch.as_tensor(idx).cpu()]
+        if self.device.type == "cuda":
+            return y.pin_memory().to(self.device, non_blocking=True)
+        return y.to(self.device)
 
     def batch(self, idx: torch.Tensor, device=None) -> torch.Tensor:
         idx = torch.as_tensor(idx).cpu()

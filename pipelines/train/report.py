@@ -52,20 +52,19 @@ def evaluate(model, split, device=None, batch: int = 2048) -> tuple[float, float
         return float("nan"), float("nan"), float("nan")
     was_training = model.training
     model.eval()
-    correct, loss, classes = 0, 0.0, 0
-    tp = fp = fn = 0
+    totals, classes = None, 0  # correct, loss, tp, fp, fn: summed on the device, read once at the end
     for lo in range(0, n, batch):
         idx = torch.arange(lo, min(n, lo + batch))
         out = model(inputs(idx))
         y = labels[idx.to(labels.device)].to(out.device)
         pred = out.argmax(1)
-        correct += (pred == y).sum().item()
-        loss += F.cross_entropy(out, y, reduction="sum").item()
         classes = out.shape[1]
-        tp += ((pred == 1) & (y == 1)).sum().item()
-        fp += ((pred == 1) & (y != 1)).sum().item()
-        fn += ((pred != 1) & (y == 1)).sum().item()
+        one, is_one = pred == 1, y == 1
+        counts = torch.stack([(pred == y).sum(), (one & is_one).sum(), (one & ~is_one).sum(), (~one & is_one).sum()])
+        part = torch.cat([F.cross_entropy(out, y, reduction="sum").double().reshape(1), counts.double()])
+        totals = part if totals is None else totals + part
     model.train(was_training)
+    loss, correct, tp, fp, fn = totals.tolist()
     f1 = (2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0) if classes == 2 else float("nan")
     return correct / n, loss / n, f1
 
@@ -150,7 +149,7 @@ def report(
                     split_public_front(model)[1] if plan.features else model, train, None, eval_batch(cfg)
                 )
                 first = torch.arange(min(512, len(train)))
-                norms = private.optimizer.diagnostics(train.batch(first), train.y[first])["per_sample_norms"]
+                norms = private.optimizer.diagnostics(train.batch(first), train.labels(first))["per_sample_norms"]
                 metrics.update(
                     {
                         "diag_train_accuracy": acc,

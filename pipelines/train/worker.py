@@ -243,7 +243,7 @@ class Worker:
             budget_bytes = int(budget * 2**20)
         probe = torch.arange(min(len(self.train), cfg.physical_batch_size))  # each rank fits its own
         return opt.fit_physical_batch_size(
-            self.train.batch(probe), self.train.y[probe], budget_bytes, at_least_one=budget == "auto"
+            self.train.batch(probe), self.train.labels(probe), budget_bytes, at_least_one=budget == "auto"
         )
 
     def _gradient_canaries(self, checkpoint) -> dict | None:
@@ -267,7 +267,7 @@ class Worker:
         """One private step: a Poisson lot of this rank's shard, clipped, summed, released."""
         opt, audit = self.private.optimizer, self.audit
         lot = self.private.sampler.sample()
-        opt.accumulate(self.train.batch(lot), self.train.y[lot])
+        opt.accumulate(self.train.batch(lot), self.train.labels(lot))
         if audit is not None:  # canaries in the data join the lot at rate q, like every example
             draw = audit["root"].spawn("audit-sampling", step).uniform(len(audit["in"]))
             opt.add_coordinate_examples(audit["in"][draw < self.plan.sample_rate], audit["value"])

@@ -244,3 +244,27 @@ def test_normalization_is_per_channel_and_exact_for_the_published_constants():
     assert torch.equal(digits(counts), counts.float() / 16)
     with pytest.raises(dpcore.DPConfigError, match="3 channel constants but the data has 2"):
         norm(torch.zeros(1, 2, 4, 4, dtype=torch.uint8))
+
+
+def test_the_step_input_path_makes_no_per_step_copies_of_constants_or_labels(digits, tmp_path):
+    """helper-37: the normalisation constants were built on the host and moved at every batch,
+    and the labels lived on the training device, indexed with the lot's host indices: on a GPU,
+    three blocking copies (host syncs) a step. Now the constants are made once per device and
+    the labels stay on the host, gathered there and copied without waiting."""
+    from pipelines.data import Normalization, open_split
+    from pipelines.train.build import ShardInputs
+
+    norm = Normalization(1 / 255, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+    first = norm.coefficients(3, "cpu")
+    again = norm.coefficients(3, torch.device("cpu"))
+    assert all(a is b for a, b in zip(first, again))  # the same tensors: made once
+    assert torch.equal(first[0], (1 / 255 / torch.tensor(norm.std, dtype=torch.float64)).float())
+
+    ingest(digits, tmp_path, num_shards=2)
+    inputs = ShardInputs(open_split(tmp_path, "train", rank=0, world_size=1), "cpu")
+    lot = torch.tensor([5, 0, 700, 5])
+    assert inputs.y.device.type == "cpu" and torch.equal(inputs.labels(lot), digits.train.y[lot])
+    extra = (torch.zeros(2, 1, 8, 8), torch.tensor([3, 4]))  # input canaries after the shard's rows
+    with_canaries = ShardInputs(open_split(tmp_path, "train", rank=0, world_size=1), "cpu", extra)
+    n = len(digits.train)
+    assert torch.equal(with_canaries.labels(torch.tensor([n + 1, 0, n])), torch.tensor([4, digits.train.y[0], 3]))
