@@ -230,6 +230,9 @@ def test_a_restored_worker_sums_in_its_checkpoints_pieces_else_fits_its_share(mo
         def batch(self, idx):
             return x[idx]
 
+        def labels(self, idx):
+            return y[idx]
+
     def worker(budget, share=0.5, local_world=2):
         return SimpleNamespace(
             cfg=TrainConfig(memory_budget_mb=budget),
