@@ -19,10 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-import dp_accounting
-
+from ._lazy import LazyModule
 from .errors import DPConfigError
 from .validation import check_noise_multiplier, check_sample_rate
+
+dp_accounting = LazyModule("dp_accounting")  # imported on first use (dpcore._lazy)
 
 POISSON_GAUSSIAN = "poisson_gaussian"
 GAUSSIAN = "gaussian"

@@ -11,10 +11,11 @@ from __future__ import annotations
 import functools
 import math
 
-import dp_accounting
-from dp_accounting.pld import privacy_loss_distribution as _pld
-
+from .._lazy import LazyModule
 from ..events import Gaussian, Laplace, PoissonGaussian, PoissonLaplace, PrivacyEvent
+
+dp_accounting = LazyModule("dp_accounting")  # imported on first use (dpcore._lazy)
+_pld = LazyModule("dp_accounting.pld.privacy_loss_distribution")
 
 VALUE_DISCRETIZATION = 1e-4  # dp_accounting's default for PLDAccountant
 # Searches (calibration, the largest count that fits) run on a 10× coarser grid, about ten

@@ -7,9 +7,10 @@ from __future__ import annotations
 import contextlib
 import logging
 
-import dp_accounting
-
+from .._lazy import LazyModule
 from ..events import compose
+
+dp_accounting = LazyModule("dp_accounting")  # imported on first use (dpcore._lazy)
 
 
 @contextlib.contextmanager
