@@ -9,10 +9,11 @@
 * ``cifar10``, ``cifar100``: the real ``torchvision.datasets`` loaders, read from ``data_dir``
   (the folder torchvision would download into), or downloaded there with ``download=True``.
 * ``imagefolder``: any ``torchvision.datasets.ImageFolder`` tree under ``data_dir`` (one folder
-  per class), e.g. ImageNet32-style data. ``train/``, ``val/`` and ``test/`` sub-folders are the
-  splits; with ``train/`` and one of the other two, that one is the test split and validation
-  is carved out of ``train/``; with ``train/`` alone, or a tree without them, every split is
-  carved out of the one tree. The class folders' names are treated as public (a warning says so).
+  per class), e.g. ImageNet32-style data. Where every sub-folder is ``train/``, ``val/`` or
+  ``test/``, they are the splits: with ``train/`` and one of the other two, that one is the test
+  split and validation is carved out of ``train/``; with ``train/`` alone, or a tree of class
+  folders (a class may be named ``train``), every split is carved out of the one tree. The
+  class folders' names are treated as public (a warning says so).
 * ``generated``: class-conditional Gaussian images of any size (``generated_size``), for scale
   tests. Drawn from a fixed public seed: synthetic, not private.
 
@@ -222,8 +223,15 @@ def load_imagefolder(
         return torch.stack(xs), torch.tensor(ys, dtype=torch.long), ds.classes
 
     norm = Normalization(1.0 / 255.0)  # pixels to [0, 1]: a fixed public scale, no statistic of the private images
-    found = {d: root / d for d in ("train", "val", "test") if (root / d).is_dir()}
-    if "train" not in found:  # one tree, one sub-folder per class: every split is carved out of it
+    # Split folders only where every sub-folder is one (a tree of classes may have a class 'train').
+    subfolders = {d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")}
+    found = {d: root / d for d in SPLIT_FOLDERS if d in subfolders} if subfolders <= set(SPLIT_FOLDERS) else {}
+    if found and "train" not in found:
+        raise DPConfigError(
+            f"{root} has {' and '.join(f'{d}/' for d in found)} but no train/ folder: give the training images in "
+            "train/ (one sub-folder per class), or a tree of class folders without split folders."
+        )
+    if not found:  # one tree, one sub-folder per class: every split is carved out of it
         x, y, classes = _classes_checked(root, *load(root))
         return split_dataset(
             "imagefolder", x, y, len(classes), test_fraction, val_fraction, split_seed, normalization=norm
@@ -260,6 +268,7 @@ def load_imagefolder(
     )
 
 
+SPLIT_FOLDERS = ("train", "val", "test")
 IMAGE_FOLDER_NAMES = (
     "the class list is the tree's sub-folder names, treated as public: their number sets the model's head, which "
     "is logged with the model. If the folders were made from the labels (one per label found), one rare example "

@@ -91,6 +91,17 @@ def test_imagefolder_train_alone_and_train_val_test_trees(tmp_path, caplog):
         load_dataset("imagefolder", data_dir=str(tmp_path / "odd"))
 
 
+def test_an_imagefolder_class_named_train_is_a_class_and_split_folders_need_train(tmp_path):
+    """helper-38: a class named 'train' (CIFAR-100 has one) made the tree read as split folders."""
+    _png_tree(tmp_path / "vehicles", classes=("bus", "car", "train"))
+    ds = load_dataset("imagefolder", data_dir=str(tmp_path / "vehicles"))
+    assert ds.num_classes == 3 and len(ds.train) + len(ds.val) + len(ds.test) == 18
+    _png_tree(tmp_path / "held-out-only" / "val")
+    _png_tree(tmp_path / "held-out-only" / "test")
+    with pytest.raises(dpcore.DPConfigError, match="has val/ and test/ but no train/ folder"):
+        load_dataset("imagefolder", data_dir=str(tmp_path / "held-out-only"))
+
+
 def test_an_imagefolder_tree_with_one_class_is_refused(tmp_path):
     _png_tree(tmp_path / "one", classes=("ant",))
     with pytest.raises(dpcore.DPConfigError, match=r"1 class folder\(s\) \(ant\).*two or more"):
