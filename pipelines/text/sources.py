@@ -126,7 +126,7 @@ def table(path: Path, classes: list[str] | None) -> tuple[list[str], list[int], 
     label is matched by name, an integer label indexes the list. The list is never taken from the
     labels (one training row could then add a class that the logged model names), and a label
     outside it is refused without printing it."""
-    t = _read_table(path)
+    t = _read_table(path, classes)
     missing = [c for c in ("text", "label") if c not in t.column_names]
     if missing:
         raise DPConfigError(f"{path} has no {' and no '.join(missing)} column (it has: {', '.join(t.column_names)}).")
@@ -159,10 +159,11 @@ def table(path: Path, classes: list[str] | None) -> tuple[list[str], list[int], 
     return texts, labels, list(classes), [str(path)] * len(texts)
 
 
-def _read_table(path: Path):
+def _read_table(path: Path, classes: list[str] | None):
     """The table as written: a CSV's text column is read as text (inferred, ``007`` became
-    ``7`` and ``1.50`` became ``1.5``), quoted texts may hold line breaks, and a row that does
-    not parse is named by its line, never printed (Arrow's own message quotes the row)."""
+    ``7`` and ``1.50`` became ``1.5``), and so is its label column where a class name reads as a
+    number (``01``); quoted texts may hold line breaks; a row that does not parse is described
+    by its column count, never printed (Arrow's own message quotes the row)."""
     import pyarrow as pa
     import pyarrow.csv
     import pyarrow.parquet
@@ -172,23 +173,28 @@ def _read_table(path: Path):
             return pyarrow.parquet.read_table(path)
         except (pa.ArrowException, OSError) as e:
             raise DPConfigError(f"{path} is not a readable Parquet file: {e}") from None
+    if path.stat().st_size == 0:
+        raise DPConfigError(f"{path} is empty: a text table needs a header with text and label columns.")
     bad = []
 
     def on_bad_row(row) -> str:
         bad.append(row)
         return "error"
 
+    types = {"text": pa.string()}
+    if any(_is_int(c) for c in classes or ()):
+        types["label"] = pa.string()
     try:
         return pyarrow.csv.read_csv(
             path,
+            # one thread: Arrow's worker threads with a row handler aborted the process at exit (helper-38)
+            read_options=pyarrow.csv.ReadOptions(use_threads=False),
             parse_options=pyarrow.csv.ParseOptions(newlines_in_values=True, invalid_row_handler=on_bad_row),
-            convert_options=pyarrow.csv.ConvertOptions(column_types={"text": pa.string()}),
+            convert_options=pyarrow.csv.ConvertOptions(column_types=types),
         )
     except pa.ArrowInvalid:
         if bad:
-            row = bad[0]
-            where = f"line {row.number}" if row.number is not None else "a row"
-            what = f"{where} has {row.actual_columns} column(s) where the header has {row.expected_columns}"
+            what = f"a row has {bad[0].actual_columns} column(s) where the header has {bad[0].expected_columns}"
         else:
             what = (
                 "it does not parse as CSV with a text and a label column (a label that is not a class name or index?)"

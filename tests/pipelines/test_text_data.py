@@ -203,6 +203,11 @@ def test_a_csv_text_is_read_as_written_and_a_bad_row_is_named_not_printed(tmp_pa
     with pytest.raises(dpcore.DPConfigError, match="has 3 column\\(s\\) where the header has 2") as err:
         table(tmp_path / "b.csv", ["neg", "pos"])
     assert "4321" not in str(err.value) and "Dear Bob" not in str(err.value)
+    (tmp_path / "c.csv").write_text("text,label\nfirst,01\nsecond,02\n")  # class names that read as numbers
+    assert table(tmp_path / "c.csv", ["01", "02"])[1] == [0, 1]
+    (tmp_path / "empty.csv").write_bytes(b"")
+    with pytest.raises(dpcore.DPConfigError, match="is empty"):
+        table(tmp_path / "empty.csv", ["neg", "pos"])
 
 
 def test_a_spamassassin_tree_missing_a_class_is_refused_and_a_missing_group_is_said(tmp_path, caplog):
