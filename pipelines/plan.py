@@ -131,7 +131,7 @@ def prepare_data(cfg: TrainConfig) -> tuple[Path, dict]:
     """An ingested, verified dataset for ``cfg``: ``data_dir`` itself if it is one, else the
     dataset loaded and ingested once into ``storage_path/datasets`` (one shard per worker).
     A cached ingest is re-used without loading the source again (its key is the source files'
-    names, sizes and times) while its verification holds."""
+    names, sizes, times and inodes) while its verification holds."""
     from .data import CorruptShardError, ingest, load_configured, verify
 
     if cfg.data_dir and (Path(cfg.data_dir).expanduser() / "manifest.json").is_file():

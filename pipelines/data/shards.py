@@ -170,16 +170,18 @@ def mark_verified(data_dir: str | Path) -> None:
 
 def manifest_digest(manifest: dict) -> str:
     """SHA-256 of what a run trains and evaluates on, from its manifest: every shard (split,
-    name, rows, SHA-256), the input shape and dtype, and the classes. A dataset ingested again
+    name, rows, SHA-256), the input shape and dtype, the classes (their count, and their names
+    where the manifest keeps them) and the normalisation. A dataset ingested again
     in place with another split seed keeps N, shape and class count but not this."""
     content = {
         "files": sorted((e["split"], e["file"], e["rows"], e["sha256"]) for e in manifest["files"]),
         "input_shape": list(manifest["input_shape"]),
         "dtype": manifest.get("dtype"),
         "num_classes": manifest.get("num_classes"),
-        "classes": manifest.get("classes"),
+        "classes": (manifest.get("source") or {}).get("classes"),  # text datasets name theirs there
+        "normalization": manifest.get("normalization"),
     }
-    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+    return "v1:" + hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
 def read_manifest(data_dir: str | Path) -> dict:

@@ -82,8 +82,12 @@ def check_same_data(plan: RunPlan) -> None:
     train_dir = getattr(plan, "train_data_dir", None)
     if train_dir and train_dir != plan.data_dir:
         pairs.append((train_dir, getattr(plan, "train_data_digest", None), verified(train_dir)))
-    for folder, digest, found in pairs:
-        if digest is not None and manifest_digest(found) != digest:
+    for k, (folder, digest, found) in enumerate(pairs):
+        if digest is None:  # a plan from before the digest: pinned now, so the workers check it from here on
+            setattr(plan, "data_digest" if k == 0 else "train_data_digest", manifest_digest(found))
+            if len(pairs) == 1:
+                plan.train_data_digest = plan.data_digest
+        elif manifest_digest(found) != digest:
             raise dpcore.DPConfigError(
                 f"--resume: the run's dataset {folder} was ingested again since the run was planned: its shards "
                 "differ (same N, shape and classes; another split seed or other examples). The run's held-out "

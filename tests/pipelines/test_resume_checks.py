@@ -71,24 +71,42 @@ def test_a_dataset_ingested_again_with_another_split_is_refused_by_resume_and_by
     check_planned_data(older, str(out))
 
 
-def test_the_digest_covers_every_shard_the_shape_and_the_classes():
-    manifest = {
-        "files": [
-            {"split": "train", "file": "train-0.arrow", "rows": 3, "sha256": "a"},
-            {"split": "test", "file": "test-0.arrow", "rows": 1, "sha256": "b"},
-        ],
-        "input_shape": [1, 8, 8],
-        "dtype": "uint8",
-        "num_classes": 2,
-        "classes": ["ham", "spam"],
-    }
+def test_the_digest_covers_every_shard_the_shape_the_classes_and_the_normalisation(tmp_path):
+    """On a real ingest's manifest (helper-38: the first version read the class names from a key
+    that ingest does not write)."""
+    import copy
+
+    out = tmp_path / "digits"
+    ingest(load_dataset("digits"), out, num_shards=2)
+    manifest = verify(out)
+    manifest.setdefault("source", {})["classes"] = [str(k) for k in range(10)]
     base = manifest_digest(manifest)
-    assert manifest_digest({**manifest, "files": manifest["files"][::-1]}) == base  # order of the list: no matter
-    changed = [
-        {**manifest, "files": [{**manifest["files"][0], "sha256": "c"}, manifest["files"][1]]},
-        {**manifest, "files": [{**manifest["files"][0], "split": "val"}, manifest["files"][1]]},
-        {**manifest, "input_shape": [1, 8, 9]},
-        {**manifest, "dtype": "float32"},
-        {**manifest, "classes": ["spam", "ham"]},
+    assert base.startswith("v1:") and manifest_digest(copy.deepcopy(manifest)) == base
+    reordered = {**manifest, "files": manifest["files"][::-1]}
+    assert manifest_digest(reordered) == base  # the list's order does not matter
+
+    def changed(edit):
+        m = copy.deepcopy(manifest)
+        edit(m)
+        return manifest_digest(m)
+
+    edits = [
+        lambda m: m["files"][0].update(sha256="0" * 64),
+        lambda m: m["files"][0].update(split="val"),
+        lambda m: m.update(input_shape=[1, 8, 9]),
+        lambda m: m.update(dtype="float32"),
+        lambda m: m.update(num_classes=11),
+        lambda m: m["source"].update(classes=["1", "0", *map(str, range(2, 10))]),
+        lambda m: m["normalization"].update(scale=1.0),
     ]
-    assert len({manifest_digest(m) for m in changed} | {base}) == len(changed) + 1
+    digests = [changed(e) for e in edits]
+    assert base not in digests and len(set(digests)) == len(edits)
+
+
+def test_resuming_a_plan_made_before_the_digest_pins_it(tmp_path):
+    out = tmp_path / "digits"
+    ingest(load_dataset("digits"), out, num_shards=2)
+    plan = _plan(out, verify(out))
+    plan.data_digest = plan.train_data_digest = None  # as spec.json of an older run
+    check_same_data(plan)
+    assert plan.data_digest == plan.train_data_digest == manifest_digest(verify(out))
