@@ -79,17 +79,14 @@ def _experiment_links(url: str) -> list[tuple[str, str]]:
 
     try:
         exps = call("experiments/search?max_results=100").get("experiments", [])
-        ids = [e["experiment_id"] for e in exps]
-        runs = (
-            call(
-                "runs/search",
-                {"experiment_ids": ids, "max_results": 1000, "order_by": ["attributes.start_time DESC"]},
-            ).get("runs", [])
-            if ids
-            else []
-        )
     except (OSError, ValueError):
         return []
+    try:  # the newest 1,000 runs order the experiments that have one; a failure leaves the experiments' order
+        ids = [e["experiment_id"] for e in exps]
+        body = {"experiment_ids": ids, "max_results": 1000, "order_by": ["attributes.start_time DESC"]}
+        runs = call("runs/search", body).get("runs", []) if ids else []
+    except (OSError, ValueError):
+        runs = []
     newest: dict[str, int] = {}
     for r in runs:
         info = r.get("info", {})

@@ -643,3 +643,15 @@ def test_the_budget_check_composes_the_canonical_form_the_ledger_does(monkeypatc
     calibration.max_steps(1.1, 0.01, 2.0, 1e-5, prior_groups=[(b, 50), (a, 0)], event=a)
     calibration.calibrate_noise_multiplier(3.0, 1e-5, 0.01, 100, prior_groups=[(b, 5)])
     assert seen and all(g == dpcore.events.positive_groups(g) for g in seen)
+
+
+def test_the_lazily_imported_dp_accounting_survives_copy_and_pickle():
+    """dpcore._lazy.LazyModule (helper-38: copy recursed, pickle refused the module)."""
+    import copy
+    import pickle
+
+    from dpcore._lazy import LazyModule
+
+    lazy = LazyModule("dp_accounting")
+    for other in (copy.copy(lazy), copy.deepcopy(lazy), pickle.loads(pickle.dumps(lazy))):
+        assert other.GaussianDpEvent(2.0) == lazy.GaussianDpEvent(2.0)

@@ -93,13 +93,17 @@ def test_the_experiment_with_the_newest_run_is_linked_first(tmp_path):
         start_new_session=True,
     )
     try:
-        said = []
-        for line in ui.stdout:  # the three links are printed together, once the page answers
-            said.append(line)
-            if sum("experiment " in s for s in said) == 3:
-                break
-        else:
-            raise AssertionError(f"the UI did not list the experiments (exit {ui.wait()}): {''.join(said)}")
+        import queue
+        import threading
+
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in ui.stdout], daemon=True).start()
+        said, deadline = [], time.monotonic() + 180
+        while sum("experiment " in s for s in said) < 3:  # the three links come together, once the page answers
+            try:
+                said.append(lines.get(timeout=max(0.1, deadline - time.monotonic())))
+            except queue.Empty:
+                raise AssertionError(f"the UI listed no three experiments in 180 s: {''.join(said)}") from None
         named = [re.search(r"experiment ([\w-]+)", line).group(1) for line in said if "experiment " in line]
         assert named == ["trained-in", "older-run", "no-runs"], said
         assert f"#/experiments/{trained_in}?" in next(line for line in said if line.startswith("MLflow UI: "))
