@@ -49,7 +49,35 @@ def resume_plan(run_id: str, tracking_uri: str, changes: dict) -> tuple[RunPlan,
         )
     check_same_data(plan)
     plan.config.update(changes)
-    return plan, config_from_dict(plan.config)
+    cfg = config_from_dict(plan.config)
+    recheck_max_releases(plan, cfg)
+    return plan, cfg
+
+
+def recheck_max_releases(plan: RunPlan, cfg: TrainConfig) -> None:
+    """The number of steps the budget allows, computed again: the workers' budget check starts
+    from ``plan.max_releases`` without composing, and a resumed plan comes from the run's
+    ``spec.json`` in MLflow, which anyone who can write the run's artifacts can change (a raised
+    count let a run pass its target ε, in helper-39's script 1.49 for a target of 1), or an older
+    version may have computed with another accountant's numbers. About a second of the driver."""
+    import logging
+
+    allowed = dpcore.max_steps(
+        plan.noise_multiplier,
+        plan.sample_rate,
+        cfg.target_epsilon,
+        cfg.target_delta,
+        cfg.accountant,
+        prior_groups=cfg.prior_groups(),
+        event=plan.step_event(),
+    )
+    if allowed != plan.max_releases:
+        logging.getLogger(__name__).warning(
+            "the resumed plan allowed %s steps; the budget allows %d, which the run keeps to",
+            plan.max_releases,
+            allowed,
+        )
+        plan.max_releases = allowed
 
 
 def check_same_data(plan: RunPlan) -> None:

@@ -110,3 +110,19 @@ def test_resuming_a_plan_made_before_the_digest_pins_it(tmp_path):
     plan.data_digest = plan.train_data_digest = None  # as spec.json of an older run
     check_same_data(plan)
     assert plan.data_digest == plan.train_data_digest == manifest_digest(verify(out))
+
+
+def test_a_resumed_plans_step_bound_is_computed_again_not_trusted(caplog):
+    """helper-39: the workers' budget check starts from plan.max_releases, which a resumed plan
+    reads from the run's spec.json artifact; raised by 100, a run passed its target ε."""
+    from pipelines.config import TrainConfig
+    from pipelines.train.resume import recheck_max_releases
+
+    cfg = TrainConfig(target_epsilon=1.0, target_delta=1e-5)
+    sigma, q = 2.0, 0.05
+    true_max = dpcore.max_steps(sigma, q, 1.0, 1e-5, cfg.accountant, event=dpcore.PrivacyEvent.dpsgd_step(sigma, q))
+    plan = small_plan(noise_multiplier=sigma, sample_rate=q, max_releases=true_max + 100)
+    with caplog.at_level("WARNING", logger="pipelines.train.resume"):
+        recheck_max_releases(plan, cfg)
+    assert plan.max_releases == true_max and f"the budget allows {true_max}" in caplog.text
+    assert dpcore.epsilon([(plan.step_event(), true_max)], 1e-5, "pld") <= 1.0
