@@ -4,7 +4,8 @@
 dies hard (``os._exit``, no cleanup, no report) once, right after step ``k`` and before that
 step's report. When rank 0 dies, the replay log first holds every release up to step ``k``,
 or all but the last ``unlogged`` of them (a crash between the ledger's record of a release and
-the log's: the window in which a release is paid for but cannot be replayed). The marker file
+the log's: the window in which a release is paid for but cannot be replayed). With
+``in_upload``, the rank dies instead while it uploads its part of step ``k``'s checkpoint. The marker file
 ``fault-injected`` in the run folder keeps the restarted group
 from dying again. It is carried to the workers beside the plan, not in it, so it is neither
 logged to MLflow nor kept for ``--resume``.
@@ -26,6 +27,7 @@ class FaultInjection:
     at_step: int
     rank: int = 1
     unlogged: int = 0
+    in_upload: bool = False  # die during this rank's upload of the checkpoint of at_step, not after the step
 
     def check(self, cfg) -> None:
         """Refuse a hook that cannot fire, before anything starts."""
@@ -50,6 +52,9 @@ class FaultInjection:
         marker = Path(run_dir) / "fault-injected"
         if marker.exists():
             return
+        if self.in_upload:
+            self._die_in_upload(run_dir, rank, step, marker)
+            return
         if journal is not None:
             deadline = time.monotonic() + 30.0
             while time.monotonic() < deadline and not _recorded(journal, step):
@@ -60,6 +65,28 @@ class FaultInjection:
                 _cut_records(replay_log, self.unlogged)
         marker.write_text(f"rank {rank} died after step {step}\n")
         os._exit(17)  # a hard crash: no cleanup, no report
+
+    @staticmethod
+    def _die_in_upload(run_dir: str, rank: int, step: int, marker: Path) -> None:
+        """At this rank's next checkpoint upload (that of ``step``): wait up to 5 s for rank 0 to
+        open the replay log's segment after ``step`` (which deletes the one before), then die
+        with the upload unfinished. Rank 0 may rotate only once every rank's part is stored, so
+        the wait should time out; if the segment appears, the previous one is gone while the
+        checkpoint of ``step`` is incomplete."""
+        from ray.train.v2._internal.execution.context import TrainContext
+
+        from dpcore.ledger.replay import segment_path
+
+        segment = segment_path(Path(run_dir) / "replay", step)
+
+        def upload(*args, **kwargs):
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and not segment.exists():
+                time.sleep(0.01)
+            marker.write_text(f"rank {rank} died in its upload of step {step}; segment there: {segment.exists()}\n")
+            os._exit(17)
+
+        TrainContext._upload_checkpoint = upload
 
 
 def _cut_records(replay_log, n: int) -> None:

@@ -307,6 +307,13 @@ class Worker:
             self.audit,
             self.pruner,
         )
+        if self.world > 1:
+            # ray.train.report returns once this rank's own part is uploaded; the other ranks' may
+            # still be in flight. Rank 0 rotates the replay log (deleting the segment the previous
+            # checkpoint needs) only once every rank's part is stored: a rank dying mid-upload
+            # left the previous checkpoint the latest complete one, with its segment gone, and
+            # its releases were rolled back instead of replayed (helper-39).
+            dist.barrier()
         if self.replay_log is not None:  # the checkpoint of `step` is complete: the log starts again after it
             self.replay_log.rotate(step)
         return pruned

@@ -179,3 +179,27 @@ def test_a_crash_after_the_last_step_finishes_from_the_checkpoint_at_the_budget(
     # the restarted rank removed it.
     name = out["spec"].ray_run_name
     assert not [p for p in Path(tempfile.gettempdir()).glob("dp-report-*") if p.name.endswith(f".{name}")]
+
+
+@pytest.mark.slow
+def test_a_worker_dying_in_its_checkpoint_upload_costs_no_replayed_release(ray_cluster, tmp_path):
+    """helper-39: rank 0 rotated the replay log (deleting the previous checkpoint's segment) as
+    soon as its own part of checkpoint 6 was stored; rank 1 then died uploading its part, the
+    latest complete checkpoint was step 3, and its releases 4–6, which the log had held, were
+    rolled back. Rank 0 now rotates only after every rank's part is stored."""
+    cfg = TrainConfig(
+        epochs=5,  # 12 planned steps at q≈0.41
+        target_epsilon=3.0,
+        checkpoint_every=3,
+        max_failures=1,
+        storage_path=str(tmp_path / "runs"),
+        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+        registered_model="none",
+        quiet=True,
+    )
+    out = run(cfg, faults=FaultInjection(at_step=6, rank=1, in_upload=True))
+    said = (Path(out["spec"].run_dir) / "fault-injected").read_text()
+    assert "died in its upload of step 6; segment there: False" in said
+    ops = [json.loads(line) for line in Path(out["spec"].journal).read_text().splitlines()]
+    assert not any(o["op"] == "rollback" for o in ops), [o["op"] for o in ops]
+    assert out["rolled_back"] == 0 and out["replayed"] == 3 and out["steps"] == out["planned_steps"]
