@@ -26,7 +26,7 @@ from . import tracking
 from .catalog import TEXT_DATASETS
 from .config import TrainConfig
 from .data.cache_names import cache_digest
-from .data.shards import FORMAT_VERSION, manifest_digest
+from .data.shards import FORMAT_VERSION, data_digest
 from .models import build_run_model
 
 
@@ -313,7 +313,7 @@ def plan_run(cfg: TrainConfig, on_checked: Callable[[], None] | None = None) -> 
             "epsilon_every": max(1, steps // 20),
             "tracking_uri": tracking_uri,
             "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "data_digest": manifest_digest(manifest),
-            "train_data_digest": manifest_digest(features[1]) if features else manifest_digest(manifest),
+            "data_digest": data_digest(storage, manifest),  # keyed: spec.json is in MLflow
+            "train_data_digest": data_digest(storage, features[1] if features else manifest),
         }
     )

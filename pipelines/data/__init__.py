@@ -5,7 +5,7 @@ dataset (:mod:`.features`)."""
 from ..catalog import DATASETS, IDX_DATASETS, NEEDS_DATA_DIR, USES_DATA_DIR
 from .idx import find_idx_files, read_idx_split
 from .mapped import MappedSplit, model_example, open_split, public_example, read_split, train_size
-from .shards import CorruptShardError, ingest, manifest_digest, read_manifest, sha256_file, verify
+from .shards import CorruptShardError, data_digest, ingest, manifest_digest, read_manifest, sha256_file, verify
 from .sources import (
     Dataset,
     Normalization,
@@ -25,6 +25,7 @@ __all__ = [
     "NEEDS_DATA_DIR",
     "Normalization",
     "Split",
+    "data_digest",
     "USES_DATA_DIR",
     "find_idx_files",
     "ingest",

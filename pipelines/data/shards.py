@@ -172,7 +172,8 @@ def manifest_digest(manifest: dict) -> str:
     """SHA-256 of what a run trains and evaluates on, from its manifest: every shard (split,
     name, rows, SHA-256), the input shape and dtype, the classes (their count, and their names
     where the manifest keeps them) and the normalisation. A dataset ingested again
-    in place with another split seed keeps N, shape and class count but not this."""
+    in place with another split seed keeps N, shape and class count but not this. A plain hash
+    of the private data: never logged (the plan carries :func:`data_digest`, keyed)."""
     content = {
         "files": sorted((e["split"], e["file"], e["rows"], e["sha256"]) for e in manifest["files"]),
         "input_shape": list(manifest["input_shape"]),
@@ -182,6 +183,16 @@ def manifest_digest(manifest: dict) -> str:
         "normalization": manifest.get("normalization"),
     }
     return "v1:" + hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+def data_digest(storage_path: str | Path, manifest: dict) -> str:
+    """What a run's plan carries of its data (``spec.json``, kept by MLflow): the manifest's
+    digest under the storage folder's secret key (:mod:`.cache_names`). A plain hash of the
+    shards there would let anyone who reads the plan and knows every other record test whether
+    a candidate dataset, with or without one record, is the one trained on."""
+    from .cache_names import cache_digest
+
+    return "v1:" + cache_digest(storage_path, manifest_digest(manifest).encode(), 64)
 
 
 def read_manifest(data_dir: str | Path) -> dict:

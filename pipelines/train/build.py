@@ -158,10 +158,10 @@ def check_planned_data(plan: RunPlan, data_dir: str) -> None:
     otherwise train on a dataset ingested again in place since (another split seed makes
     examples logged as held out into training examples). Plans made before the digest existed
     carry none and are not checked."""
-    from ..data import manifest_digest, read_manifest
+    from ..data import data_digest, read_manifest
 
     expected = plan.train_data_digest if data_dir == plan.train_data_dir else plan.data_digest
-    if expected is not None and manifest_digest(read_manifest(data_dir)) != expected:
+    if expected is not None and data_digest(plan.storage_path, read_manifest(data_dir)) != expected:
         raise dpcore.DPConfigError(
             f"the dataset {data_dir} was ingested again after this run was planned: its shards differ from the "
             "planned ones. The run stops before training on it; start a new run on the new data."

@@ -88,7 +88,7 @@ def check_same_data(plan: RunPlan) -> None:
     numbers (helper-31), and one ingested with another split seed would train on examples the
     run had evaluated and logged as held out (helper-36). Cached features (ScatterNet) are
     verified and compared the same way."""
-    from ..data import CorruptShardError, manifest_digest, verify
+    from ..data import CorruptShardError, data_digest, verify
 
     def verified(folder: str) -> dict:
         try:
@@ -112,10 +112,10 @@ def check_same_data(plan: RunPlan) -> None:
         pairs.append((train_dir, getattr(plan, "train_data_digest", None), verified(train_dir)))
     for k, (folder, digest, found) in enumerate(pairs):
         if digest is None:  # a plan from before the digest: pinned now, so the workers check it from here on
-            setattr(plan, "data_digest" if k == 0 else "train_data_digest", manifest_digest(found))
+            setattr(plan, "data_digest" if k == 0 else "train_data_digest", data_digest(plan.storage_path, found))
             if len(pairs) == 1:
                 plan.train_data_digest = plan.data_digest
-        elif manifest_digest(found) != digest:
+        elif data_digest(plan.storage_path, found) != digest:
             raise dpcore.DPConfigError(
                 f"--resume: the run's dataset {folder} was ingested again since the run was planned: its shards "
                 "differ (same N, shape and classes; another split seed or other examples). The run's held-out "

@@ -8,7 +8,7 @@ import types
 import pytest
 
 import dpcore
-from pipelines.data import ingest, load_dataset, manifest_digest, verify
+from pipelines.data import data_digest, ingest, load_dataset, manifest_digest, verify
 from pipelines.train.build import check_planned_data
 from pipelines.train.resume import check_same_data
 
@@ -17,14 +17,16 @@ from ..helpers import small_plan
 
 def _plan(data_dir, manifest):
     n = sum(e["rows"] for e in manifest["files"] if e["split"] == "train")
+    storage = str(data_dir.parent / "runs")
     return types.SimpleNamespace(
         data_dir=str(data_dir),
         dataset_size=n,
         input_shape=manifest["input_shape"],
         num_classes=manifest["num_classes"],
         train_data_dir=str(data_dir),
-        data_digest=manifest_digest(manifest),
-        train_data_digest=manifest_digest(manifest),
+        storage_path=storage,
+        data_digest=data_digest(storage, manifest),
+        train_data_digest=data_digest(storage, manifest),
     )
 
 
@@ -57,7 +59,11 @@ def test_a_dataset_ingested_again_with_another_split_is_refused_by_resume_and_by
     manifest = verify(out)
     plan = _plan(out, manifest)
     worker_plan = small_plan(
-        data_dir=str(out), train_data_dir=str(out), data_digest=plan.data_digest, train_data_digest=plan.data_digest
+        data_dir=str(out),
+        train_data_dir=str(out),
+        storage_path=plan.storage_path,
+        data_digest=plan.data_digest,
+        train_data_digest=plan.data_digest,
     )
     check_same_data(plan)
     check_planned_data(worker_plan, str(out))
@@ -67,7 +73,9 @@ def test_a_dataset_ingested_again_with_another_split_is_refused_by_resume_and_by
         check_same_data(plan)
     with pytest.raises(dpcore.DPConfigError, match="ingested again after this run was planned"):
         check_planned_data(worker_plan, str(out))
-    older = small_plan(data_dir=str(out), train_data_dir=str(out))  # a plan from before the digest: not checked
+    older = small_plan(
+        data_dir=str(out), train_data_dir=str(out), storage_path=plan.storage_path
+    )  # no digest: unchecked
     check_planned_data(older, str(out))
 
 
@@ -109,7 +117,26 @@ def test_resuming_a_plan_made_before_the_digest_pins_it(tmp_path):
     plan = _plan(out, verify(out))
     plan.data_digest = plan.train_data_digest = None  # as spec.json of an older run
     check_same_data(plan)
-    assert plan.data_digest == plan.train_data_digest == manifest_digest(verify(out))
+    assert plan.data_digest == plan.train_data_digest == data_digest(plan.storage_path, verify(out))
+
+
+def test_the_plans_digest_is_keyed_not_a_hash_anyone_can_recompute(tmp_path):
+    """The plan goes to MLflow (spec.json): a plain hash of the shards would let a reader who
+    knows every other record test whether a candidate dataset is the one trained on (the
+    reason the cache folders' names are keyed too: pipelines/data/cache_names.py)."""
+    import hashlib
+    import json
+
+    out = tmp_path / "digits"
+    ingest(load_dataset("digits"), out, num_shards=2)
+    manifest = verify(out)
+    keyed = data_digest(tmp_path / "a", manifest)
+    assert keyed == data_digest(tmp_path / "a", manifest)  # stable under one storage folder's key
+    assert keyed != data_digest(tmp_path / "b", manifest)  # another key, another digest
+    plain = manifest_digest(manifest)
+    shas = [e["sha256"] for e in manifest["files"]]
+    assert plain[3:] not in keyed and all(sha not in keyed for sha in shas)
+    assert hashlib.sha256(json.dumps(shas).encode()).hexdigest() not in keyed
 
 
 def test_a_resumed_plans_step_bound_is_computed_again_not_trusted(caplog):
