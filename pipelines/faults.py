@@ -5,7 +5,8 @@ dies hard (``os._exit``, no cleanup, no report) once, right after step ``k`` and
 step's report. When rank 0 dies, the replay log first holds every release up to step ``k``,
 or all but the last ``unlogged`` of them (a crash between the ledger's record of a release and
 the log's: the window in which a release is paid for but cannot be replayed). With
-``in_upload``, the rank dies instead while it uploads its part of step ``k``'s checkpoint. The marker file
+``in_upload``, the rank dies instead while it uploads its part of step ``k``'s checkpoint; with
+``before_record``, rank 0 dies in step ``k`` after the all-reduce, before its ledger records it. The marker file
 ``fault-injected`` in the run folder keeps the restarted group
 from dying again. It is carried to the workers beside the plan, not in it, so it is neither
 logged to MLflow nor kept for ``--resume``.
@@ -28,6 +29,7 @@ class FaultInjection:
     rank: int = 1
     unlogged: int = 0
     in_upload: bool = False  # die during this rank's upload of the checkpoint of at_step, not after the step
+    before_record: bool = False  # rank 0: die in step at_step after the all-reduce, before the ledger records it
 
     def check(self, cfg) -> None:
         """Refuse a hook that cannot fire, before anything starts."""
@@ -39,6 +41,8 @@ class FaultInjection:
             raise dpcore.DPConfigError(f"fault rank={self.rank} must be a worker rank in [0, {cfg.num_workers}).")
         if self.unlogged and (self.rank != 0 or not cfg.replay_log):
             raise dpcore.DPConfigError("unlogged releases need rank=0 and the replay log: rank 0 writes it.")
+        if self.before_record and (self.rank != 0 or self.at_step < 2):
+            raise dpcore.DPConfigError("before_record needs rank=0 (it records) and at_step ≥ 2.")
 
     def maybe_fail(self, run_dir: str, rank: int, step: int, journal: str | None = None, replay_log=None) -> None:
         """Die after ``step`` if this is the chosen rank. With ``journal``, first wait (up to
@@ -47,9 +51,12 @@ class FaultInjection:
         kill of the group that follows this death can overtake rank 0's record of the step:
         privacy-safe, since nothing computed from an unrecorded release survives, but the
         test would not know which releases to expect.)"""
-        if step != self.at_step or rank != self.rank:
-            return
         marker = Path(run_dir) / "fault-injected"
+        if self.before_record and step == self.at_step - 1 and rank == self.rank and not marker.exists():
+            self._die_before_record(marker)
+            return
+        if step != self.at_step or rank != self.rank or self.before_record:
+            return
         if marker.exists():
             return
         if self.in_upload:
@@ -65,6 +72,22 @@ class FaultInjection:
                 _cut_records(replay_log, self.unlogged)
         marker.write_text(f"rank {rank} died after step {step}\n")
         os._exit(17)  # a hard crash: no cleanup, no report
+
+    def _die_before_record(self, marker: Path) -> None:
+        """From the next release on, rank 0's ledger dies when asked to record step ``at_step``:
+        the release is noised and all-reduced (the other ranks hold it and step on it), but not
+        on record. Nothing computed from it may survive the restart, and it must not be counted."""
+        from dpcore.ledger.ledger import PrivacyLedger
+
+        real, at = PrivacyLedger.append, self.at_step
+
+        def append(ledger, event, step, clip_norm, check_budget=True):
+            if step == at:
+                marker.write_text(f"rank 0 died in step {step} after the all-reduce, before its record\n")
+                os._exit(17)
+            return real(ledger, event, step, clip_norm, check_budget)
+
+        PrivacyLedger.append = append
 
     @staticmethod
     def _die_in_upload(run_dir: str, rank: int, step: int, marker: Path) -> None:

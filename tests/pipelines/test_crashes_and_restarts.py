@@ -203,3 +203,30 @@ def test_a_worker_dying_in_its_checkpoint_upload_costs_no_replayed_release(ray_c
     ops = [json.loads(line) for line in Path(out["spec"].journal).read_text().splitlines()]
     assert not any(o["op"] == "rollback" for o in ops), [o["op"] for o in ops]
     assert out["rolled_back"] == 0 and out["replayed"] == 3 and out["steps"] == out["planned_steps"]
+
+
+@pytest.mark.slow
+def test_rank_0_dying_between_the_all_reduce_and_its_record_leaves_nothing_counted_or_lost(ray_cluster, tmp_path):
+    """helper-39's untested window: step 5's noised sum reached both ranks (rank 1 stepped on
+    it) but rank 0 died before its ledger recorded it. The group restarts from checkpoint 3 and
+    replays step 4 from the log; step 5 is released again, once on record; nothing is rolled
+    back, every step is recorded exactly once and ε is that of the planned steps."""
+    cfg = TrainConfig(
+        epochs=5,  # 12 planned steps at q≈0.41
+        target_epsilon=3.0,
+        checkpoint_every=3,
+        max_failures=1,
+        storage_path=str(tmp_path / "runs"),
+        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+        registered_model="none",
+        quiet=True,
+    )
+    out = run(cfg, faults=FaultInjection(at_step=5, rank=0, before_record=True))
+    spec = out["spec"]
+    assert "died in step 5 after the all-reduce" in (Path(spec.run_dir) / "fault-injected").read_text()
+    ops = [json.loads(line) for line in Path(spec.journal).read_text().splitlines()]
+    appended = [o["step"] for o in ops if o["op"] == "append"]
+    assert sorted(appended) == list(range(1, spec.steps + 1)), appended  # each step on record once
+    assert out["rolled_back"] == 0 and out["replayed"] == 1 and out["steps"] == spec.steps
+    groups = {(spec.sample_rate, spec.noise_multiplier): spec.steps}
+    assert math.isclose(out["epsilon"], dp_accounting_epsilon(groups, cfg.target_delta), rel_tol=1e-6)
