@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from ..plan import RunPlan
 
 import os
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -17,6 +18,9 @@ import dpcore
 from dpcore.ledger import COMMITTED
 
 _JOURNAL_LOCK = None  # the open lock file of this process's journal (rank 0); released when the process dies
+# A holder for less than this is waited for: journal_is_locked (a resume's check) takes the lock
+# for an instant, and a restarting rank 0 that met it then failed, using up one of max_failures.
+LOCK_WAIT_S = 1.0
 
 
 def lock_journal(journal: str) -> None:
@@ -29,14 +33,19 @@ def lock_journal(journal: str) -> None:
     if _JOURNAL_LOCK is not None and _JOURNAL_LOCK.name == journal + ".lock":
         return
     f = open(journal + ".lock", "a+")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise dpcore.DPConfigError(
-            f"another process holds the ledger journal {journal} of this run (an earlier driver's workers are "
-            "still training?). Stop them first; two trainers on one journal could spend the budget twice."
-        ) from None
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                f.close()
+                raise dpcore.DPConfigError(
+                    f"another process holds the ledger journal {journal} of this run (an earlier driver's workers are "
+                    "still training?). Stop them first; two trainers on one journal could spend the budget twice."
+                ) from None
+            time.sleep(0.02)
     _JOURNAL_LOCK = f
 
 

@@ -211,6 +211,27 @@ def test_a_locked_journal_refuses_a_second_trainer(tmp_path):
     assert allowance == 10 and len(ledger) == 0
 
 
+def test_a_lock_held_for_an_instant_is_waited_for_not_refused(tmp_path):
+    """journal_is_locked (a resume's check, from another process) takes the lock for an instant;
+    a restarting rank 0 that met it failed and used up one of max_failures (helper-39)."""
+    import fcntl
+    import threading
+
+    from pipelines.train.run_ledger import LOCK_WAIT_S, lock_journal, unlock_journal
+
+    journal = str(tmp_path / "ledger.journal.jsonl")
+    other = open(journal + ".lock", "a+")  # another open file: flock conflicts even in one process
+    fcntl.flock(other.fileno(), fcntl.LOCK_EX)
+    threading.Timer(0.2, lambda: fcntl.flock(other.fileno(), fcntl.LOCK_UN)).start()
+    lock_journal(journal)  # waited 0.2 s
+    unlock_journal()
+    fcntl.flock(other.fileno(), fcntl.LOCK_EX)
+    with pytest.raises(dpcore.DPConfigError, match="another process holds the ledger journal"):
+        lock_journal(journal)  # held past the wait (LOCK_WAIT_S): refused
+    other.close()
+    assert LOCK_WAIT_S <= 2.0  # a true second trainer is still refused promptly
+
+
 def test_a_restart_allows_only_what_the_budget_has_left_after_rolled_back_releases(tmp_path):
     """Rolled-back releases stay spent: a restart without a checkpoint trains only as many steps
     as the budget still allows, fewer than the plan's (helper-32: an allowance of plan.steps −
