@@ -96,18 +96,27 @@ def test_aggregated_noise_has_std_sigma_C_with_one_or_two_ray_workers(ray_cluste
     assert SIGMA * CLIP * (math.sqrt(2) - 1) > 10 * tol
 
 
-def test_killed_worker_resumes_from_checkpoint_and_the_ledger_keeps_every_release(ray_cluster, tmp_path):
-    cfg = TrainConfig(
-        epochs=5,  # 12 planned steps at q≈0.41
+def _crash_cfg(tmp_path, **over) -> TrainConfig:
+    """The crash tests' run: 2 workers, 12 planned steps at q≈0.41, checkpoints at steps 3, 6, 9
+    and 12, one restart allowed."""
+    return TrainConfig(
+        epochs=5,
         target_epsilon=3.0,
         checkpoint_every=3,
         max_failures=1,
         storage_path=str(tmp_path / "runs"),
         tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
         registered_model="none",
+        quiet=True,
+        **over,
+    )
+
+
+def test_killed_worker_resumes_from_checkpoint_and_the_ledger_keeps_every_release(ray_cluster, tmp_path):
+    cfg = _crash_cfg(
+        tmp_path,
         diagnostics=True,  # also checked here: the non-private mode is tagged
         replay_log=False,  # the releases since the checkpoint are rolled back (tests/pipelines/test_replay_after_crash.py: replayed)
-        quiet=True,
     )
     out = run(cfg, faults=FaultInjection(at_step=5, rank=1))  # rank 1 dies hard after step 5; last checkpoint: step 3
     spec = out["spec"]
@@ -187,16 +196,7 @@ def test_a_worker_dying_in_its_checkpoint_upload_costs_no_replayed_release(ray_c
     soon as its own part of checkpoint 6 was stored; rank 1 then died uploading its part, the
     latest complete checkpoint was step 3, and its releases 4–6, which the log had held, were
     rolled back. Rank 0 now rotates only after every rank's part is stored."""
-    cfg = TrainConfig(
-        epochs=5,  # 12 planned steps at q≈0.41
-        target_epsilon=3.0,
-        checkpoint_every=3,
-        max_failures=1,
-        storage_path=str(tmp_path / "runs"),
-        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
-        registered_model="none",
-        quiet=True,
-    )
+    cfg = _crash_cfg(tmp_path)
     out = run(cfg, faults=FaultInjection(at_step=6, rank=1, in_upload=True))
     said = (Path(out["spec"].run_dir) / "fault-injected").read_text()
     assert "died in its upload of step 6; segment there: False" in said
@@ -211,16 +211,7 @@ def test_rank_0_dying_between_the_all_reduce_and_its_record_leaves_nothing_count
     it) but rank 0 died before its ledger recorded it. The group restarts from checkpoint 3 and
     replays step 4 from the log; step 5 is released again, once on record; nothing is rolled
     back, every step is recorded exactly once and ε is that of the planned steps."""
-    cfg = TrainConfig(
-        epochs=5,  # 12 planned steps at q≈0.41
-        target_epsilon=3.0,
-        checkpoint_every=3,
-        max_failures=1,
-        storage_path=str(tmp_path / "runs"),
-        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
-        registered_model="none",
-        quiet=True,
-    )
+    cfg = _crash_cfg(tmp_path)
     out = run(cfg, faults=FaultInjection(at_step=5, rank=0, before_record=True))
     spec = out["spec"]
     assert "died in step 5 after the all-reduce" in (Path(spec.run_dir) / "fault-injected").read_text()
