@@ -17,7 +17,7 @@ from .._trace import trace
 @contextlib.contextmanager
 def ray_cluster(cfg, early: EarlyCluster | None = None):
     """Join ``ray_address`` (or RAY_ADDRESS, e.g. under ``ray job submit``) and stay connected, or
-    else start a local cluster, on 127.0.0.1 with the dashboard on, and stop it afterwards.
+    else start a local cluster, on 127.0.0.1 (its dashboard only with ``ray_dashboard``), and stop it afterwards.
     Yields how: "connected" (Ray was already initialised here), "joined" or "started".
     ``cfg`` needs ``ray_address``, ``num_workers`` and ``use_gpu`` (a TrainConfig has them).
     With ``early`` (an :class:`EarlyCluster` that began), its cluster is the one started."""
@@ -63,9 +63,14 @@ def cluster_address(cfg) -> str | None:
 
 
 def _start_local(cfg, prestart: bool = True) -> None:
-    """``ray.init`` of a one-node cluster on 127.0.0.1, the dashboard on. ``prestart=False``: no
-    idle worker processes started ahead (Ray Train's actors, with their own runtime env, cannot
-    use them)."""
+    """``ray.init`` of a one-node cluster on 127.0.0.1. ``prestart=False``: no idle worker processes
+    started ahead (Ray Train's actors, with their own runtime env, cannot use them).
+
+    Ray's dashboard (its HTTP server and Jobs API, and a process for each of its modules: ten more
+    Python processes here) starts only with ``cfg.ray_dashboard``: a cluster that lives as long
+    as one run has the progress line and MLflow to watch it by, and on 2 cores the dashboard
+    delays the cluster's start by about a second (docs/fashion-mnist.md, start-up). Ray still
+    runs its minimal dashboard process and agent, which the cluster itself needs."""
     import logging
 
     import ray
@@ -81,7 +86,7 @@ def _start_local(cfg, prestart: bool = True) -> None:
         log_to_driver=False,
         num_cpus=max(os.cpu_count() or 1, cfg.num_workers),
         num_gpus=None if cfg.use_gpu else 0,
-        include_dashboard=True,
+        include_dashboard=bool(getattr(cfg, "ray_dashboard", False)),
         dashboard_host="127.0.0.1",
         logging_level=logging.WARNING,
         configure_logging=True,

@@ -1,7 +1,8 @@
 """Issue H, must-show 3 (start-up): what the driver does to reach the first step sooner, kept
 honest. Rank 0's metrics reach MLflow through the driver (no worker imports MLflow), and the
 local Ray cluster starts while the driver plans, but never before the data and model are
-checked, and it is stopped when the plan then fails."""
+checked, and it is stopped when the plan then fails. It starts without Ray's dashboard unless
+asked."""
 
 from __future__ import annotations
 
@@ -99,6 +100,52 @@ def test_the_worker_module_does_not_import_mlflow_or_dp_accounting():
     assert res.stdout.split("\n")[:2] == ["False False", "PoissonSampledDpEvent True"]
 
 
+@pytest.mark.parametrize("dashboard", [False, True])
+def test_a_runs_own_cluster_starts_rays_dashboard_only_when_asked(tmp_path, dashboard):
+    """Ray's dashboard (ten more Python processes on 2 cores: about a second of the start-up) is
+    off on the local cluster a run starts for itself unless ``ray_dashboard`` is set; the
+    cluster's processes are looked up by name under a fresh cluster of the run's own."""
+    code = textwrap.dedent(
+        f"""
+        import json, os, ray
+        from pipelines.config import TrainConfig
+        from pipelines.train.cluster import _start_local
+        cfg = TrainConfig(num_workers=1, ray_dashboard={dashboard!r}) if {dashboard!r} else TrainConfig(num_workers=1)
+        _start_local(cfg, prestart=False)
+        procs = {{}}  # pid -> (parent pid, name), for this cluster's processes only: those under this one
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{{pid}}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            procs[int(pid)] = (int(stat.rsplit(")", 1)[1].split()[1]), stat[stat.index("(") + 1 : stat.rindex(")")])
+        def under_me(pid):
+            while pid > 1:
+                if pid == os.getpid():
+                    return True
+                pid = procs.get(pid, (0, ""))[0]
+            return False
+        names = [name for pid, (_, name) in procs.items() if under_me(pid)]
+        url = ray._private.worker.global_worker.node.address_info.get("webui_url")
+        ray.shutdown()
+        print(json.dumps({{"heads": sorted(n for n in names if n.startswith("ray-dashboard-")), "url": url}}))
+        """
+    )
+    env = {**os.environ, "RAY_ADDRESS": ""}  # a cluster of its own, not the tests' shared one
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    if dashboard:
+        assert out["url"] and out["url"].startswith("127.0.0.1:"), out
+        assert len(out["heads"]) >= 5, out  # the dashboard's module processes (9 with Ray 2.60)
+    else:
+        assert not out["url"], out
+        assert out["heads"] == [], out
+
+
 @pytest.mark.slow
 def test_a_plan_that_fails_after_the_cluster_began_stops_it_and_says_why(tmp_path):
     """The cluster begins once the config, data and model pass their checks; σ calibration
@@ -194,6 +241,7 @@ def _own_cluster_beside(tmp_path, env, address_file):
         lean.run_controller_here = here
         cfg = TrainConfig(epochs=5, target_epsilon=3.0, checkpoint_every=3, max_failures=1, num_workers=1,
                           replay_log=False, quiet=True, registered_model="none", log_model=False,
+                          ray_dashboard=True,  # Ray's state API, which lists the actors, is the dashboard's
                           storage_path={str(tmp_path / "runs")!r}, tracking_uri="sqlite:///{tmp_path}/mlflow.db")
         assert not ray.is_initialized()
         out = run(cfg, faults=FaultInjection(at_step=5, rank=0))
