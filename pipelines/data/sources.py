@@ -214,6 +214,7 @@ def load_imagefolder(
             raise DPConfigError(
                 f"{folder} is not an ImageFolder tree (one sub-folder of images per class): {e}"
             ) from None
+        _warn_skipped_files(folder, ds.classes)
         xs, ys = zip(*(ds[i] for i in range(len(ds))))
         shapes = {tuple(x.shape) for x in xs}
         if len(shapes) > 1:
@@ -274,6 +275,33 @@ IMAGE_FOLDER_NAMES = (
     "is logged with the model. If the folders were made from the labels (one per label found), one rare example "
     "can add a class."
 )
+
+
+def _warn_skipped_files(folder: Path, classes: list[str]) -> dict[str, int]:
+    """Say how many files under the class folders torchvision's ImageFolder leaves out (an
+    extension it does not read as an image: ``.heic``, ``.txt``, ``.webm``...), which it does
+    without a word; hidden files (``.DS_Store``) are not counted. Returns {extension: count}."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    skipped: dict[str, int] = {}
+    for name in classes:
+        for _, dirnames, files in os.walk(folder / name, followlinks=True):  # as ImageFolder walks
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for f in files:
+                if not f.startswith(".") and not f.lower().endswith(IMG_EXTENSIONS):
+                    ext = os.path.splitext(f)[1].lower() or "(none)"
+                    skipped[ext] = skipped.get(ext, 0) + 1
+    if skipped:
+        listed = ", ".join(f"{ext}: {n}" for ext, n in sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0])))
+        log.warning(
+            "%s: %d file(s) in the class folders are not images that torchvision reads, and are left out of the "
+            "dataset (%s). Convert them (readable: %s) or remove them to silence this.",
+            folder,
+            sum(skipped.values()),
+            listed,
+            " ".join(IMG_EXTENSIONS),
+        )
+    return skipped
 
 
 def _classes_checked(folder: Path, x, y, classes: list[str]):

@@ -102,6 +102,29 @@ def test_an_imagefolder_class_named_train_is_a_class_and_split_folders_need_trai
         load_dataset("imagefolder", data_dir=str(tmp_path / "held-out-only"))
 
 
+def test_imagefolder_says_which_files_it_leaves_out(tmp_path, caplog):
+    """torchvision's ImageFolder drops files of extensions it does not read, silently (helper-36):
+    a class folder of phone photos (.heic) beside .jpg ones trains on part of the data. The
+    loader counts them by extension; hidden files are not counted."""
+    _png_tree(tmp_path / "t")
+    for name in ("a.HEIC", "b.heic", "notes.txt", "README"):
+        (tmp_path / "t" / "bee" / name).write_bytes(b"not an image")
+    (tmp_path / "t" / "cat" / "deep").mkdir()
+    (tmp_path / "t" / "cat" / "deep" / "c.heic").write_bytes(b"not an image")
+    (tmp_path / "t" / "ant" / ".DS_Store").write_bytes(b"finder")
+    with caplog.at_level("WARNING", logger="pipelines.data.sources"):
+        ds = load_dataset("imagefolder", data_dir=str(tmp_path / "t"))
+    assert len(ds.train) + len(ds.val) + len(ds.test) == 18  # the PNGs only
+    left_out = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(left_out) == 1 and "5 file(s)" in left_out[0], caplog.text
+    assert "(.heic: 3, (none): 1, .txt: 1)" in left_out[0], left_out[0]
+    _png_tree(tmp_path / "clean")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipelines.data.sources"):
+        load_dataset("imagefolder", data_dir=str(tmp_path / "clean"))
+    assert "left out" not in caplog.text
+
+
 def test_an_imagefolder_tree_with_one_class_is_refused(tmp_path):
     _png_tree(tmp_path / "one", classes=("ant",))
     with pytest.raises(dpcore.DPConfigError, match=r"1 class folder\(s\) \(ant\).*two or more"):
