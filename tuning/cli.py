@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None, prog: str = "dp-platform sweep") -> int:
         if out.get("search_epsilon_bound") is not None:
             print(
                 f"the three stages together cost a training example at most ε ≤ {epsilon_text(out['search_epsilon_bound'], '.4g')} "
-                "(RDP, data-independent: each stage's bound composed)"
+                "(RDP, data-independent: every stage-2 trial at the worst of the values stage 1 could have chosen)"
             )
     else:
         print_summary(out)

@@ -78,16 +78,66 @@ class SearchBound:
         return float(eps)
 
     def describe(self, trials: int) -> str:
-        lots = ", ".join(
+        return (
+            f"ε ≤ {epsilon_text(self.epsilon(trials), '.4g')} at δ={self.delta:g} for the whole search ({trials} trials: every "
+            f"trial the sweep could start, counted whether it ran, pruned or failed; each any of: {self.lots()}; RDP, "
+            "data-independent)"
+        )
+
+    def lots(self) -> str:
+        return ", ".join(
             f"lot {m.lot_size} × {m.epochs:g} epochs: σ={m.noise_multiplier:.4g}, q={m.sample_rate:.4g}, "
             f"≤ {m.max_releases} releases"
             for m in self.mechanisms
         )
+
+
+@dataclass(frozen=True)
+class StagedBound:
+    """The bound of a later stage of a preset (the BAM appendix's stage 2), whose trials all ran
+    with values an earlier stage chose on the validation split (its best lr and lot size). The
+    stage's models depend on the earlier trials too, and which values were chosen depends on
+    the data, so neither "this stage alone" nor "the stages as they ran" is a bound (Rogers et
+    al.). ``own`` is this stage's curve widened to the worst over everything the earlier stages
+    could have chosen (the pointwise maximum with their curves); ε composes the earlier stages'
+    trials, each at its own curve, with this stage's at ``own``. Same methods as
+    :class:`SearchBound`."""
+
+    own: SearchBound
+    prior: tuple[tuple[SearchBound, int], ...]
+
+    @property
+    def delta(self) -> float:
+        return self.own.delta
+
+    def epsilon(self, trials: int) -> float:
+        return combined([*self.prior, (self.own, trials)])
+
+    def describe(self, trials: int) -> str:
+        before = " + ".join(f"{k} trials of an earlier stage" for _, k in self.prior)
         return (
-            f"ε ≤ {epsilon_text(self.epsilon(trials), '.4g')} at δ={self.delta:g} for the whole search ({trials} trials: every "
-            f"trial the sweep could start, counted whether it ran, pruned or failed; each any of: {lots}; RDP, "
+            f"ε ≤ {epsilon_text(self.epsilon(trials), '.4g')} at δ={self.delta:g} for this stage and the stages whose "
+            f"choice it started from ({before}, each counted whether it ran, pruned or failed, + {trials} trials of "
+            f"this one, each any of the values the earlier stages could have chosen: {self.own.lots()}; RDP, "
             "data-independent)"
         )
+
+
+def after(bound: SearchBound | str | None, prior) -> SearchBound | StagedBound | str | None:
+    """``bound`` of a stage whose fixed values an earlier stage chose; ``prior``: those stages'
+    ``(SearchBound or reason, K)``. Unchanged without ``prior``; a reason if any stage has none."""
+    if not prior or bound is None or isinstance(bound, str):
+        return bound
+    if any(p is None or not isinstance(p[0], SearchBound) for p in prior):
+        return "an earlier stage, whose choice this stage's fixed values are, has no bound"
+    worst = bound.curve
+    for b, _ in prior:
+        if b.orders != bound.orders or b.delta != bound.delta:
+            return "an earlier stage's bound is at other RDP orders or another δ"
+        worst = tuple(max(a, c) for a, c in zip(worst, b.curve, strict=True))
+    mechanisms = bound.mechanisms + tuple(m for b, _ in prior for m in b.mechanisms if m not in bound.mechanisms)
+    own = SearchBound(mechanisms, bound.orders, worst, bound.delta)
+    return StagedBound(own, tuple((b, int(k)) for b, k in prior))
 
 
 def curve(groups, orders=None) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -166,7 +216,8 @@ def summary(bound: SearchBound | str | None, trials: int) -> dict:
     return {
         "search_epsilon_bound": bound.epsilon(trials),
         "search_bound": bound.describe(trials),
-        "search_trials": trials,
+        # every trial the bound covers: an earlier stage's too (a preset's stage 2)
+        "search_trials": trials + sum(k for _, k in getattr(bound, "prior", ())),
     }
 
 

@@ -46,11 +46,20 @@ from .trials import Progress, trial_seed, trial_task
 
 
 def run_sweep(
-    sweep: SweepConfig, base, space_override: dict | None = None, fixed: dict | None = None, *, trial_hook=None
+    sweep: SweepConfig,
+    base,
+    space_override: dict | None = None,
+    fixed: dict | None = None,
+    *,
+    prior: list | None = None,
+    trial_hook=None,
 ) -> dict:
     """Run (or continue) one study. ``base`` is the TrainConfig shared by every trial; ``fixed``
-    are config values set for every trial on top of it (the preset's stage 2). ``trial_hook``:
-    a test hook, called in each trial's task with its config dict before the trial runs."""
+    are config values set for every trial on top of it (the preset's stage 2), which the earlier
+    stages ``prior`` (their summaries' ``_search``: (bound, K)) chose: this study's bound, and the
+    ε of its registered model, then cover them too (:class:`tuning.search_cost.StagedBound`).
+    ``trial_hook``: a test hook, called in each trial's task with its config dict before the
+    trial runs."""
     import optuna
     import ray
     from mlflow import MlflowClient
@@ -119,6 +128,7 @@ def run_sweep(
     # Without private selection: a bound on the whole search's cost to the training split,
     # fixed before any trial runs (or the reason there is none).
     bound = search_cost.search_bound(base, space, n) if sel is None else None
+    bound = search_cost.after(bound, prior)  # a later stage: widened to the earlier stages' choices, composed with them
     # With private selection a trial whose process died is one of the K runs: not retried.
     storage = make_storage(sweep.storage, sweep if sel is None else dataclasses.replace(sweep, max_retry=0))
 
@@ -262,7 +272,8 @@ def run_sweep(
             progress.show(done, 0, best_trial(study), f"stopped: {stopped}")
         summary = finalise(study, sweep, base, client, parent_id, sel, n_trials, bound, cap)
         summary["stopped"] = stopped if stop else None
-        summary["_search"] = (bound, max(cap, len(study.trials)))  # for a preset's total; not printed
+        own = bound.own if isinstance(bound, search_cost.StagedBound) else bound
+        summary["_search"] = (own, max(cap, len(study.trials)))  # for a preset's total; not printed
         return summary
 
 
@@ -385,7 +396,8 @@ def run_preset(sweep: SweepConfig, base) -> dict:
         st = dataclasses.replace(
             sweep, preset=None, sampler="random", study=f"{sweep.study}-stage2-{method}", space=space
         )
-        out["stage2"][method] = run_sweep(st, base, fixed={**fixed, "method": method})
+        # stage 1 chose the fixed values on the validation split: each stage 2 is bounded over all it could have chosen
+        out["stage2"][method] = run_sweep(st, base, fixed={**fixed, "method": method}, prior=[s1.get("_search")])
     # the three studies train on the same split: what they cost a training example together
     stages = [out["stage1"], *out["stage2"].values()]
     out["search_epsilon_bound"] = search_cost.combined([s.get("_search") for s in stages])

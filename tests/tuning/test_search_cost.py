@@ -143,3 +143,48 @@ def test_searches_on_the_same_split_compose():
     assert max(a.epsilon(3), b.epsilon(2)) < search_cost.combined([(a, 3), (b, 2)])
     assert search_cost.combined([(a, 3), ("lot_size is searched over a range", 2)]) is None
     assert search_cost.combined([(a, 3), None]) is None
+
+
+def test_a_later_stage_is_bounded_over_every_choice_the_earlier_one_could_make():
+    """helper-41: the BAM preset's stage 2 runs with stage 1's best lr and lot size, which stage 1
+    chose on the validation split. Composing the stages as they ran gave a total that depended on
+    that choice (a smaller ε when a smaller lot won), so it was no data-independent bound, and each
+    stage-2 model was registered with its own stage's bound alone. Now a stage-2 bound takes, per
+    trial, the worst over every lot size stage 1 could have picked, composed with stage 1's trials:
+    the same total whichever lot won, equal to dp_accounting composing all trials at the worst
+    mechanism, and never below what the stages cost as they ran."""
+    base = TrainConfig(target_epsilon=3.0, epochs=4)
+    lots = (128, 256, 512)
+    stage1 = search_cost.search_bound(
+        base, parse_space({"lr": {"low": 1e-3, "high": 0.1}, "lot_size": {"choices": list(lots)}}, N), N
+    )
+    ascent = parse_space({"ascent": {"low": 1e-3, "high": 0.2, "log": True}}, N)
+    k1, k2, k3 = 9, 6, 5
+    totals, as_ran = {}, {}
+    for lot in lots:  # whichever lot stage 1 picked
+        raw_bam = search_cost.search_bound(
+            TrainConfig(target_epsilon=3.0, epochs=4, lot_size=lot, method="bam"), ascent, N
+        )
+        raw_sat = search_cost.search_bound(
+            TrainConfig(target_epsilon=3.0, epochs=4, lot_size=lot, method="dpsat"), ascent, N
+        )
+        bam, sat = (search_cost.after(raw, [(stage1, k1)]) for raw in (raw_bam, raw_sat))
+        assert isinstance(bam, search_cost.StagedBound) and bam.prior == ((stage1, k1),)
+        totals[lot] = search_cost.combined([(stage1, k1), (bam.own, k2), (sat.own, k3)])
+        as_ran[lot] = search_cost.combined([(stage1, k1), (raw_bam, k2), (raw_sat, k3)])
+        assert as_ran[lot] <= totals[lot] * (1 + 1e-12)
+        # the registered stage-2 model's ε covers stage 1's trials too
+        assert bam.epsilon(k2) == pytest.approx(search_cost.combined([(stage1, k1), (bam.own, k2)]), rel=1e-12)
+        assert bam.epsilon(k2) > stage1.epsilon(k1)
+        assert search_cost.summary(bam, k2)["search_trials"] == k1 + k2
+    assert len({round(t, 9) for t in as_ran.values()}) > 1, as_ran  # as they ran: it depends on the pick
+    assert len({round(t, 12) for t in totals.values()}) == 1, totals  # the bound: the same for every pick
+    # every trial at stage 1's pointwise-worst curve
+    assert totals[256] == pytest.approx(stage1.epsilon(k1 + k2 + k3), rel=1e-9)
+    worst = max(stage1.mechanisms, key=lambda m: rdp_epsilon([(m.sample_rate, m.noise_multiplier, m.max_releases)]))
+    assert stage1.epsilon(k1 + k2 + k3) >= rdp_epsilon(
+        [(worst.sample_rate, worst.noise_multiplier, worst.max_releases)] * (k1 + k2 + k3)
+    ) * (1 - 1e-9)
+    assert search_cost.after(
+        search_cost.search_bound(base, ascent, N), [("lot_size is searched over a range", 3)]
+    ).startswith("an earlier stage")

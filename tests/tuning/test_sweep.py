@@ -317,6 +317,44 @@ def test_with_private_selection_a_failed_trial_is_one_of_the_k_runs(ray_cluster,
     assert out["best"] is None and out["stopped"] is None
 
 
+@pytest.mark.slow
+def test_the_bam_preset_bounds_stage_two_over_every_choice_of_stage_one(ray_cluster, tmp_path):
+    """helper-41: the preset's stage-2 bounds and models covered their own trials at the lot size
+    stage 1 chose, which depends on the validation data. End to end (1 trial a stage): each
+    stage-2 parent's bound and its registered model's ε are stage 1's K and its own K, every
+    trial at the worst of stage 1's mechanisms, and the total is all three stages' trials at
+    that worst, whichever lot size won."""
+    from tuning import search_cost
+    from tuning.sweep import run_preset
+
+    base = _base(tmp_path, epochs=1, registered_model="dp-preset-test")
+    sweep = SweepConfig(
+        study="preset",
+        storage=f"sqlite:///{tmp_path}/optuna.db",
+        preset="bam-appendix",
+        n_trials=1,
+        max_failed_trials=1,
+        space={"lr": {"low": 0.01, "high": 0.05, "log": True}, "lot_size": {"choices": [64, 512]}},
+        quiet=True,
+    )
+    out = run_preset(sweep, base)
+    b1, k1 = out["stage1"]["_search"]
+    assert len(b1.mechanisms) == 2 and k1 == 2
+    client = mlflow.MlflowClient(base.tracking_uri)
+    total_k = k1
+    for stage in out["stage2"].values():
+        own, k = stage["_search"]
+        assert own.curve == b1.curve  # stage 1's worst over both lot sizes, not the one it picked
+        assert stage["search_epsilon_bound"] == pytest.approx(b1.epsilon(k1 + k), rel=1e-9)
+        assert stage["search_trials"] == k1 + k
+        name, number = stage["best"]["registered_model"].rsplit(" v", 1)
+        version = client.get_model_version(name, number)
+        assert version.tags["dp.epsilon"] == epsilon_text(stage["search_epsilon_bound"])  # (as the tag writes it)
+        total_k += k
+    assert out["search_epsilon_bound"] == pytest.approx(b1.epsilon(total_k), rel=1e-9)
+    assert out["search_epsilon_bound"] == pytest.approx(search_cost.combined([(b1, total_k)]), rel=1e-9)
+
+
 def test_a_seeded_sweep_gives_each_trial_a_seed_of_its_own():
     from tuning.trials import trial_seed
 
