@@ -187,6 +187,8 @@ class Worker:
             if self.private.optimizer.augment is not None and "augment" in rank_state:
                 self.private.optimizer.augment.load_state_dict(rank_state["augment"])
         self.audit = self._gradient_canaries(checkpoint)
+        if self.faults is not None:  # the crash tests' hook: a second crash in this replay
+            self.faults.arm_replay(plan.run_dir, rank, self.private.optimizer)
         replay.apply(self, segment, checkpoint_step, upto)
         trace("replayed")
         self.replay_log = (

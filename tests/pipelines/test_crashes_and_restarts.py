@@ -1,8 +1,10 @@
 """Issue B, must-shows 2 and 3, over Ray Train: the noise of the aggregated update with 1 and
 2 workers, and a worker killed mid-run."""
 
+import hashlib
 import json
 import math
+import re
 import tempfile
 from pathlib import Path
 
@@ -98,18 +100,18 @@ def test_aggregated_noise_has_std_sigma_C_with_one_or_two_ray_workers(ray_cluste
 
 def _crash_cfg(tmp_path, **over) -> TrainConfig:
     """The crash tests' run: 2 workers, 12 planned steps at q≈0.41, checkpoints at steps 3, 6, 9
-    and 12, one restart allowed."""
-    return TrainConfig(
-        epochs=5,
-        target_epsilon=3.0,
-        checkpoint_every=3,
-        max_failures=1,
-        storage_path=str(tmp_path / "runs"),
-        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
-        registered_model="none",
-        quiet=True,
-        **over,
-    )
+    and 12, one restart allowed (unless ``over`` says otherwise)."""
+    settings = {
+        "epochs": 5,
+        "target_epsilon": 3.0,
+        "checkpoint_every": 3,
+        "max_failures": 1,
+        "storage_path": str(tmp_path / "runs"),
+        "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
+        "registered_model": "none",
+        "quiet": True,
+    }
+    return TrainConfig(**{**settings, **over})
 
 
 def test_killed_worker_resumes_from_checkpoint_and_the_ledger_keeps_every_release(ray_cluster, tmp_path):
@@ -221,3 +223,112 @@ def test_rank_0_dying_between_the_all_reduce_and_its_record_leaves_nothing_count
     assert out["rolled_back"] == 0 and out["replayed"] == 1 and out["steps"] == spec.steps
     groups = {(spec.sample_rate, spec.noise_multiplier): spec.steps}
     assert math.isclose(out["epsilon"], dp_accounting_epsilon(groups, cfg.target_delta), rel_tol=1e-6)
+
+
+def _entry_groups(entries) -> dict:
+    """(q, σ) → how many releases, over every entry (committed and rolled back)."""
+    groups = {}
+    for e in entries:
+        groups[(e.sample_rate, e.noise_multiplier)] = groups.get((e.sample_rate, e.noise_multiplier), 0) + 1
+    return groups
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("then", ["restart", "resume"])
+def test_rank_0_killed_half_way_through_a_journal_record_loses_no_recorded_release(ray_cluster, tmp_path, then):
+    """helper-40, gap 1: rank 0 dies half-way through writing step 5's journal record, so the
+    journal ends in a torn line on disk (half the record, fsynced, no newline). ``restart``: Ray
+    Train restarts the group; ``resume``: a run allowed no restart fails, and is resumed. Rank 0
+    of the new group must cut the torn line and keep every intact byte before it: steps 1–4 stay
+    on record (step 4 is replayed from the log), step 5, whose record never completed, is
+    released again and recorded once, on a line of its own; nothing is rolled back and ε is that
+    of the planned steps."""
+    cfg = _crash_cfg(tmp_path, max_failures=1 if then == "restart" else 0)
+    faults = FaultInjection(at_step=5, rank=0, torn_record=True)
+    if then == "restart":
+        out = run(cfg, faults=faults)
+        spec = out["spec"]
+        run_dir, journal = Path(spec.run_dir), Path(spec.journal)
+    else:
+        from ray.train import TrainingFailedError
+
+        with pytest.raises(TrainingFailedError):  # no restart allowed: the run fails
+            run(cfg, faults=faults)
+        (journal,) = (tmp_path / "runs").glob("*/ledger.journal.jsonl")
+        run_dir = journal.parent
+    said = (run_dir / "fault-injected").read_text()
+    m = re.search(
+        r"died writing step 5's journal record: (\d+) of (\d+) bytes on disk after (\d+) intact bytes \(sha256 (\w+)\)",
+        said,
+    )
+    assert m, said
+    torn, whole, intact, digest = int(m[1]), int(m[2]), int(m[3]), m[4]
+    assert 0 < torn < whole
+    if then == "resume":
+        # What the killed rank left: the intact records, then half a line.
+        raw = journal.read_bytes()
+        assert len(raw) == intact + torn and not raw.endswith(b"\n")
+        assert [
+            e.step for e in dpcore.PrivacyLedger(3.0, cfg.target_delta, journal=journal, read_only=True).entries
+        ] == [1, 2, 3, 4]
+        import mlflow
+
+        client = mlflow.MlflowClient(cfg.tracking_uri)
+        (failed,) = client.search_runs([client.get_experiment_by_name(cfg.experiment).experiment_id])
+        out = run(TrainConfig(tracking_uri=cfg.tracking_uri, quiet=True), resume=failed.info.run_id)
+        spec = out["spec"]
+    raw = journal.read_bytes()
+    # Every intact byte is still there, unchanged: no recorded release was lost to the repair.
+    assert hashlib.sha256(raw[:intact]).hexdigest() == digest
+    assert [json.loads(line)["step"] for line in raw[:intact].splitlines() if b'"append"' in line] == [1, 2, 3, 4]
+    # The torn line is gone: every line is whole and parses (the next record did not run into it).
+    assert raw.endswith(b"\n")
+    ops = [json.loads(line) for line in raw.decode().splitlines()]
+    appended = [o["step"] for o in ops if o["op"] == "append"]
+    assert appended == list(range(1, spec.steps + 1)), appended  # each step on record once, in order
+    assert [o for o in ops if o["op"] == "replayed"] == [{"op": "replayed", "after_step": 3, "upto_step": 4}]
+    assert not any(o["op"] == "rollback" for o in ops)
+    assert out["rolled_back"] == 0 and out["replayed"] == 1 and out["steps"] == spec.steps
+    groups = {(spec.sample_rate, spec.noise_multiplier): spec.steps}
+    assert _entry_groups(out["ledger"].entries) == groups
+    assert math.isclose(out["epsilon"], dp_accounting_epsilon(groups, cfg.target_delta), rel_tol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("second", [0, 1], ids=["rank0-again", "rank1-again"])
+def test_a_second_crash_in_the_replay_after_a_first_counts_every_release_once(ray_cluster, tmp_path, second):
+    """helper-40, gap 2: rank 0 dies after step 6 (before its checkpoint) with step 6's release
+    paid for but not in the replay log; the restarted group restores checkpoint 3, marks steps 4
+    and 5 replayed and step 6 rolled back, and then one of its ranks dies again, mid-replay
+    (after applying step 4's update, before step 5's). The third group must restore checkpoint 3
+    again, replay steps 4 and 5 again (once more marked replayed, not rolled back: their updates
+    are still in the log), keep step 6's first release rolled back and counted, and finish with
+    every step committed exactly once and ε that of every release in the ledger."""
+    cfg = _crash_cfg(tmp_path, max_failures=2)
+    out = run(cfg, faults=FaultInjection(at_step=6, rank=0, unlogged=1, again_in_replay=second))
+    spec = out["spec"]
+    run_dir = Path(spec.run_dir)
+    assert "died after step 6" in (run_dir / "fault-injected").read_text()
+    assert f"rank {second} died again in its replay" in (run_dir / "fault-injected-again").read_text()
+    ops = [json.loads(line) for line in Path(spec.journal).read_text().splitlines()]
+    # Both restarts replayed steps 4–5 from checkpoint 3; step 6 was rolled back once, by the first.
+    assert [(o["op"], o["after_step"], o.get("upto_step")) for o in ops if o["op"] in ("replayed", "rollback")] == [
+        ("replayed", 3, 5),
+        ("rollback", 5, None),
+        ("replayed", 3, 5),
+    ]
+    entries = out["ledger"].entries
+    committed = [e.step for e in entries if e.status == "committed"]
+    rolled = [e.step for e in entries if e.status == "rolled_back"]
+    assert committed == list(range(1, len(committed) + 1))  # every step on record exactly once, in order
+    assert rolled == [6]  # nothing that was replayed was rolled back
+    assert [e.step for e in entries if e.replayed] == [4, 5]
+    assert not any(e.replayed for e in entries if e.status == "rolled_back")
+    assert out["rolled_back"] == 1 and out["replayed"] == 2 and out["steps"] == len(committed)
+    # ε is that of every release in the ledger, the rolled-back one included, and within the budget:
+    # σ was calibrated for 12 releases, so the rolled-back one took the place of the last step.
+    groups = _entry_groups(entries)
+    assert groups == {(spec.sample_rate, spec.noise_multiplier): len(committed) + 1}
+    assert math.isclose(out["epsilon"], dp_accounting_epsilon(groups, cfg.target_delta), rel_tol=1e-6)
+    assert out["epsilon"] <= cfg.target_epsilon
+    assert len(committed) + len(rolled) <= spec.steps
