@@ -49,10 +49,12 @@ def finish_trial(study, trial, ref, sel, randomness, client, parent_id) -> str:
         ray.exceptions.NodeDiedError,
         ray.exceptions.OwnerDiedError,
         ray.exceptions.TaskCancelledError,
+        ray.exceptions.OutOfMemoryError,  # killed by Ray's memory monitor (helper-41: it ended the whole sweep)
     ):
         fail_orphan_children(client, parent_id, trial.number)
         return f"trial {trial.number}: its process died; it is retried once its heartbeat is stale"
-    except ray.exceptions.RayTaskError as e:
+    # the trial's own error (RayTaskError), or any other of Ray's: this trial fails, not the sweep
+    except ray.exceptions.RayError as e:
         cause = e.cause if getattr(e, "cause", None) is not None else e
         fail_orphan_children(client, parent_id, trial.number)
         if study._storage.get_trial(trial._trial_id).state != optuna.trial.TrialState.RUNNING:
@@ -79,6 +81,10 @@ def finish_trial(study, trial, ref, sel, randomness, client, parent_id) -> str:
         study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         return f"trial {trial.number} pruned at step {out['steps']}"
     value = out["val_accuracy"]
+    if value != value:  # NaN: no validation example was scored; Optuna would fail it without a word
+        study._storage.set_trial_user_attr(trial._trial_id, "error", "its validation accuracy is not a number")
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        return f"trial {trial.number} FAILED: its validation accuracy is not a number (no validation examples?)"
     if sel is not None:  # the private score: a noisy count of correct validation predictions
         import torch
 
@@ -124,6 +130,7 @@ def finalise(
         return summary
     best = max(complete, key=lambda t: t.value)
     attrs = best.user_attrs
+    _untag_earlier_best(client, parent_id, attrs["run_id"])
     client.set_tag(attrs["run_id"], "sweep.best", "true")
     for k, v in {
         "sweep.best_trial": best.number,
@@ -149,6 +156,17 @@ def finalise(
         "registered_model": registered,
     }
     return summary
+
+
+def _untag_earlier_best(client, parent_id: str, best_run_id: str) -> None:
+    """A study continued with more trials may have a new best: the child run an earlier finish
+    tagged ``sweep.best`` is tagged ``false`` (helper-41: two children read as the best)."""
+    exp_id = client.get_run(parent_id).info.experiment_id
+    for r in client.search_runs(
+        [exp_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}' and tags.`sweep.best` = 'true'"
+    ):
+        if r.info.run_id != best_run_id:
+            client.set_tag(r.info.run_id, "sweep.best", "false")
 
 
 def _describe_parent(client, parent_id: str, study: str, base, sel, complete, search: dict) -> None:

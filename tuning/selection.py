@@ -30,7 +30,8 @@ from dpcore.accountants.rdp import quiet_absl
 # What the accounted total does not cover, said where it is recorded (the parent run's and the
 # registered model's dp.selection): the bound holds for releasing only the selected trial.
 SCOPE = (
-    "the child runs and the study's storage keep every trial's exact scores (and its steps and times), "
+    "the child runs, the study's storage and the sweep's progress output and log keep every trial's exact scores "
+    "(and its steps and times), "
     "and the parent run and the sweep's output the number of trials K, which it does not cover: "
     "they must stay as private as the data itself"
 )

@@ -91,6 +91,12 @@ def run_sweep(
     data_dir, manifest = prepare_data(base)
     check_shards(base, data_dir, manifest)
     n = sum(e["rows"] for e in manifest["files"] if e["split"] == "train")
+    if not sum(e["rows"] for e in manifest["files"] if e["split"] == "val"):
+        raise dpcore.DPConfigError(
+            "the sweep scores, prunes and chooses its trials on the validation split, and this dataset has none "
+            f"(val_fraction={base.val_fraction:g}): every trial would train and have no score. Give it one "
+            "(--val-fraction 0.1), or train without a sweep."
+        )
     # A public front end's features (ScatterNet) are computed once here, not by the first trials at once.
     prepare_features(
         base, data_dir, manifest, build_run_model(base, tuple(manifest["input_shape"]), manifest["num_classes"])

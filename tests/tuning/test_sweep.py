@@ -221,7 +221,10 @@ def test_private_selection_total_matches_dp_accounting(ray_cluster, tmp_path, ca
     parent = client.get_run(out["parent_run_id"])
     assert float(parent.data.tags["dp.sweep_total_epsilon"]) == pytest.approx(reference, rel=1e-5)
     assert "accounted (Papernot & Steinke 2022)" in parent.data.tags["dp.selection"]
-    assert "child runs and the study's storage keep every trial's exact scores" in parent.data.tags["dp.selection"]
+    assert (
+        "the child runs, the study's storage and the sweep's progress output and log keep every trial's exact"
+        in (parent.data.tags["dp.selection"])
+    )
     assert "dp.search_epsilon_bound" not in parent.data.tags  # the accounted total says it all
     assert f"total **ε = {epsilon_text(reference, '.2f')}**" in parent.data.tags["mlflow.note.content"]
     assert parent.info.run_name == f"ε={epsilon_text(reference, '.2f')} in all · sweep-private"
@@ -353,6 +356,54 @@ def test_the_bam_preset_bounds_stage_two_over_every_choice_of_stage_one(ray_clus
         total_k += k
     assert out["search_epsilon_bound"] == pytest.approx(b1.epsilon(total_k), rel=1e-9)
     assert out["search_epsilon_bound"] == pytest.approx(search_cost.combined([(b1, total_k)]), rel=1e-9)
+
+
+def test_a_trial_that_ray_ends_with_an_error_of_its_own_fails_alone(ray_cluster, tmp_path):
+    """helper-41: only some of Ray's errors were caught; any other (its memory monitor's
+    OutOfMemoryError among them) propagated out of the sweep and stopped every trial. A real
+    one of Ray's own errors, not the trial's: the actor computing the result was killed
+    (ActorDiedError). The trial fails, with the error recorded; the sweep goes on."""
+    import ray
+
+    from tuning.results import finish_trial
+
+    @ray.remote(num_cpus=0)
+    class Slow:
+        def result(self):
+            time.sleep(120)
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    parent = client.create_run(client.create_experiment("s")).info.run_id
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/optuna.db", direction="maximize")
+    trial = study.ask()
+    actor = Slow.remote()
+    ref = actor.result.remote()
+    ray.kill(actor)
+    with pytest.raises(ray.exceptions.RayError) as seen:
+        ray.get(ref, timeout=60)
+    assert not isinstance(seen.value, ray.exceptions.RayTaskError)  # Ray's error, not the trial's own
+    note = finish_trial(study, trial, ref, None, None, client, parent)
+    name = type(seen.value).__name__
+    assert note.startswith(f"trial {trial.number} FAILED: {name}"), note
+    (t,) = study.get_trials()
+    assert t.state == optuna.trial.TrialState.FAIL and t.user_attrs["error"].startswith(name)
+
+
+def test_a_continued_study_tags_one_child_run_as_the_best(tmp_path):
+    """helper-41: a study continued with more trials tagged its new best and left the old one
+    tagged too. Real MLflow store; the earlier best is untagged, other sweeps' runs untouched."""
+    from tuning.results import _untag_earlier_best
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.create_experiment("s")
+    parent, other_parent = (client.create_run(exp).info.run_id for _ in range(2))
+    old, new, elsewhere = (
+        client.create_run(exp, tags={"mlflow.parentRunId": p, "sweep.best": "true"}).info.run_id
+        for p in (parent, parent, other_parent)
+    )
+    _untag_earlier_best(client, parent, new)
+    best = {r: client.get_run(r).data.tags["sweep.best"] for r in (old, new, elsewhere)}
+    assert best == {old: "false", new: "true", elsewhere: "true"}
 
 
 def test_a_seeded_sweep_gives_each_trial_a_seed_of_its_own():
@@ -489,6 +540,7 @@ def test_killed_sweep_driver_continues_with_the_same_command(tmp_path, ray_env):
     "sweep_over, base_over, message",
     [
         ({"space": {}}, {}, "the search space is empty"),
+        ({}, {"val_fraction": 0.0}, "this dataset has none"),  # helper-41: trials trained, then had no score
         (
             {"space": {"lot_size": {"choices": [256, 4096]}}},
             {},
