@@ -245,7 +245,7 @@ def run(
     With ``resume`` (an MLflow run id) the earlier run is continued with its own config; its
     tracking URI is ``cfg.tracking_uri``, and ``resume_changes`` may change only the options
     in :data:`RESUME_MAY_CHANGE`. A sweep passes ``parent_run_id`` (the run is nested under
-    it), ``extra_tags``, and a ``pruner``: rank 0 then calls ``pruner(validation_accuracy, step)``
+    it), ``extra_tags``, and a ``pruner``: rank 0 then calls ``pruner(validation_accuracy, tenths of the run done)``
     at every checkpoint and stops the run early when it returns True (``summary["pruned"]``).
     The sweep's pruner reports to its Optuna trial (:class:`tuning.pruning.TrialPruner`).
     ``memory_share``: the fraction of each node's memory this run's workers there may plan for

@@ -73,7 +73,7 @@ def _quiet_ray_train_logs() -> None:
 
 def train_loop_per_worker(plan: RunPlan, pruner=None, faults=None) -> None:
     """Ray Train entry point. ``plan`` is built by the driver (:func:`pipelines.plan.plan_run`);
-    ``pruner(validation_accuracy, step) -> stop?`` is called by rank 0 at each checkpoint."""
+    ``pruner(validation_accuracy, tenths of the run done) -> stop?`` is called by rank 0 at each checkpoint."""
     from ..allocator import keep_freed_memory
 
     trace("worker entry")

@@ -657,6 +657,42 @@ def test_rank0_reports_to_the_trial_and_obeys_the_median_pruner(tmp_path):
     assert optuna.load_study(study_name="p", storage=storage).trials[3].intermediate_values == {10: 0.2}
 
 
+def test_the_pruner_compares_trials_of_different_lot_sizes_at_the_same_share_of_their_run(tmp_path):
+    """helper-41: rank 0 reported at the step number, and the median pruner compares trials at the
+    same step, so with the lot size searched a lot-64 trial (step 118: 6 epochs on digits) was
+    measured against lot-128 trials at step 118 (12 epochs) and pruned for being early. Trials
+    now report at the tenth of their planned steps they have reached. Every trial here learns
+    the same curve per epoch, the small-lot one a little better: it is never pruned."""
+    import math
+
+    from pipelines.train.report import progress_tenths
+    from tuning.config import MEDIAN_PRUNER
+    from tuning.pruning import TrialPruner
+
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    study = optuna.create_study(
+        study_name="lots", storage=storage, direction="maximize", pruner=optuna.pruners.MedianPruner(**MEDIAN_PRUNER)
+    )
+    n, epochs = 1258, 60
+
+    def run(lot: int, better: float = 0.0) -> list[bool]:
+        trial = study.ask()
+        report = TrialPruner(storage, "lots", trial._trial_id, MEDIAN_PRUNER)
+        planned = math.ceil(epochs * n / lot)
+        every = math.ceil(planned / 10)  # the default checkpoint cadence
+        verdicts = []
+        for step in range(every, planned, every):
+            accuracy = 1 - 0.5 * math.exp(-(step * lot / n) / 20) + better  # the same curve per epoch
+            verdicts.append(report(accuracy, progress_tenths(step, planned)))
+        study.tell(trial, accuracy)
+        return verdicts
+
+    run(128), run(128)
+    assert run(64, better=1e-3) == [False] * 9
+    assert [progress_tenths(s, 590) for s in range(59, 590, 59)] == list(range(1, 10))
+    assert progress_tenths(1, 1180) == 1 and progress_tenths(1180, 1180) == 10
+
+
 def test_a_pruned_sweep_from_a_relative_sqlite_path_reports_to_its_study(ray_cluster, tmp_path, monkeypatch):
     """The worker side of --pruner median runs in Ray Train's own working folder: a study given
     as a relative SQLite path (the default, sqlite:///optuna.db) must still be the same file
