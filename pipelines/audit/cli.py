@@ -71,17 +71,25 @@ def main(argv: list[str] | None = None, prog: str = "dp-platform audit") -> int:
             )
             print("ok: ε_lb ≤ ε" if res.epsilon_lower_bound <= res.epsilon else "AUDIT FAILED: ε_lb > ε")
             return 0 if res.epsilon_lower_bound <= res.epsilon else AUDIT_FAILED
-        from ..config import load_config
         from ..train import print_summary, run
 
-        if "audit_canaries" not in args:
-            args["audit_canaries"] = 1000
-        cfg = load_config(config_path, args)
-        if cfg.audit_canaries == 0:
-            raise dpcore.DPConfigError("audit_canaries=0 turns the audit off; give m ≥ 1 canaries.")
-        out = run(cfg)
+        out = run(audit_config(config_path, args))
     except dpcore.DPError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print_summary(out)
     return AUDIT_FAILED if audit_failed(out) else 0
+
+
+def audit_config(config_path, args: dict):
+    """The run ``dp-platform audit CONFIG`` trains: the config with its flags, and m = 1000
+    canaries where neither the flags nor the YAML give ``audit_canaries`` (helper-43: the
+    default was put among the flags, which override the YAML, so a YAML's m was ignored)."""
+    from ..config import load_config
+
+    cfg = load_config(config_path, args)
+    if cfg.audit_canaries == 0 and "audit_canaries" not in args:
+        cfg = load_config(config_path, {**args, "audit_canaries": 1000})
+    if cfg.audit_canaries == 0:
+        raise dpcore.DPConfigError("audit_canaries=0 turns the audit off; give m ≥ 2 canaries.")
+    return cfg

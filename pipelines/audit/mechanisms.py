@@ -219,6 +219,8 @@ def mechanism_scores(
     """The coordinates' scores and canary membership over ``repetitions`` independent releases.
     ``mechanism`` may be a list of optimizer mechanisms: with 2 workers they then share one
     pair of gloo processes, and a dict {mechanism: (scores, membership)} is returned."""
+    if isinstance(repetitions, bool) or not isinstance(repetitions, int) or repetitions < 1:
+        raise dpcore.DPConfigError(f"repetitions={repetitions!r}: the audit needs at least one release (≥ 1).")
     if not (0 < canaries <= dim):
         raise dpcore.DPConfigError(
             f"canaries={canaries} must lie in [1, dim={dim}]: each canary has a coordinate of its own."

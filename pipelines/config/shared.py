@@ -130,9 +130,14 @@ def check_audit_options(cfg) -> None:
     err = dpcore.DPConfigError
     m = cfg.audit_canaries
     if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-        raise err(f"audit_canaries={m!r} is invalid: it is the number of canaries m ≥ 1, or 0 for no audit.")
+        raise err(f"audit_canaries={m!r} is invalid: it is the number of canaries m ≥ 2, or 0 for no audit.")
     if not m:
         return
+    if m < 2:
+        raise err(
+            f"audit_canaries={m} is too few: the one-run audit guesses on at least 2 canaries (one guess can never "
+            "bound ε); give m ≥ 2 (1000 is typical), or 0 for no audit."
+        )
     if cfg.audit_canary_rate != 0.5:
         raise err(
             f"audit_canary_rate={cfg.audit_canary_rate!r} is not supported: the one-run bound (Steinke, Nasr, "

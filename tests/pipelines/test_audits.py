@@ -194,6 +194,32 @@ def test_bad_audit_input():
         audit.one_run_audit([0.1, 0.2], [True, False], 2, 1, delta=1e-5)
     with pytest.raises(dpcore.DPConfigError, match="confidence"):
         audit.one_run_epsilon_lower_bound(10, 10, 10, 0.0, confidence=1.5)
+    # helper-43: a traceback (torch.cat of nothing), and a refusal that named guesses nobody gave
+    with pytest.raises(dpcore.DPConfigError, match=r"repetitions=0: the audit needs at least one release"):
+        mechanism_audit("dpsgd", dim=10, canaries=5, repetitions=0)
+    from pipelines.config import TrainConfig
+
+    with pytest.raises(dpcore.DPConfigError, match=r"audit_canaries=1 is too few.*m ≥ 2"):
+        TrainConfig(audit_canaries=1).validate()
+
+
+@pytest.mark.parametrize(
+    "yaml_text, flags, m",
+    [
+        ("audit_canaries: 300\naudit_kind: input\n", {}, 300),  # a flat YAML's m
+        ("audit:\n  audit_canaries: 300\n", {}, 300),  # a sectioned YAML's
+        ("audit_canaries: 300\n", {"audit_canaries": 400}, 400),  # a flag over the YAML
+        ("epochs: 2\n", {}, 1000),  # neither: the audit's default m
+    ],
+)
+def test_the_audit_command_trains_with_the_canaries_its_config_asks_for(tmp_path, yaml_text, flags, m):
+    """helper-43: `dp-platform audit run.yaml` put m = 1000 among the flags whenever no flag gave
+    it, and flags override the YAML: a YAML's audit_canaries was ignored."""
+    from pipelines.audit.cli import audit_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml_text)
+    assert audit_config(str(path), dict(flags)).audit_canaries == m
 
 
 # ------------------------------------------------------------------------------------------
