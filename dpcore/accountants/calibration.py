@@ -165,9 +165,32 @@ def max_steps(
     def fits(coarse: bool):
         return lambda t: epsilon(prior + [(ev, t)], target_delta, accountant, coarse=coarse) <= target_epsilon
 
+    if one_release_exceeds(ev, target_epsilon, target_delta):
+        return 0
     # Search on the coarse grid, then settle the answer exactly on the fine one around it.
     guess = _largest_count(fits(True), limit)
     return _largest_count_near(fits(False), guess, limit)
+
+
+def one_release_exceeds(event: PrivacyEvent, target_epsilon: float, target_delta: float) -> bool:
+    """Whether one Poisson-subsampled Gaussian release alone is already above (ε, δ), from
+    dp_accounting's closed-form privacy loss (the exact δ at ε, both adjacencies), without
+    building a privacy-loss distribution: at a tiny σ (a typo, 0.01 for 1.0) that build takes
+    minutes before it says that no step fits (helper-42). Composition only adds loss, so then no
+    count of it fits, with or without other releases; every accountant here is at least as
+    pessimistic. False for other events, and within a rounding margin of the target (the full
+    computation then decides)."""
+    if event.kind != POISSON_GAUSSIAN:
+        return False
+    from dp_accounting.pld import privacy_loss_mechanism as plm
+
+    deltas = [
+        plm.GaussianPrivacyLoss(
+            event.noise_multiplier, sensitivity=1.0, sampling_prob=event.sample_rate, adjacency_type=adjacency
+        ).get_delta_for_epsilon(target_epsilon)
+        for adjacency in (plm.AdjacencyType.ADD, plm.AdjacencyType.REMOVE)
+    ]
+    return max(deltas) > target_delta * (1 + 1e-9)
 
 
 def _largest_count(fits, limit: int) -> int:
@@ -230,6 +253,8 @@ def max_steps_by_delta(
     epsilon = check_epsilon(epsilon, "epsilon")
     delta_bound = check_delta(delta_bound, "delta_bound")
     prior = list(prior_groups)
+    if one_release_exceeds(event, epsilon, delta_bound):
+        return 0
 
     return _largest_count(lambda t: delta(prior + [(event, t)], epsilon, accountant) <= delta_bound, limit)
 

@@ -132,10 +132,17 @@ class FedPrivacyConfig(Section):
             )
         if self.clip_policy == "adaptive":
             AdaptiveClipping(self.clip_norm, self.target_quantile, self.quantile_lr, self.resolved_quantile_noise())
-        elif self.quantile_noise is not None:
-            raise err(
-                f"quantile_noise={self.quantile_noise} has no effect with clip_policy={self.clip_policy!r}; set --clip-policy adaptive."
-            )
+        else:  # helper-42: quantile_noise was refused here, target_quantile and quantile_lr taken without a word
+            given = {
+                "quantile_noise": (self.quantile_noise, None),
+                "target_quantile": (self.target_quantile, 0.5),
+                "quantile_lr": (self.quantile_lr, 0.2),
+            }
+            for name, (value, default) in given.items():
+                if value != default:
+                    raise err(
+                        f"{name}={value} has no effect with clip_policy={self.clip_policy!r}; set --clip-policy adaptive."
+                    )
         check_seed(self)
 
     def resolved_quantile_noise(self) -> float:

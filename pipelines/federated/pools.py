@@ -8,6 +8,8 @@ import sys
 
 import torch
 
+import dpcore
+
 from .clients import ClientRunner
 
 
@@ -33,6 +35,9 @@ class LocalPool:
         pass
 
 
+STARTUP_TIMEOUT_S = 600.0  # for every client actor to be up (each holds the training split)
+
+
 class RayPool:
     """``n`` Ray actors, each a :class:`ClientRunner` on the whole (object-store) training split.
 
@@ -47,8 +52,21 @@ class RayPool:
         data_refs = {k: ray.put(runner_args[k]) for k in ("x", "y", "order", "offsets")}
         self._args = {**runner_args, **data_refs, "threads": max(1, int(cpus_per_actor))}
         self._cls = ray.remote(num_cpus=cpus_per_actor, max_restarts=0)(ClientRunner)
+        have = ray.cluster_resources().get("CPU", 0.0)
+        if n * cpus_per_actor > have:  # the actors beyond what fits would wait for ever, without a word (helper-42)
+            raise dpcore.DPConfigError(
+                f"{n} client actors of {cpus_per_actor:g} CPU(s) each need {n * cpus_per_actor:g} CPUs; the Ray cluster "
+                f"has {have:g}. Lower --num-actors or --cpus-per-actor, or join a larger cluster."
+            )
         self.actors = [self._start() for _ in range(n)]
-        ray.get([a.ping.remote() for a in self.actors])
+        pings = [a.ping.remote() for a in self.actors]
+        ready, waiting = ray.wait(pings, num_returns=len(pings), timeout=STARTUP_TIMEOUT_S)
+        if waiting:
+            raise RuntimeError(
+                f"{len(waiting)} of {n} client actors did not start within {STARTUP_TIMEOUT_S:.0f} s "
+                f"(actors {sorted(pings.index(w) for w in waiting)}); see the run's log and Ray's session logs."
+            )
+        ray.get(ready)
         self.max_restarts, self.restarts = max_restarts, 0
         self.fault = fault  # (round, actor) once, for tests
 

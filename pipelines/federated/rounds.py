@@ -4,6 +4,7 @@ round once (:mod:`dpcore.federated`), evaluate, track (see the package's docstri
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
 from pathlib import Path
@@ -342,7 +343,9 @@ def _cluster(cfg: FederatedConfig):
         return
     from ..train import ray_cluster
 
-    with ray_cluster(SimpleNamespace(ray_address=cfg.ray_address, num_workers=cfg.num_actors, use_gpu=False)) as how:
+    # a local cluster with the CPUs the actors ask for (each cpus_per_actor): fewer and one waits for ever
+    cpus = math.ceil(cfg.num_actors * cfg.cpus_per_actor)
+    with ray_cluster(SimpleNamespace(ray_address=cfg.ray_address, num_workers=cpus, use_gpu=False)) as how:
         yield how
 
 

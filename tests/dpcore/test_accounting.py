@@ -5,6 +5,8 @@ and rolled-back steps."""
 import io
 import json
 import math
+import subprocess
+import sys
 
 import dp_accounting
 import numpy as np
@@ -655,3 +657,31 @@ def test_the_lazily_imported_dp_accounting_survives_copy_and_pickle():
     lazy = LazyModule("dp_accounting")
     for other in (copy.copy(lazy), copy.deepcopy(lazy), pickle.loads(pickle.dumps(lazy))):
         assert other.GaussianDpEvent(2.0) == lazy.GaussianDpEvent(2.0)
+
+
+@pytest.mark.parametrize("z", [0.3, 0.55, 0.9, 1.4])
+@pytest.mark.parametrize("q", [0.05, 0.3, 1.0])
+def test_the_one_release_precheck_agrees_with_the_full_accountants(z, q):
+    """max_steps refuses at once when one release alone exceeds (ε, δ), from dp_accounting's
+    closed-form δ at ε (helper-42: a tiny σ built its PLD for minutes first). The precheck says
+    "exceeds" exactly where dp_accounting's own PLD and RDP accountants give one release an ε
+    above the target (away from the boundary), and never where they fit it."""
+    from dpcore.accountants.calibration import one_release_exceeds
+
+    event = dpcore.PrivacyEvent.dpsgd_step(z, q)
+    for eps, delta in ((1.0, 1e-5), (4.0, 1e-5), (8.0, 1e-3)):
+        pld = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+        pld.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)))
+        exact = pld.get_epsilon(delta)
+        if abs(exact - eps) < 1e-3 * eps:
+            continue  # at the boundary the full computation decides
+        assert one_release_exceeds(event, eps, delta) == (exact > eps), (z, q, eps, delta, exact)
+        fits = dpcore.max_steps(z, q, eps, delta, "pld") >= 1
+        assert fits == (exact <= eps)
+
+
+def test_a_tiny_noise_multiplier_is_refused_at_once():
+    """σ = 0.01 (a typo for 1.0): without the precheck this ran for more than 400 s (helper-42)."""
+    code = "import dpcore; print(dpcore.max_steps(0.01, 0.3, 8.0, 1e-3, 'pld', limit=10**6))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.split()[-1] == "0", res.stderr[-2000:]

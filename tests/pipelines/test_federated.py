@@ -446,12 +446,30 @@ def test_killed_actor_is_replaced_and_the_round_neither_loses_nor_duplicates_upd
         (dict(noise_multiplier=1.0, rounds=0, target_epsilon=0.01), "not one round fits"),
         (dict(rounds=0), "needs a given --noise-multiplier"),
         (dict(clip_policy="adaptive", noise_multiplier=3.0, quantile_noise=1.0), "too small"),
+        # helper-42: taken without a word with the fixed policy (only quantile_noise was refused)
+        (dict(target_quantile=2.0), r"target_quantile=2.0 has no effect with clip_policy='fixed'"),
+        (dict(quantile_lr=5.0), r"quantile_lr=5.0 has no effect with clip_policy='fixed'"),
+        # helper-42: σ = 0.01 (a typo for 1.0) built its PLD for minutes before refusing
+        (dict(noise_multiplier=0.01, rounds=0, target_epsilon=8.0), "not one round fits"),
     ],
 )
 def test_bad_input_fails_before_any_round(tmp_path, over, match):
     with pytest.raises(dpcore.DPConfigError, match=match):
         plan_federated(_cfg(tmp_path, **over))
     assert not (tmp_path / "runs").exists()  # nothing started, no ledger
+
+
+def test_client_actors_that_the_cluster_cannot_hold_are_refused_not_waited_for(ray_cluster):
+    """helper-42: actors asking for more CPUs than the cluster has were never scheduled, and the
+    run waited for ever without a word. The tests' cluster has 2 CPUs: 2 actors of 2 CPUs each
+    are refused before any actor is made, naming what to lower."""
+    from pipelines.federated.pools import RayPool
+
+    args = {"x": torch.zeros(4, 2), "y": torch.zeros(4, dtype=torch.long), "order": torch.arange(4), "offsets": [0, 4]}
+    with pytest.raises(
+        dpcore.DPConfigError, match=r"2 client actors of 2 CPU\(s\) each need 4 CPUs; the Ray cluster has 2"
+    ):
+        RayPool(args, n=2, cpus_per_actor=2.0, max_restarts=0)
 
 
 def test_client_with_no_data_is_named():
