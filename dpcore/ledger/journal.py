@@ -3,9 +3,9 @@
 A crash can tear only the last line (it came mid-write, before the append returned). The release
 it describes was never used by rank 0; in sharded training ranks ≥ 1 already hold the reduced,
 noised sum then (the record follows the reduce), but they can send nothing anywhere before the
-next report, which waits for rank 0, so nothing that used it leaves. :meth:`Journal.read` drops such a torn last line and
-cuts it from the file, so that the next record starts on a line of its own; a bad line
-anywhere else means the file cannot be trusted, and is an error.
+next report, which waits for rank 0, so nothing that used it leaves. :meth:`Journal.read` drops
+such a torn last line and cuts it from the file, so that the next record starts on a line of its
+own; a bad line anywhere else means the file cannot be trusted, and is an error.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -133,15 +134,12 @@ class FedPrivacyConfig(Section):
         if self.clip_policy == "adaptive":
             AdaptiveClipping(self.clip_norm, self.target_quantile, self.quantile_lr, self.resolved_quantile_noise())
         else:  # helper-42: quantile_noise was refused here, target_quantile and quantile_lr taken without a word
-            given = {
-                "quantile_noise": (self.quantile_noise, None),
-                "target_quantile": (self.target_quantile, 0.5),
-                "quantile_lr": (self.quantile_lr, 0.2),
-            }
-            for name, (value, default) in given.items():
-                if value != default:
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for name in ("quantile_noise", "target_quantile", "quantile_lr"):
+                if getattr(self, name) != defaults[name]:
                     raise err(
-                        f"{name}={value} has no effect with clip_policy={self.clip_policy!r}; set --clip-policy adaptive."
+                        f"{name}={getattr(self, name)} has no effect with clip_policy={self.clip_policy!r}; "
+                        "set --clip-policy adaptive."
                     )
         check_seed(self)
 
