@@ -1,11 +1,13 @@
 """Optional compiled kernels for clipping (``dpcore/csrc/*.c``).
 
-Two kernels, built into one library:
+Three kernels, built into one library:
 
 * ``csrc/wsum.c``: the clipped sum Σ_i f_i·X_i of a batch's float32 per-example gradients,
   accumulated in float64, reading X once (:func:`weighted_sum`; used by
   :func:`dpcore.clipping.weighted_sum`). Without it, the CPU makes a float64 copy of X
   (8 bytes written and read again per element: 5–20× slower).
+* ``csrc/rowstats.c``: ‖x‖², 1ᵀx and wᵀx of every row of float32 per-example gradients, in
+  float64, reading them once (:func:`row_stats`; the norms of weight-standardised layers).
 * ``csrc/conv_pe.c``: per-example convolution weight gradients and their norms (below).
 
 The per-example weight gradients of a convolution are the largest cost of a private step on
@@ -54,7 +56,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("conv_pe.c", "wsum.c")]
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("conv_pe.c", "wsum.c", "rowstats.c")]
 _HEADERS = [Path(__file__).with_name("csrc") / "threads.h"]  # in the cache key, not compiled alone
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread"]
 # Tried in order; the first that compiles is used.
@@ -222,6 +224,15 @@ def _self_check(lib) -> str | None:
     ref = f[keep] @ X[keep].double()
     if not torch.isfinite(out).all() or not torch.allclose(out, ref, rtol=1e-12, atol=1e-12):
         return "the weighted sum's self-check against torch failed"
+    # The row sums: rows of two filters over several threads.
+    X, w = torch.randn(6, 37, generator=gen), torch.randn(2, 37, generator=gen, dtype=torch.float64)
+    out = torch.empty(6, 3, dtype=torch.float64)
+    if lib.dp_row_stats(X.data_ptr(), w.data_ptr(), out.data_ptr(), 6, 37, 2, 2) != 0:
+        return "the row sums' self-check call failed"
+    x = X.double()
+    ref = torch.stack([x.square().sum(1), x.sum(1), (x * w.repeat(3, 1)).sum(1)], 1)
+    if not torch.allclose(out, ref, rtol=1e-12, atol=1e-12):
+        return "the row sums' self-check against torch failed"
     return None
 
 
@@ -254,6 +265,9 @@ def load():
                 fn = lib.dp_weighted_sum
                 fn.restype = ctypes.c_int
                 fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+                fn = lib.dp_row_stats
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
                 reason = _self_check(lib)
                 if reason:
                     reasons.append(f"{' '.join(arch)}: {reason}")
@@ -378,4 +392,24 @@ def weighted_sum(factors: torch.Tensor, X: torch.Tensor) -> torch.Tensor | None:
         return None
     global sums
     sums += 1
+    return out
+
+
+def row_stats(X: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """[R, 3] float64: (‖x_r‖², Σ_k x_rk, Σ_k w_{r mod F, k}·x_rk) for each row of float32 ``X``
+    [R, n] on the CPU, w float64 [F, n] (R a multiple of F: examples × filters), each sum formed
+    in float64 from X read once. ``None`` where the kernel does not apply."""
+    if X.device.type != "cpu" or X.dtype != torch.float32 or X.dim() != 2 or w.dim() != 2:
+        return None
+    R, n = X.shape
+    if w.shape[1] != n or w.shape[0] < 1 or R % w.shape[0]:
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    X, w = X.contiguous(), w.detach().to(device="cpu", dtype=torch.float64).contiguous()
+    out = torch.empty((R, 3), dtype=torch.float64)
+    threads = torch.get_num_threads() if R * n >= WSUM_THREAD_ELEMENTS else 1
+    if lib.dp_row_stats(X.data_ptr(), w.data_ptr(), out.data_ptr(), R, n, w.shape[0], threads) != 0:
+        return None
     return out

@@ -209,14 +209,19 @@ def bias_per_example(m: nn.Module, per_example_bias: torch.Tensor, sq: SquaredNo
 
 @dataclass
 class MaterialisedPart(Part):
-    """Per-example weight gradients ``W`` [B, out, in] (and bias gradients [B, out])."""
+    """Per-example weight gradients ``W`` [B, out, in] (and bias gradients [B, out]). ``post``
+    (linear) maps the sum to the weight's gradient (a weight standardisation's VJP), as in
+    :class:`GhostPart`."""
 
     m: nn.Module
     W: torch.Tensor
     bias_g: torch.Tensor | None
+    post: Callable | None = None
 
     def contributions(self, factors, drop_bad):
         w = weighted_sum(factors, drop_bad(self.W))  # Σ_i f_i W_i, float64
+        if self.post is not None:
+            w = self.post(w)
         out = [("weight", w.reshape(self.m.weight.shape))]
         if self.bias_g is not None:
             out.append(("bias", SmallRows(drop_bad(self.bias_g), self.m.bias)))

@@ -3,9 +3,8 @@
 Per-example weight gradients are materialised while they fit (for small patch sizes, the MNIST
 CNN's, by the compiled kernel of :mod:`dpcore.native`, which also gives their float64 squared
 norms and skips exactly-zero output gradients; elsewhere by torch's grouped weight gradient, or
-by patches and one batched matrix product where the layer has few output positions for its
-input channels).
-Over budget, the ghost form from the unfolded patches and the output gradients.
+by patches and one batched matrix product where that is faster, by shape: :func:`patches_first`).
+Over budget, the ghost form from the patches and the output gradients.
 """
 
 from __future__ import annotations
@@ -38,15 +37,57 @@ def conv_per_example(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, native_ok: 
     return conv_per_example_torch(m, a, g), None
 
 
+def patch_view(m: nn.Conv2d, a: torch.Tensor, channels_last_batch: bool = False) -> torch.Tensor:
+    """The patches of ``m``'s input ``a`` [B, in, H, W] as a strided view of its zero-padded copy,
+    no values copied: [B, in, kh, kw, H', W'], or with ``channels_last_batch`` [in, kh, kw, B, H',
+    W'] (the layout of :func:`~dpcore.bookkeeping.base.by_channel`). Entry (i, c, p, q, y, x) is
+    a_pad[i, c, s_h·y + d_h·p, s_w·x + d_w·q]: what ``F.unfold`` lists, as a view."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = m.kernel_size, m.stride, m.padding, m.dilation
+    ap = F.pad(a, (pw, pw, ph, ph)) if (ph or pw) else a
+    B, C, H, W = ap.shape
+    oh, ow = (H - dh * (kh - 1) - 1) // sh + 1, (W - dw * (kw - 1) - 1) // sw + 1
+    s = ap.stride()
+    view = ap.as_strided((B, C, kh, kw, oh, ow), (s[0], s[1], dh * s[2], dw * s[3], sh * s[2], sw * s[3]))
+    return view.permute(1, 2, 3, 0, 4, 5) if channels_last_batch else view
+
+
+def patches(m: nn.Conv2d, a: torch.Tensor) -> torch.Tensor:
+    """``F.unfold(a, ...)`` for ``m``: the patches [B, in·kh·kw, H'·W'], the same values in the same
+    order, made by one strided copy (torch's unfold, an im2col loop, took 4–9 times as long on
+    ResNet-9's layers: 2026-12-01, 2 cores, docs/benchmarks/README.md)."""
+    view = patch_view(m, a)
+    B, C, kh, kw, oh, ow = view.shape
+    return view.reshape(B, C * kh * kw, oh * ow)
+
+
+# Below this many output positions a convolution's ghost form is cheaper than materialising,
+# however much memory there is (see ghost_first).
+GHOST_POSITIONS = 48
+
+
+def ghost_first(m: nn.Conv2d, g: torch.Tensor) -> bool:
+    """Whether the ghost form is faster than materialised per-example gradients for ``m`` (whose
+    output gradient ``g`` gives the map's size): on maps of fewer than ``GHOST_POSITIONS``
+    positions, where the compiled kernel does not apply. There a per-example product has only T
+    terms per entry, and writing B·out·in·kh·kw floats costs as much as or more than the ghost
+    form's float64 products (ResNet-9's 512→512 on 4×4, measured 2026-12-01 in the private step,
+    2 cores: at batch 64, 361 against 125 ms; at batch 32 they tie, 85 and 86 ms; on its
+    256→512 on 8×8, 64 positions, materialising took 118 ms against 222 at batch 64). By shape
+    only."""
+    positions = g.shape[2] * g.shape[3] if g.dim() == 4 else 0
+    return positions < GHOST_POSITIONS and not native.worthwhile(m, g)
+
+
 def patches_first(m: nn.Conv2d, positions: int) -> bool:
-    """Whether the per-example weight gradients of ``m`` are faster as unfolded patches and one
-    batched matrix product than as torch's grouped weight gradient: where the layer has few
-    output positions for its input channels (``in_channels ≥ 2·positions``: deep layers on
-    small maps, strided layers). Measured on CPU (2 threads, batches of 32 and 64, 3×3 kernels,
-    ``docs/benchmarks/conv_per_example.py``): up to 9× faster there (0.9× at worst), and up to
-    7× slower on wide maps with few channels, where the grouped form is kept. Decided by the
-    layer's shape only."""
-    return m.in_channels >= 2 * positions
+    """Whether the per-example weight gradients of ``m`` are faster as patches (:func:`patches`)
+    and one batched matrix product than as torch's grouped weight gradient: on maps of at most
+    256 output positions, for layers of up to 4 input channels, and where the layer has few
+    output positions for its input channels (``in_channels ≥ 2·positions``). Measured on CPU
+    (2 threads, batch 64, 3×3 kernels, ``docs/benchmarks/conv_per_example.py``, 2026-12-01):
+    1.0–2.6× faster there (ResNet-9's 128→256 on 16×16: 52.8 against 65.4 ms; its 3→64 on
+    32×32: 2.6 against 5.1), and up to 1.5× slower on 32×32 maps of 16–64 input channels,
+    where the grouped form is kept. Decided by the layer's shape only."""
+    return positions <= 256 or m.in_channels <= 4 or m.in_channels >= 2 * positions
 
 
 def conv_per_example_torch(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -72,7 +113,7 @@ def conv_per_example_torch(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> to
     out_h, out_w = g.shape[2], g.shape[3]
     if patches_first(m, out_h * out_w):
         # W_i = G_i·A_iᵀ: output gradients [out, T] times unfolded patches [T, in·kh·kw].
-        A = F.unfold(a, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
+        A = patches(m, a)
         return torch.bmm(g.reshape(batch, m.out_channels, -1), A.transpose(1, 2))
     # One convolution-weight gradient with the batch as groups.
     return torch.nn.grad.conv2d_weight(
@@ -96,17 +137,21 @@ class ConvForm(LayerForm):
     def per_example(self, m: nn.Conv2d, a, g, sq, ctx: Context):
         batch = a.shape[0]
         G = g.reshape(batch, g.shape[1], -1)  # [B, c, T]
-        if ctx.materialises(m.weight.numel(), batch):
-            W, w_sq = self.weight_per_example(m, a, g)  # [B, out, in·kh·kw]
-            sq += w_sq if w_sq is not None else row_sq_norms(W.reshape(batch, -1), ctx)
-            return MaterialisedPart(m, W, bias_per_example(m, G.sum(2), sq))
-        # Patches [B, d, T] and output gradients [B, c, T]: both in their natural layout.
-        A = F.unfold(a, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
-        return self.ghost(m, A, G, sq, ctx)
+        if ctx.materialises(m.weight.numel(), batch) and not ghost_first(m, g):
+            return self.materialised(m, a, g, G, sq, ctx)
+        # Output gradients [B, c, T]; the form makes the patches it needs from the input.
+        return self.ghost_input(m, a, G, sq, ctx)
 
-    def weight_per_example(self, m: nn.Conv2d, a, g):
-        """(per-example gradients of the weight, their float64 squared norms or None)."""
-        return conv_per_example(m, a, g)
+    def materialised(self, m: nn.Conv2d, a, g, G, sq, ctx: Context):
+        """The part with per-example weight gradients [B, out, in·kh·kw], their norms added into ``sq``."""
+        W, w_sq = conv_per_example(m, a, g)
+        sq += w_sq if w_sq is not None else row_sq_norms(W.reshape(W.shape[0], -1), ctx)
+        return MaterialisedPart(m, W, bias_per_example(m, G.sum(2), sq))
+
+    def ghost_input(self, m: nn.Conv2d, a, G, sq, ctx: Context):
+        """:meth:`ghost` from the layer's input ``a``, whose patches it makes."""
+        return self.ghost(m, patches(m, a), G, sq, ctx)
 
     def ghost(self, m: nn.Conv2d, A, G, sq, ctx: Context):
+        """The ghost form from patches ``A`` [B, in·kh·kw, T] and output gradients ``G`` [B, out, T]."""
         return weight_and_bias(m, A, G, True, sq, ctx)

@@ -1,18 +1,24 @@
 """:class:`dpcore.layers.WSConv2d`: a convolution with weight standardisation.
 
 The layer uses ŵ(w), so its per-example gradients are the standardisation's vector-Jacobian
-product of the per-example gradients for ŵ (:class:`WSJacobian`, which also gives their norms
-in a ghost form when they are not materialised).
+product of the per-example gradients for ŵ (:class:`WSJacobian`). Neither form applies that
+product per example: both measure each example's norm through it from a few sums over the
+gradients for ŵ (materialised, or in a ghost form from the patches), and the clipped sum, a
+linear function of those gradients, goes through it once, in float64.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
+from .. import native
+from ..clipping import F64_PIECE_BYTES, F64_PIECE_BYTES_DEFAULT
 from ..layers import WS_EPS
-from .base import GhostPart, bias_per_example, by_channel
-from .conv import ConvForm, conv_per_example
+from .base import F32_CHUNK, GhostPart, MaterialisedPart, bias_per_example, by_channel, row_sq_norms
+from .conv import ConvForm, conv_per_example, patch_view
 
 
 def centred(A: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,6 +28,28 @@ def centred(A: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     flat = by_channel(A, torch.float64)
     flat.sub_(flat.mean(0, keepdim=True))
     return flat.transpose(0, 1), G.double()
+
+
+def centred_patches(m: nn.Conv2d, a: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`centred` of the patches of ``m``'s input ``a`` [B, in, H, W], made from it in one
+    pass: each patch's mean is the window sum of the input's channel sums (float64), and the
+    float64 buffer is written once, as the patch minus its mean, from a strided view of the input
+    (no float32 patches, no second copy)."""
+    view = patch_view(m, a, channels_last_batch=True)  # [in, kh, kw, B, H', W']
+    C, kh, kw, B, oh, ow = view.shape
+    n = C * kh * kw
+    sums = patch_view(m, a.sum(1, keepdim=True, dtype=torch.float64))  # [B, 1, kh, kw, H', W']
+    mean = sums.sum((1, 2, 3)).div_(n)  # [B, H', W']
+    out = torch.empty((n, B, oh * ow), dtype=torch.float64, device=a.device)
+    torch.sub(view, mean.view(1, 1, 1, B, oh, ow), out=out.view(C, kh, kw, B, oh, ow))
+    return out.transpose(0, 1), G.double()
+
+
+def _gamma(k: int, dtype: torch.dtype) -> float:
+    """γ_k = k·u/(1 − k·u) for the unit roundoff u of ``dtype``: the relative error bound of a
+    dot product of k terms, in any order (Higham, §3.1)."""
+    ku = k * torch.finfo(dtype).eps / 2
+    return math.inf if ku >= 1 else ku / (1 - ku)
 
 
 class WSJacobian:
@@ -42,17 +70,67 @@ class WSJacobian:
     def vjp(self, v: torch.Tensor) -> torch.Tensor:
         """Gradients with respect to w from gradients ``v`` [..., out, n] with respect to ŵ,
         computed in float64 (``v`` is left as it is)."""
-        return self.vjp_(v.to(torch.float64, copy=True)).to(v.dtype)
-
-    def vjp_(self, v: torch.Tensor) -> torch.Tensor:
-        """:meth:`vjp` in place, in ``v``'s own precision: for per-example gradients that are
-        then measured as they are (their norms are taken from the result, so its rounding is
-        what gets clipped)."""
-        w_hat = self.w_hat.to(v.dtype)
+        v = v.to(torch.float64, copy=True)
         mean = v.mean(-1, keepdim=True)
-        along = torch.einsum("...on,on->...o", v, w_hat).unsqueeze(-1).div_(self.n)
-        v.sub_(mean).addcmul_(along, w_hat, value=-1.0)
-        return v.div_(self.s.to(v.dtype))
+        along = torch.einsum("...on,on->...o", v, self.w_hat).unsqueeze(-1).div_(self.n)
+        v.sub_(mean).addcmul_(along, self.w_hat, value=-1.0)
+        return v.div_(self.s)
+
+    def materialised_sq_norms(self, W: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(‖vjp(W_i)‖² per example without its allowance, the allowance, β_i²) for per-example
+        gradients ``W`` [B, out, n] with respect to ŵ, which are left as they are.
+
+        Per filter, ‖v‖², 1ᵀv and ŵᵀv, each formed in float64: by the compiled kernel
+        (:func:`dpcore.native.row_stats`) from one read of W, else ‖v‖² by
+        :func:`~dpcore.bookkeeping.base.row_sq_norms` and the other two from float64 copies of a
+        few examples at a time. (Forming the VJP of every row took six reads of W and three
+        writes.) The subtraction can cancel (v nearly along 1 or ŵ), so the allowance covers,
+        relative to ‖v‖, the rounding of ‖v‖², of 1ᵀv and ŵᵀv (γ_{n+1}·‖v‖·√n and ·‖ŵ_o‖), and
+        of the formula: the norms with it are never below the exact norms of the VJP of W_i (a
+        natural gradient's norm gains about 10⁻¹² of itself). β_i² = Σ_o ‖v_o‖²/s_o² bounds
+        what the clipped sum's terms, then its VJP, round
+        (:meth:`~dpcore.bookkeeping.base.SquaredNorms.add_rounding`)."""
+        B, out, n = W.shape
+        stats = native.row_stats(W.reshape(B * out, n), self.w_hat)
+        if stats is not None:
+            s2, s1, sw = (stats[:, k].view(B, out) for k in range(3))
+            rel_s2 = _gamma(n, torch.float64)
+        else:
+            before = len(ctx.float32_rows)
+            s2 = row_sq_norms(W.reshape(B * out, n), ctx).view(B, out)  # float64
+            # Its relative error: float32 chunks (see F32_CHUNK), or float64 throughout.
+            chunked = len(ctx.float32_rows) > before
+            rel_s2 = _gamma(F32_CHUNK + 3, torch.float32) if chunked else _gamma(n + 2, torch.float64)
+            s1, sw = self._float64_sums(W)
+        g = _gamma(n + 1, torch.float64)  # a float64 dot product of n terms
+        length = s2.mul(1.0 + rel_s2).sqrt()  # ‖v_o‖, rounded up
+        e1 = g * math.sqrt(n) * length  # |error of 1ᵀv| ≤ γ·Σ|v| ≤ γ·√n·‖v‖
+        ew = g * torch.linalg.vector_norm(self.w_hat, dim=1).mul(1.0 + 1e-12).view(1, -1) * length
+        two_k = (2.0 - self.kappa).view(1, -1)
+        per_filter = s2 - s1.square() / n - two_k * sw.square() / n
+        # |s̃² − s²| ≤ 2|s̃|·e for a sum s̃ within e of s (and s̃² ≤ |s̃|·e where |s̃| < e).
+        allowance = (
+            2.0 * s1.abs() * e1 / n
+            + two_k * 2.0 * sw.abs() * ew / n
+            + (rel_s2 + 32 * torch.finfo(torch.float64).eps) * s2
+        )
+        scale = self.s.view(1, -1).square()
+        beta_sq = (s2 / scale).sum(1) * (1.0 + rel_s2)
+        return (per_filter.clamp_min(0.0) / scale).sum(1), (allowance / scale).sum(1), beta_sq
+
+    def _float64_sums(self, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1ᵀv, ŵᵀv) [B, out] of the rows of ``W`` [B, out, n], float64 products of float64
+        copies of a few examples at a time (``F64_PIECE_BYTES``, as weighted sums' copies)."""
+        B, out, n = W.shape
+        U = torch.stack([torch.ones_like(self.w_hat), self.w_hat], dim=2).to(W.device)  # [out, n, 2]
+        if W.dtype == torch.float64:
+            st = torch.bmm(W.transpose(0, 1), U)
+        else:
+            rows = max(1, F64_PIECE_BYTES.get(W.device.type, F64_PIECE_BYTES_DEFAULT) // (8 * out * n))
+            st = torch.empty((out, B, 2), dtype=torch.float64, device=W.device)
+            for i in range(0, B, rows):
+                st[:, i : i + rows] = torch.bmm(W[i : i + rows].to(torch.float64).transpose(0, 1), U)
+        return st[..., 0].t(), st[..., 1].t()
 
     def ghost_sq_norms(self, A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
         """Per-example ‖vjp(Σ_t G_t A_tᵀ)‖², never below the exact value, from patches A
@@ -68,13 +146,16 @@ class WSJacobian:
         sq, allowance = self.centred_sq_norms(*centred(A, G))
         return sq + allowance
 
-    def centred_sq_norms(
-        self, A: torch.Tensor, G: torch.Tensor, magnitudes: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def centred_sq_norms(self, A: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the norms of :meth:`ghost_sq_norms` without their allowance, which can be below the
-        exact ones; the allowance, [B]), from the operands :func:`centred` made (``magnitudes``:
-        their :meth:`filter_magnitudes`, if already formed). A form adds the allowance with
-        :meth:`~dpcore.bookkeeping.base.SquaredNorms.add_allowance`."""
+        exact ones; the allowance, [B]), from the operands :func:`centred` made."""
+        sq, allowance, _ = self.centred_terms(A, G)
+        return sq, allowance
+
+    def centred_terms(self, A: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(:meth:`centred_sq_norms`' two, and each filter's magnitudes Σ_t ‖Ã_t‖·|g_{t,o}|
+        [B, out]: what the terms of filter o's per-example gradient add up to in magnitude).
+        A form adds the allowance with :meth:`~dpcore.bookkeeping.base.SquaredNorms.add_allowance`."""
         B, n, T = A.shape
         flat = A.transpose(0, 1).reshape(n, B * T)  # no copy where A came from centred()
         aa = A.transpose(1, 2) @ A  # [B, T, T]
@@ -83,17 +164,13 @@ class WSJacobian:
         # product would be only T wide).
         w_a = (self.w_hat @ flat).view(-1, B, T)  # [out, B, T]: ŵ_oᵀÃ_t
         w_v = (w_a * G.transpose(0, 1)).sum(2).t()  # [B, out]: ŵ_oᵀṽ_o = Σ_t g_t·ŵ_oᵀÃ_t
-        bound = (self.filter_magnitudes(A, G) if magnitudes is None else magnitudes).square()
-        allowance = 8.0 * (self.n + T) * torch.finfo(torch.float64).eps * bound
+        # ‖Ã_t‖ from the Gram matrices' diagonals (a norm over the strided n axis took longer
+        # than the Gram matrices themselves).
+        magnitudes = (G.abs() * aa.diagonal(dim1=1, dim2=2).sqrt().unsqueeze(1)).sum(2)
+        allowance = 8.0 * (self.n + T) * torch.finfo(torch.float64).eps * magnitudes.square()
         per_filter = (vv - (2.0 - self.kappa) * w_v.square() / self.n).clamp_min(0.0)
         scale = self.s.view(1, -1).square()
-        return (per_filter / scale).sum(1), (allowance / scale).sum(1)
-
-    @staticmethod
-    def filter_magnitudes(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-        """Σ_t ‖Ã_t‖·|g_{t,o}| for each example and output filter o ([B, out]): what the terms of
-        filter o's per-example gradient add up to in magnitude."""
-        return (G.abs() * torch.linalg.vector_norm(A, dim=1, keepdim=True)).sum(2)
+        return (per_filter / scale).sum(1), (allowance / scale).sum(1), magnitudes
 
     def add_rounding(self, sq, magnitudes: torch.Tensor, positions: int) -> None:
         """Add into ``sq`` (:meth:`~dpcore.bookkeeping.base.SquaredNorms.add_rounding`) the
@@ -101,25 +178,39 @@ class WSJacobian:
         the VJP. Filter o's error e_o maps to P(e_o)/s_o, P a projection (norm ≤ 1), and the
         VJP's own rounding of the sum (a mean over n, ŵᵀv over n, three updates) is within
         3·γ_{n+4} of its size: so γ_k with k = ghost_roundings(batch, T) + 3·(n + 4), and
-        β_i² = Σ_o (Σ_t ‖Ã_t‖·|g_{t,o}|)²/s_o² from the :meth:`filter_magnitudes`."""
+        β_i² = Σ_o (Σ_t ‖Ã_t‖·|g_{t,o}|)²/s_o² from the filters' magnitudes."""
         beta_sq = (magnitudes / self.s.view(1, -1)).square().sum(1)
         sq.add_rounding(beta_sq, positions=positions, more=3 * (self.n + 4))
 
 
 class WSConvForm(ConvForm):
-    def weight_per_example(self, m, a, g):
-        W, _ = conv_per_example(m, a, g)  # gradients for the weight used, ŵ ...
-        return WSJacobian(m).vjp_(W), None  # ... back through the standardisation, per example
+    def materialised(self, m, a, g, G, sq, ctx):
+        # Gradients for the weight used, ŵ (the native kernel's norms are theirs, not the VJP's),
+        # measured through the standardisation; the clipped sum goes back through it once.
+        W, _ = conv_per_example(m, a, g)
+        jac = WSJacobian(m)
+        norms, allowance, beta_sq = jac.materialised_sq_norms(W, ctx)
+        sq += norms
+        sq.add_allowance(allowance)
+        sq.add_rounding(beta_sq, positions=1, more=3 * (jac.n + 4))
+        return MaterialisedPart(m, W, bias_per_example(m, G.sum(2), sq), post=jac.vjp)
+
+    def ghost_input(self, m, a, G, sq, ctx):
+        bias_g = bias_per_example(m, G.sum(2), sq)
+        return self._ghost(m, *centred_patches(m, a, G), bias_g, sq)
 
     def ghost(self, m, A, G, sq, ctx):
-        jac = WSJacobian(m)
         bias_g = bias_per_example(m, G.sum(2), sq)
         # The clipped sum contracts the centred patches the norms used: the standardisation's VJP
         # discards the mean direction (ŵ ⟂ 1), so the sum is the same as with the patches as
         # recorded, and the float64 copy is made once.
-        A, G = centred(A, G)
-        magnitudes = jac.filter_magnitudes(A, G)
-        norms, allowance = jac.centred_sq_norms(A, G, magnitudes)
+        return self._ghost(m, *centred(A, G), bias_g, sq)
+
+    @staticmethod
+    def _ghost(m, A, G, bias_g, sq):
+        """The ghost part from centred float64 patches ``A`` and output gradients ``G``."""
+        jac = WSJacobian(m)
+        norms, allowance, magnitudes = jac.centred_terms(A, G)
         sq += norms
         sq.add_allowance(allowance)
         jac.add_rounding(sq, magnitudes, positions=A.shape[2])

@@ -493,8 +493,8 @@ def test_single_channel_convolutions_equal_the_vmap_clipped_sum(clip):
 @pytest.mark.parametrize("native_ok", [True, False], ids=["native", "torch"])
 def test_per_example_conv_gradients_equal_autograd_per_example(native_ok):
     """Every per-example form (the compiled kernel; forward convolution for one input channel,
-    patches and a batched matrix product for layers with few output positions, grouped weight
-    gradient otherwise) against autograd run on each example alone, with sparse and dense output
+    patches and a batched matrix product for small maps and layers with few output positions,
+    grouped weight gradient otherwise) against autograd run on each example alone, with sparse and dense output
     gradients; and the kernel's squared norms against float64."""
     from dpcore.bookkeeping.conv import conv_per_example as _conv_per_example
     from dpcore.bookkeeping.conv import patches_first
@@ -511,6 +511,7 @@ def test_per_example_conv_gradients_equal_autograd_per_example(native_ok):
         (nn.Conv2d(70, 2, 1), (70, 3, 3)),  # D = 70: a 64-wide block and a tail
         (nn.Conv2d(8, 3, 3, stride=2, padding=1), (8, 4, 4)),  # 4 output positions, 8 channels: patches
         (nn.Conv2d(9, 2, (2, 3), stride=(2, 1), padding=(1, 0), dilation=(1, 2)), (9, 3, 6)),
+        (nn.Conv2d(6, 4, 3, padding=1), (6, 17, 17)),  # 289 positions, 6 channels: grouped
     ]:
         x = torch.randn(6, *shape)
         z = conv(x)
@@ -1242,3 +1243,67 @@ def test_the_check_measures_a_sums_difference_over_all_its_elements(monkeypatch)
 
     monkeypatch.setattr(BookKeepingClipper, "contributions", spread)
     assert "clipped sum at bound 1 differs" in check.formulas_disagree(x, y, 8)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "sliced"])
+def test_patches_are_torch_unfold_exactly(layout):
+    """The strided-copy patches equal F.unfold's, value for value, for strides, padding,
+    dilation and rectangular kernels, whatever the input's memory layout."""
+    from dpcore.bookkeeping.conv import patches
+    from dpcore.bookkeeping.wsconv import centred, centred_patches
+
+    torch.manual_seed(11)
+    convs = [
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.Conv2d(3, 4, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2)),
+        nn.Conv2d(3, 4, 1, stride=2),
+        nn.Conv2d(3, 4, 5, padding=0, dilation=2),
+    ]
+    a = torch.randn(5, 3, 11, 12)
+    if layout == "channels_last":
+        a = a.contiguous(memory_format=torch.channels_last)
+    elif layout == "sliced":
+        a = torch.randn(7, 3, 13, 12)[1:6, :, 2:, :]
+    for m in convs:
+        ref = F.unfold(a, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
+        assert torch.equal(patches(m, a), ref)
+        # The centred float64 patches made from the input in one pass, against centring F.unfold's.
+        g = torch.randn(5, 4, ref.shape[2])
+        got, g64 = centred_patches(m, a, g)
+        want, _ = centred(ref, g)
+        assert got.shape == want.shape and g64.dtype == torch.float64
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+
+
+def test_convolutions_on_small_maps_take_the_ghost_form_within_the_memory_budget():
+    """A convolution on a map of fewer than GHOST_POSITIONS positions gets the ghost form even
+    where its per-example gradients would fit the budget (materialising them costs as much or
+    more there; the compiled kernel's layers excepted); on a larger map, the materialised form.
+    The clipped sum is the reference's."""
+    from dpcore.bookkeeping.base import GhostPart, MaterialisedPart
+    from dpcore.bookkeeping.conv import GHOST_POSITIONS
+    from dpcore.layers import WSConv2d
+
+    torch.manual_seed(21)
+    assert 6 * 6 < GHOST_POSITIONS <= 8 * 8
+    model = nn.Sequential(
+        WSConv2d(3, 8, 3, padding=1, bias=False),  # 8 × 8: materialised
+        nn.GroupNorm(2, 8),
+        nn.ReLU(),
+        nn.Conv2d(8, 6, (2, 3), stride=2, padding=2),  # 6 × 5: ghost
+        nn.ReLU(),
+        WSConv2d(6, 4, 3, padding=1, bias=False),  # 6 × 5: ghost
+        nn.Flatten(),
+        nn.Linear(120, 5),
+    )
+    x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 5, (6,))
+    bk = BookKeepingClipper(model, ce)
+    assert bk.MAX_PER_EXAMPLE_ELEMENTS > 6 * 8 * 8 * 9  # every convolution fits the budget
+    _, parts = bk.measure(x, y, 1.0)
+    kinds = {name: type(part) for name, part in parts}
+    assert kinds["0"] is MaterialisedPart and kinds["3"] is GhostPart and kinds["5"] is GhostPart
+    ref, _ = _reference(model, x, y, 1.0)
+    out = {}
+    bk.clipped_sum(x, y, 1.0, out)
+    for k in ref:
+        assert torch.allclose(out[k], ref[k], atol=1e-5), (k, (out[k] - ref[k]).abs().max())

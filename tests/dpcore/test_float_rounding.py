@@ -416,3 +416,61 @@ def test_a_layers_form_is_chosen_at_the_configured_batch_size_not_the_batchs_own
     opt.lot.fast.clipper.clipped_sum(x[4:], y[4:], 1.0, share, batch_size=8)
     assert float(share["lin.weight"].norm()) <= 1.0
     torch.testing.assert_close(with_it - without, share["lin.weight"], rtol=0, atol=1e-12)
+
+
+def _exact_ws_sq_norms(jac, W):
+    """‖vjp(W_i)‖² in long double from the same numbers (W as given, ŵ and s as the form has
+    them): the exact norm of what the clipped sum adds for each example."""
+    import numpy as np
+
+    L = np.longdouble
+    w_hat, s = jac.w_hat.numpy().astype(L), jac.s.numpy().astype(L)
+    out = []
+    for v in W.double().numpy().astype(L):  # [out, n], exact: float32 → long double
+        vjp = (v - v.mean(1, keepdims=True) - w_hat * ((v * w_hat).sum(1, keepdims=True) / jac.n)) / s
+        out.append(float((vjp**2).sum()))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_materialised_ws_norms_never_underestimate_when_the_gradient_lies_along_what_the_vjp_removes(
+    dtype, path, monkeypatch
+):
+    """Per-example gradients for ŵ almost along ŵ or along 1, the directions the standardisation's
+    VJP removes: the norms come from ‖v‖², 1ᵀv and ŵᵀv (float64 sums, from the compiled kernel or
+    from torch), whose subtraction cancels. Without the allowance some come out below the exact
+    norms of the VJP of the same W; with it, none."""
+    from dpcore import native
+
+    if path == "torch":
+        monkeypatch.setattr(native, "row_stats", lambda X, w: None)
+    elif dtype == torch.float32 and native.load() is None:
+        pytest.skip(f"no compiled kernel: {native.state()}")
+    torch.manual_seed(7)
+    jac = WSJacobian(WSConv2d(16, 6, 3, bias=False))
+    B, n = 24, jac.n
+    below = 0
+    for along in (jac.w_hat.to(dtype), torch.ones(6, n, dtype=dtype)):
+        for scale in (1e1, 3e2):
+            W = (scale * along).expand(B, 6, n) + 1e-3 * torch.randn(B, 6, n, dtype=dtype)
+            norms, allowance, _ = jac.materialised_sq_norms(W, Context(clip_norm=1.0, max_elements=2**30))
+            exact = _exact_ws_sq_norms(jac, W)
+            assert (norms + allowance >= exact).all(), norms + allowance - exact
+            below += int((norms < exact).sum())
+    assert below >= 4, below  # the cancellation is real: the allowance is needed
+
+
+def test_materialised_ws_norms_keep_natural_gradients_to_float32_accuracy():
+    """Where nothing cancels (random gradients), the norms with the allowance are within a few
+    float32 roundings of the exact ones: the allowance costs natural examples nothing visible."""
+    torch.manual_seed(8)
+    jac = WSJacobian(WSConv2d(64, 32, 3, bias=False))
+    W = torch.randn(16, 32, jac.n)
+    norms, allowance, beta_sq = jac.materialised_sq_norms(W, Context(clip_norm=1.0, max_elements=2**30))
+    exact = _exact_ws_sq_norms(jac, W)
+    got = norms + allowance
+    assert (got >= exact).all()
+    assert ((got - exact) / exact).max() < 1e-4
+    # β² bounds the magnitudes the clipped sum rounds: Σ_o ‖v_o‖²/s_o², at least the VJP's norm.
+    assert (beta_sq >= exact).all()

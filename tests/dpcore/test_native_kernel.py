@@ -237,3 +237,33 @@ def test_a_cache_under_a_directory_others_can_change_is_not_used(tmp_path):
 
 def test_the_cache_key_ignores_the_clock_speed():
     assert "MHz" not in native._cpu_id() and "bogomips" not in native._cpu_id().lower()
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_sums_are_float64_sums_of_the_rows_and_a_non_finite_row_stays_non_finite(threads):
+    """row_stats gives ‖x‖², 1ᵀx and wᵀx of each row (filter r mod F) as float64 sums of exact
+    terms: equal to torch's float64 sums to their rounding, on one thread or several; a row with
+    a NaN or an infinity gives non-finite sums, the other rows are untouched."""
+    gen = torch.Generator().manual_seed(9)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows, n, filters in ((6, 37, 2), (256 * 3, 1152, 256), (5, 1, 5)):
+            X = torch.randn(rows, n, generator=gen) * torch.logspace(-3, 3, rows).view(-1, 1)
+            w = torch.randn(filters, n, generator=gen, dtype=torch.float64)
+            X[1, 0] = float("nan")
+            X[-1, -1] = float("inf")
+            got = native.row_stats(X, w)
+            x = X.double()
+            want = torch.stack([x.square().sum(1), x.sum(1), (x * w.repeat(rows // filters, 1)).sum(1)], 1)
+            bad = torch.zeros(rows, dtype=torch.bool)
+            bad[[1, -1]] = True
+            assert not torch.isfinite(got[bad]).all(1).any()
+            torch.testing.assert_close(got[~bad], want[~bad], rtol=1e-12, atol=1e-12)
+    finally:
+        torch.set_num_threads(before)
+    X, w = torch.randn(6, 8), torch.randn(2, 8, dtype=torch.float64)
+    assert native.row_stats(X[:, :3], w) is None  # the widths must agree
+    assert native.row_stats(X[:5], w) is None  # whole examples: a multiple of the filters
+    assert native.row_stats(X.double(), w) is None  # float32 rows only
