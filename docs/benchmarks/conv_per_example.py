@@ -7,12 +7,13 @@ comes from this table.
 
 For 3×3 convolutions (padding 1, stride 1 or 2) of several widths and map sizes, it times the two
 exact forms of W_i = ∂loss_i/∂weight for every example of a batch: torch's grouped weight gradient
-(``torch.nn.grad.conv2d_weight`` with the batch as groups) and unfolded patches with one batched
-matrix product (``torch.bmm``), and, for scale, the non-private weight gradient of the whole batch.
-Each time is the median of 5 calls after one warm-up, in milliseconds. "chosen" is what the
-platform picks for that shape (patches when ``in_channels ≥ 2·positions``). Layers over the
-book-keeping clipper's budget for materialised gradients (64 Mi elements: B·out·in·9) are left
-out: the clipper uses its ghost form there. Same allocator settings as ``dp-platform bench``.
+(``torch.nn.grad.conv2d_weight`` with the batch as groups) and patches (``conv.patches``, one
+strided copy) with one batched matrix product (``torch.bmm``), and, for scale, the non-private
+weight gradient of the whole batch. Each time is the median of 5 calls after one warm-up, in
+milliseconds. "chosen" is what the platform picks for that shape (``conv.patches_first``). Layers
+over the book-keeping clipper's budget for materialised gradients (128 Mi elements: B·out·in·9)
+and maps of fewer than 48 positions are left out: the clipper uses its ghost form there. Same
+allocator settings as ``dp-platform bench``.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dpcore.bookkeeping.clipper import BookKeepingClipper  # noqa: E402
-from dpcore.bookkeeping.conv import patches_first  # noqa: E402
+from dpcore.bookkeeping.conv import GHOST_POSITIONS, patches_first  # noqa: E402
+from dpcore.bookkeeping.conv import patches as strided_patches  # noqa: E402
 from pipelines import allocator  # noqa: E402
 
 SHAPES = [  # (map size, stride)
@@ -76,7 +77,7 @@ def _time(batch: int, cin: int, cout: int, size: int, stride: int):
         )
 
     def patches():
-        A = F.unfold(a, 3, padding=1, stride=stride)
+        A = strided_patches(conv, a)  # F.unfold's values, by one strided copy
         return torch.bmm(g.reshape(batch, cout, -1), A.transpose(1, 2))
 
     def whole():
@@ -106,6 +107,8 @@ def main(argv=None) -> None:
         for size, stride in SHAPES:
             for cin, cout in WIDTHS:
                 if batch * cout * cin * 9 > BookKeepingClipper.MAX_PER_EXAMPLE_ELEMENTS:
+                    continue
+                if (size // stride) ** 2 < GHOST_POSITIONS:  # the clipper's ghost form (conv.ghost_first)
                     continue
                 t_grouped, t_patches, t_whole, positions, conv = _time(batch, cin, cout, size, stride)
                 faster = "patches" if t_patches < t_grouped else "grouped"

@@ -33,15 +33,16 @@ def centred(A: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def centred_patches(m: nn.Conv2d, a: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`centred` of the patches of ``m``'s input ``a`` [B, in, H, W], made from it in one
     pass: each patch's mean is the window sum of the input's channel sums (float64), and the
-    float64 buffer is written once, as the patch minus its mean, from a strided view of the input
-    (no float32 patches, no second copy)."""
+    float64 buffer is filled by one copy from a strided view of the input (no float32 patches)
+    and centred in place. (One subtraction from the strided view into the buffer took twice as
+    long as the copy and the subtraction: 30–40 against 15–17 ms on ResNet-9's deepest layers.)"""
     view = patch_view(m, a, channels_last_batch=True)  # [in, kh, kw, B, H', W']
     C, kh, kw, B, oh, ow = view.shape
     n = C * kh * kw
-    sums = patch_view(m, a.sum(1, keepdim=True, dtype=torch.float64))  # [B, 1, kh, kw, H', W']
-    mean = sums.sum((1, 2, 3)).div_(n)  # [B, H', W']
     out = torch.empty((n, B, oh * ow), dtype=torch.float64, device=a.device)
-    torch.sub(view, mean.view(1, 1, 1, B, oh, ow), out=out.view(C, kh, kw, B, oh, ow))
+    out.view(C, kh, kw, B, oh, ow).copy_(view)
+    sums = patch_view(m, a.sum(1, keepdim=True, dtype=torch.float64))  # [B, 1, kh, kw, H', W']
+    out.sub_(sums.sum((1, 2, 3)).div_(n).view(1, B, oh * ow))  # each patch's mean
     return out.transpose(0, 1), G.double()
 
 
@@ -61,10 +62,11 @@ class WSJacobian:
     def __init__(self, m: nn.Conv2d):
         w = m.weight.detach().double().reshape(m.out_channels, -1)
         self.n = w.shape[1]
-        mean = w.mean(1, keepdim=True)
-        var = w.var(1, keepdim=True, unbiased=False)
-        self.s = torch.sqrt(var + WS_EPS)  # [out, 1]
-        self.w_hat = (w - mean) / self.s  # [out, n]
+        centred = w - w.mean(1, keepdim=True)
+        # The variance as the mean square of the centred weights (torch's var, a Welford
+        # reduction, took 9 ms for 512 filters of 4608 here, against under 1 ms).
+        self.s = torch.sqrt(centred.square().mean(1, keepdim=True) + WS_EPS)  # [out, 1]
+        self.w_hat = centred.div_(self.s)  # [out, n]
         self.kappa = self.w_hat.square().mean(1)  # [out]
 
     def vjp(self, v: torch.Tensor) -> torch.Tensor:
