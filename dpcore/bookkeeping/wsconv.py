@@ -18,7 +18,7 @@ from .. import native
 from ..clipping import F64_PIECE_BYTES, F64_PIECE_BYTES_DEFAULT
 from ..layers import WS_EPS
 from .base import F32_CHUNK, GhostPart, MaterialisedPart, bias_per_example, by_channel, row_sq_norms
-from .conv import ConvForm, conv_per_example, patch_view
+from .conv import ConvForm, patch_view, per_example_gradients, weight_order
 
 
 def centred(A: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,6 +44,13 @@ def centred_patches(m: nn.Conv2d, a: torch.Tensor, G: torch.Tensor) -> tuple[tor
     sums = patch_view(m, a.sum(1, keepdim=True, dtype=torch.float64))  # [B, 1, kh, kw, H', W']
     out.sub_(sums.sum((1, 2, 3)).div_(n).view(1, B, oh * ow))  # each patch's mean
     return out.transpose(0, 1), G.double()
+
+
+def weight_rows(m: nn.Conv2d, rows: torch.Tensor) -> torch.Tensor:
+    """Rows [out, in·kh·kw] in the order (kh, kw, in) of channels-last patches: the inverse of
+    :func:`~dpcore.bookkeeping.conv.weight_order`."""
+    (kh, kw), c = m.kernel_size, m.in_channels
+    return rows.reshape(-1, c, kh, kw).permute(0, 2, 3, 1).reshape(rows.shape[0], -1)
 
 
 def _gamma(k: int, dtype: torch.dtype) -> float:
@@ -78,9 +85,12 @@ class WSJacobian:
         v.sub_(mean).addcmul_(along, self.w_hat, value=-1.0)
         return v.div_(self.s)
 
-    def materialised_sq_norms(self, W: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def materialised_sq_norms(
+        self, W: torch.Tensor, ctx, w_hat: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(‖vjp(W_i)‖² per example without its allowance, the allowance, β_i²) for per-example
-        gradients ``W`` [B, out, n] with respect to ŵ, which are left as they are.
+        gradients ``W`` [B, out, n] with respect to ŵ, which are left as they are (``w_hat``: ŵ
+        with its entries in the order of W's rows, if that is not the weight's).
 
         Per filter, ‖v‖², 1ᵀv and ŵᵀv, each formed in float64: by the compiled kernel
         (:func:`dpcore.native.row_stats`) from one read of W, else ‖v‖² by
@@ -93,7 +103,8 @@ class WSJacobian:
         what the clipped sum's terms, then its VJP, round
         (:meth:`~dpcore.bookkeeping.base.SquaredNorms.add_rounding`)."""
         B, out, n = W.shape
-        stats = native.row_stats(W.reshape(B * out, n), self.w_hat)
+        w_hat = self.w_hat if w_hat is None else w_hat
+        stats = native.row_stats(W.reshape(B * out, n), w_hat)
         if stats is not None:
             s2, s1, sw = (stats[:, k].view(B, out) for k in range(3))
             rel_s2 = _gamma(n, torch.float64)
@@ -103,7 +114,7 @@ class WSJacobian:
             # Its relative error: float32 chunks (see F32_CHUNK), or float64 throughout.
             chunked = len(ctx.float32_rows) > before
             rel_s2 = _gamma(F32_CHUNK + 3, torch.float32) if chunked else _gamma(n + 2, torch.float64)
-            s1, sw = self._float64_sums(W)
+            s1, sw = self._float64_sums(W, w_hat)
         g = _gamma(n + 1, torch.float64)  # a float64 dot product of n terms
         length = s2.mul(1.0 + rel_s2).sqrt()  # ‖v_o‖, rounded up
         e1 = g * math.sqrt(n) * length  # |error of 1ᵀv| ≤ γ·Σ|v| ≤ γ·√n·‖v‖
@@ -120,11 +131,12 @@ class WSJacobian:
         beta_sq = (s2 / scale).sum(1) * (1.0 + rel_s2)
         return (per_filter.clamp_min(0.0) / scale).sum(1), (allowance / scale).sum(1), beta_sq
 
-    def _float64_sums(self, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _float64_sums(W: torch.Tensor, w_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(1ᵀv, ŵᵀv) [B, out] of the rows of ``W`` [B, out, n], float64 products of float64
         copies of a few examples at a time (``F64_PIECE_BYTES``, as weighted sums' copies)."""
         B, out, n = W.shape
-        U = torch.stack([torch.ones_like(self.w_hat), self.w_hat], dim=2).to(W.device)  # [out, n, 2]
+        U = torch.stack([torch.ones_like(w_hat), w_hat], dim=2).to(W.device)  # [out, n, 2]
         if W.dtype == torch.float64:
             st = torch.bmm(W.transpose(0, 1), U)
         else:
@@ -189,13 +201,15 @@ class WSConvForm(ConvForm):
     def materialised(self, m, a, g, G, sq, ctx):
         # Gradients for the weight used, ŵ (the native kernel's norms are theirs, not the VJP's),
         # measured through the standardisation; the clipped sum goes back through it once.
-        W, _ = conv_per_example(m, a, g)
+        W, _, last = per_example_gradients(m, a, g)
         jac = WSJacobian(m)
-        norms, allowance, beta_sq = jac.materialised_sq_norms(W, ctx)
+        w_hat = weight_rows(m, jac.w_hat) if last else jac.w_hat  # ŵ in the order of W's rows
+        norms, allowance, beta_sq = jac.materialised_sq_norms(W, ctx, w_hat)
         sq += norms
         sq.add_allowance(allowance)
         sq.add_rounding(beta_sq, positions=1, more=3 * (jac.n + 4))
-        return MaterialisedPart(m, W, bias_per_example(m, G.sum(2), sq), post=jac.vjp)
+        post = (lambda w: jac.vjp(weight_order(m, w))) if last else jac.vjp
+        return MaterialisedPart(m, W, bias_per_example(m, G.sum(2), sq), post=post)
 
     def ghost_input(self, m, a, G, sq, ctx):
         bias_g = bias_per_example(m, G.sum(2), sq)
