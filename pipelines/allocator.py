@@ -14,7 +14,9 @@ from ``mmap`` and were faulted in afresh at every step: measured 2026-12-01 on W
 64, 2 cores), 218,000–232,000 minor faults and 0.7 s of system time per private step. So
 ``mmap`` is not used for allocations at all (``M_MMAP_MAX`` = 0): every block comes from the
 heap and is reused (0 faults per step in the same measurement). glibc still maps memory where
-the heap cannot grow, so an allocation never fails for it.
+the heap cannot grow, so an allocation never fails for it. The heap holds on to more: peak RSS
+3.4–3.8 GiB against 2.8 GiB for ResNet-9's private step at batch 64, 3.8–4.1 against 2.9 GiB
+for the text step (docs/benchmarks/README.md, 2026-12-01).
 
 It is a process-wide setting, so the platform applies it where it owns the process (the
 training workers, ``dp-platform bench`` for every mode alike), never on import. Set
