@@ -21,44 +21,37 @@
 
 #include "threads.h"
 
-typedef struct {
-  const float *X;
-  const double *w;
-  double *out;
-  int64_t n, rows_w, r0, r1;
-} rowstats_job_t;
-
-static void rowstats_run(const rowstats_job_t *j) {
-  for (int64_t r = j->r0; r < j->r1; r++) {
-    const float *restrict x = j->X + r * j->n;
-    const double *restrict w = j->w + (r % j->rows_w) * j->n;
+/* A thread's share: X, w (as v), out, n (as a), rows_w (as b) and its rows [lo, hi). */
+static void rowstats_run(const dp_span_t *s) {
+  const int64_t n = s->a, rows_w = s->b;
+  for (int64_t r = s->lo; r < s->hi; r++) {
+    const float *restrict x = s->X + r * n;
+    const double *restrict w = s->v + (r % rows_w) * n;
     double s2 = 0.0, s1 = 0.0, sw = 0.0;
 #pragma omp simd reduction(+ : s2, s1, sw)
-    for (int64_t k = 0; k < j->n; k++) {
+    for (int64_t k = 0; k < n; k++) {
       const double v = (double)x[k];
       s2 += v * v;
       s1 += v;
       sw += w[k] * v;
     }
-    j->out[3 * r] = s2;
-    j->out[3 * r + 1] = s1;
-    j->out[3 * r + 2] = sw;
+    s->out[3 * r] = s2;
+    s->out[3 * r + 1] = s1;
+    s->out[3 * r + 2] = sw;
   }
 }
 
-static void rowstats_job(void *p) { rowstats_run((const rowstats_job_t *)p); }
+static void rowstats_job(void *p) { rowstats_run((const dp_span_t *)p); }
 
 int dp_row_stats(const float *X, const double *w, double *out, int64_t R, int64_t n, int64_t rows_w, int64_t nthreads) {
   if (R <= 0) return 0;
   if (n <= 0 || rows_w <= 0) return 1;
-  if (nthreads > R) nthreads = R;
-  if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
-  if (nthreads < 1) nthreads = 1;
-  rowstats_job_t jobs[MAX_THREADS];
+  nthreads = dp_threads_for(nthreads, R);
+  dp_span_t jobs[MAX_THREADS];
   for (int64_t k = 0; k < nthreads; k++) {
-    rowstats_job_t jk = {X, w, out, n, rows_w, R * k / nthreads, R * (k + 1) / nthreads};
+    dp_span_t jk = {X, w, out, n, rows_w, R * k / nthreads, R * (k + 1) / nthreads};
     jobs[k] = jk;
   }
-  dp_run_jobs(rowstats_job, jobs, sizeof(rowstats_job_t), nthreads);
+  dp_run_jobs(rowstats_job, jobs, sizeof(dp_span_t), nthreads);
   return 0;
 }

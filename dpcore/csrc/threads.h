@@ -14,6 +14,22 @@
 
 typedef void (*dp_job_fn)(void *);
 
+/* One thread's share of a kernel over float32 rows X with a double vector v, written to out:
+ * the span [lo, hi) of columns or rows, and the two sizes a kernel names (rows, width...). */
+typedef struct {
+  const float *X;
+  const double *v;
+  double *out;
+  int64_t a, b, lo, hi;
+} dp_span_t;
+
+/* At most `units` threads (each gets work), at most MAX_THREADS, at least one. */
+static int64_t dp_threads_for(int64_t nthreads, int64_t units) {
+  if (nthreads > units) nthreads = units;
+  if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+  return nthreads < 1 ? 1 : nthreads;
+}
+
 #ifndef _OPENMP
 typedef struct {
   dp_job_fn fn;

@@ -28,29 +28,26 @@
 
 #define BLOCK 512 /* columns per block: 4 KiB of double accumulators, in L1 */
 
-typedef struct {
-  const float *X;
-  const double *f;
-  double *out;
-  int64_t B, n, j0, j1;
-} wsum_job_t;
-
-static void wsum_run(const wsum_job_t *w) {
+/* A thread's share: X, f (as v), out, B (as a), n (as b) and its columns [lo, hi). */
+static void wsum_run(const dp_span_t *s) {
+  const float *X = s->X;
+  const double *f = s->v;
+  const int64_t B = s->a, n = s->b;
   double acc[BLOCK];
-  for (int64_t j0 = w->j0; j0 < w->j1; j0 += BLOCK) {
-    const int64_t m = w->j1 - j0 < BLOCK ? w->j1 - j0 : BLOCK;
+  for (int64_t j0 = s->lo; j0 < s->hi; j0 += BLOCK) {
+    const int64_t m = s->hi - j0 < BLOCK ? s->hi - j0 : BLOCK;
     for (int64_t j = 0; j < m; j++) acc[j] = 0.0;
     int64_t i = 0;
-    while (i < w->B) {
+    while (i < B) {
       /* Up to 4 rows with non-zero factors at a time, added into each accumulator in row
        * order: one load and store of the accumulators per 4 rows. */
       const float *x[4];
       double fs[4];
       int k = 0;
-      for (; i < w->B && k < 4; i++)
-        if (w->f[i] != 0.0) {
-          fs[k] = w->f[i];
-          x[k++] = w->X + i * w->n + j0;
+      for (; i < B && k < 4; i++)
+        if (f[i] != 0.0) {
+          fs[k] = f[i];
+          x[k++] = X + i * n + j0;
         }
       if (k == 4) {
         const float *restrict x0 = x[0], *restrict x1 = x[1], *restrict x2 = x[2], *restrict x3 = x[3];
@@ -71,26 +68,23 @@ static void wsum_run(const wsum_job_t *w) {
         }
       }
     }
-    memcpy(w->out + j0, acc, (size_t)m * sizeof(double));
+    memcpy(s->out + j0, acc, (size_t)m * sizeof(double));
   }
 }
 
-static void wsum_job(void *p) { wsum_run((const wsum_job_t *)p); }
+static void wsum_job(void *p) { wsum_run((const dp_span_t *)p); }
 
 int dp_weighted_sum(const float *X, const double *f, double *out, int64_t B, int64_t n, int64_t nthreads) {
   if (n <= 0) return 0;
   /* Whole blocks per thread, at least one. */
   const int64_t blocks = (n + BLOCK - 1) / BLOCK;
-  if (nthreads > blocks) nthreads = blocks;
-  if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
-  if (nthreads < 1) nthreads = 1;
-  wsum_job_t jobs[MAX_THREADS];
+  nthreads = dp_threads_for(nthreads, blocks);
+  dp_span_t jobs[MAX_THREADS];
   for (int64_t k = 0; k < nthreads; k++) {
     int64_t b0 = blocks * k / nthreads, b1 = blocks * (k + 1) / nthreads;
-    int64_t j1 = b1 * BLOCK < n ? b1 * BLOCK : n;
-    wsum_job_t jk = {X, f, out, B, n, b0 * BLOCK, j1};
+    dp_span_t jk = {X, f, out, B, n, b0 * BLOCK, b1 * BLOCK < n ? b1 * BLOCK : n};
     jobs[k] = jk;
   }
-  dp_run_jobs(wsum_job, jobs, sizeof(wsum_job_t), nthreads);
+  dp_run_jobs(wsum_job, jobs, sizeof(dp_span_t), nthreads);
   return 0;
 }

@@ -9,6 +9,7 @@ import pytest
 
 CHILD = r"""
 import resource, sys
+steps = 10
 from pipelines import allocator
 applied = allocator.keep_freed_memory()
 import torch
@@ -17,10 +18,13 @@ from pipelines.ops.bench import MODELS, _data, _ours
 make, shape, _ = MODELS["mnist_cnn"]
 x, y = _data(shape, 256)
 step, _ = _ours(make, x, y, "bookkeeping")
+"""
+# After the step is built: the median fault count of `steps` steps, after 3 warm-up steps.
+MEASURE = r"""
 for _ in range(3):
     step()
 faults = []
-for _ in range(10):
+for _ in range(steps):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -41,7 +45,7 @@ def _faults(env_extra):
     # models the kernel does not cover.
     env = {**os.environ, "DP_NATIVE": "0", **env_extra}
     out = subprocess.run(
-        [sys.executable, "-c", CHILD],
+        [sys.executable, "-c", CHILD + MEASURE],
         capture_output=True,
         text=True,
         env=env,
@@ -97,14 +101,7 @@ x, y = torch.randn(64, 128, 16, 16, generator=g), torch.randint(0, 10, (64,), ge
 def step():
     opt.accumulate(x, y)
     opt.step()
-for _ in range(3):
-    step()
-faults = []
-for _ in range(6):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    step()
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(applied, sorted(faults)[len(faults) // 2])
+steps = 6
 """
 
 
@@ -114,7 +111,9 @@ def test_blocks_above_the_largest_mmap_threshold_are_reused_too():
     # faulted in afresh at every step: here 18,434 pages (72 MiB) a step, measured
     # 2026-12-01. With mmap off for allocations, none after the first steps.
     env = {**os.environ, "DP_NATIVE": "0"}
-    out = subprocess.run([sys.executable, "-c", LARGE_CHILD], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", LARGE_CHILD + MEASURE], capture_output=True, text=True, env=env, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     applied, faults = out.stdout.split()
     assert applied == "True"
