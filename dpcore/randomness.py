@@ -293,8 +293,11 @@ class SecureRandomness(Randomness):
                 m = (k + 1) // 2
                 stream.read_into(view, 16 * m)
                 u = _uniform53_(torch.frombuffer(buf, dtype=torch.int64, count=2 * m))
-                _box_muller(u, std, z[: 2 * m])
-                out[start : start + k].copy_(z[:k])
+                if dtype == torch.float64 and k == 2 * m:  # the sums' dtype: straight into the draw
+                    _box_muller(u, std, out[start : start + k])
+                else:
+                    _box_muller(u, std, z[: 2 * m])
+                    out[start : start + k].copy_(z[:k])
         return out.reshape(shape).to(device=device)
 
     def spawn(self, *key: Any) -> SecureRandomness:

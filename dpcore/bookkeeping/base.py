@@ -86,7 +86,7 @@ class SquaredNorms:
             )
         self.allowances.append(allowance.clamp_min(0.0))
 
-    def add_rounding(self, magnitude_sq: torch.Tensor, positions: int, more: int = 0) -> None:
+    def add_rounding(self, magnitude_sq: torch.Tensor, positions: int | None, more: int = 0) -> None:
         """The rounding of a ghost form's clipped sum (:class:`GhostPart`), whose terms are not
         the examples' shares but their per-position products: ``positions`` per example, whose
         magnitudes add up to β_i for example i (``magnitude_sq``: β_i², float64 [B]), summed in
@@ -96,14 +96,15 @@ class SquaredNorms:
         (:func:`dpcore.clipping.ghost_roundings`), and holds (γ_k·β_i)² to the example's share of
         the margin. A form whose clipped sum adds anything but its examples' shares (each
         example's exact contribution, as a materialised or one-position form adds it) must call
-        this."""
+        this. ``positions=None``: the terms are materialised rows, summed one after another over
+        the batch (a weighted sum, then ``more`` roundings): k = rounding_batch + 2 + more."""
         if magnitude_sq.shape != (self.batch,) or magnitude_sq.dtype != torch.float64:
             raise Unsupported(
                 f"a layer form added a rounding term of {magnitude_sq.dtype} {tuple(magnitude_sq.shape)}, "
                 f"not float64 ({self.batch},)"
             )
-        if positions < 1 or more < 0:
-            raise ValueError(f"a rounding term needs positions ≥ 1 and more ≥ 0 (got {positions}, {more})")
+        if (positions is not None and positions < 1) or more < 0:
+            raise ValueError(f"a rounding term needs positions ≥ 1 (or None) and more ≥ 0 (got {positions}, {more})")
         self.rounding.append((positions, more, magnitude_sq))
 
     def add_rows(self, rows: torch.Tensor) -> None:
@@ -149,7 +150,8 @@ class SquaredNorms:
         sq, _ = self.measured()
         extra = None
         for positions, more, magnitude_sq in self.rounding:
-            term = gamma(ghost_roundings(self.rounding_batch, positions) + more) ** 2 * magnitude_sq
+            terms = self.rounding_batch + 2 if positions is None else ghost_roundings(self.rounding_batch, positions)
+            term = gamma(terms + more) ** 2 * magnitude_sq
             extra = term if extra is None else extra + term
         return rounding_floor(sq, self.rounding_batch, extra)
 

@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 from .. import native
-from ..clipping import F64_PIECE_BYTES, F64_PIECE_BYTES_DEFAULT
 from ..layers import WS_EPS
-from .base import F32_CHUNK, GhostPart, MaterialisedPart, bias_per_example, by_channel, row_sq_norms
+from .base import GhostPart, MaterialisedPart, bias_per_example, by_channel
 from .conv import ConvForm, patch_view, per_example_gradients, weight_order
 
 
@@ -86,65 +85,70 @@ class WSJacobian:
         return v.div_(self.s)
 
     def materialised_sq_norms(
-        self, W: torch.Tensor, ctx, w_hat: torch.Tensor | None = None
+        self, W: torch.Tensor, w_hat: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(‖vjp(W_i)‖² per example without its allowance, the allowance, β_i²) for per-example
         gradients ``W`` [B, out, n] with respect to ŵ, which are left as they are (``w_hat``: ŵ
         with its entries in the order of W's rows, if that is not the weight's).
 
         Per filter, ‖v‖², 1ᵀv and ŵᵀv, each formed in float64: by the compiled kernel
-        (:func:`dpcore.native.row_stats`) from one read of W, else ‖v‖² by
-        :func:`~dpcore.bookkeeping.base.row_sq_norms` and the other two from float64 copies of a
-        few examples at a time. (Forming the VJP of every row took six reads of W and three
-        writes.) The subtraction can cancel (v nearly along 1 or ŵ), so the allowance covers,
-        relative to ‖v‖, the rounding of ‖v‖², of 1ᵀv and ŵᵀv (γ_{n+1}·‖v‖·√n and ·‖ŵ_o‖), and
-        of the formula: the norms with it are never below the exact norms of the VJP of W_i (a
-        natural gradient's norm gains about 10⁻¹² of itself). β_i² = Σ_o ‖v_o‖²/s_o² bounds
-        what the clipped sum's terms, then its VJP, round
+        (:func:`dpcore.native.row_stats`) from one read of W, else from a float64 copy of one
+        example at a time (shapes that do not depend on the batch's size). (Forming the VJP
+        of every row took six reads of W and three writes.) For the stored ŵ, which is ⟂ 1 only
+        to its rounding (δ = 1ᵀŵ: far from 0 where the weights' mean is large next to their
+        spread), s²‖vjp(v)‖² = ‖v‖² − (1ᵀv)²/n − (2 − κ)(ŵᵀv)²/n + 2(1ᵀv)(ŵᵀv)δ/n² exactly,
+        κ = ‖ŵ‖²/n. The subtraction can cancel (v nearly along 1 or ŵ), so the allowance covers,
+        relative to ‖v‖, the rounding of ‖v‖², of 1ᵀv and ŵᵀv (γ_{n+1}·‖v‖·√n and ·‖ŵ_o‖), of
+        κ and δ, and of the formula: the norms with it are never below the exact norms of the
+        VJP of W_i (a natural gradient's norm gains about 10⁻¹² of itself). β_i² = Σ_o
+        ‖v_o‖²/s_o² bounds what the clipped sum's terms, then its VJP, round
         (:meth:`~dpcore.bookkeeping.base.SquaredNorms.add_rounding`)."""
         B, out, n = W.shape
         w_hat = self.w_hat if w_hat is None else w_hat
         stats = native.row_stats(W.reshape(B * out, n), w_hat)
         if stats is not None:
             s2, s1, sw = (stats[:, k].view(B, out) for k in range(3))
-            rel_s2 = _gamma(n, torch.float64)
         else:
-            before = len(ctx.float32_rows)
-            s2 = row_sq_norms(W.reshape(B * out, n), ctx).view(B, out)  # float64
-            # Its relative error: float32 chunks (see F32_CHUNK), or float64 throughout.
-            chunked = len(ctx.float32_rows) > before
-            rel_s2 = _gamma(F32_CHUNK + 3, torch.float32) if chunked else _gamma(n + 2, torch.float64)
-            s1, sw = self._float64_sums(W, w_hat)
+            s2, s1, sw = self._float64_sums(W, w_hat)
+        rel_s2 = _gamma(n + 4, torch.float64)  # float64 squares of float32 or float64 entries, summed
         g = _gamma(n + 1, torch.float64)  # a float64 dot product of n terms
         length = s2.mul(1.0 + rel_s2).sqrt()  # ‖v_o‖, rounded up
         e1 = g * math.sqrt(n) * length  # |error of 1ᵀv| ≤ γ·Σ|v| ≤ γ·√n·‖v‖
-        ew = g * torch.linalg.vector_norm(self.w_hat, dim=1).mul(1.0 + 1e-12).view(1, -1) * length
+        ew = g * torch.linalg.vector_norm(w_hat, dim=1).mul(1.0 + 1e-12).view(1, -1) * length
         two_k = (2.0 - self.kappa).view(1, -1)
-        per_filter = s2 - s1.square() / n - two_k * sw.square() / n
-        # |s̃² − s²| ≤ 2|s̃|·e for a sum s̃ within e of s (and s̃² ≤ |s̃|·e where |s̃| < e).
+        delta = w_hat.sum(1).view(1, -1)  # 1ᵀŵ_o in float64: within γ_n·‖ŵ_o‖₁ of its exact value
+        e_delta = g * w_hat.abs().sum(1).view(1, -1)
+        per_filter = s2 - s1.square() / n - two_k * sw.square() / n + 2.0 * s1 * sw * delta / n**2
+        # |s̃² − s²| ≤ 2|s̃|·e for a sum s̃ within e of s (and s̃² ≤ |s̃|·e where |s̃| < e); the
+        # cross term's product is within (|s̃1| + e1)(|s̃w| + ew)(|δ̃| + e_δ) − |s̃1·s̃w·δ̃| of its
+        # exact value; κ is within γ_{n+1}·κ of ‖ŵ‖²/n.
+        cross = (s1.abs() + e1) * (sw.abs() + ew) * (delta.abs() + e_delta) - (s1 * sw * delta).abs()
         allowance = (
             2.0 * s1.abs() * e1 / n
             + two_k * 2.0 * sw.abs() * ew / n
-            + (rel_s2 + 32 * torch.finfo(torch.float64).eps) * s2
+            + 2.0 * cross / n**2
+            + g * self.kappa.view(1, -1) * sw.square() / n
+            + (rel_s2 + 64 * torch.finfo(torch.float64).eps) * s2
         )
         scale = self.s.view(1, -1).square()
         beta_sq = (s2 / scale).sum(1) * (1.0 + rel_s2)
         return (per_filter.clamp_min(0.0) / scale).sum(1), (allowance / scale).sum(1), beta_sq
 
     @staticmethod
-    def _float64_sums(W: torch.Tensor, w_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(1ᵀv, ŵᵀv) [B, out] of the rows of ``W`` [B, out, n], float64 products of float64
-        copies of a few examples at a time (``F64_PIECE_BYTES``, as weighted sums' copies)."""
+    def _float64_sums(W: torch.Tensor, w_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(‖v‖², 1ᵀv, ŵᵀv) [B, out] of the rows of ``W`` [B, out, n], from a float64 copy of one
+        example at a time: each example's sums are formed by operations of the same shapes
+        whatever the batch's size (a product over several examples could round an example's sums
+        differently with the number of examples beside it)."""
         B, out, n = W.shape
         U = torch.stack([torch.ones_like(w_hat), w_hat], dim=2).to(W.device)  # [out, n, 2]
-        if W.dtype == torch.float64:
-            st = torch.bmm(W.transpose(0, 1), U)
-        else:
-            rows = max(1, F64_PIECE_BYTES.get(W.device.type, F64_PIECE_BYTES_DEFAULT) // (8 * out * n))
-            st = torch.empty((out, B, 2), dtype=torch.float64, device=W.device)
-            for i in range(0, B, rows):
-                st[:, i : i + rows] = torch.bmm(W[i : i + rows].to(torch.float64).transpose(0, 1), U)
-        return st[..., 0].t(), st[..., 1].t()
+        st = torch.empty((B, out, 1, 2), dtype=torch.float64, device=W.device)
+        s2 = torch.empty((B, out), dtype=torch.float64, device=W.device)
+        for i in range(B):
+            v = W[i].to(torch.float64)
+            torch.bmm(v.unsqueeze(1), U, out=st[i])
+            torch.linalg.vector_norm(v, dim=1, out=s2[i])
+        return s2.square_(), st[:, :, 0, 0], st[:, :, 0, 1]
 
     def ghost_sq_norms(self, A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
         """Per-example ‖vjp(Σ_t G_t A_tᵀ)‖², never below the exact value, from patches A
@@ -204,10 +208,10 @@ class WSConvForm(ConvForm):
         W, _, last = per_example_gradients(m, a, g)
         jac = WSJacobian(m)
         w_hat = weight_rows(m, jac.w_hat) if last else jac.w_hat  # ŵ in the order of W's rows
-        norms, allowance, beta_sq = jac.materialised_sq_norms(W, ctx, w_hat)
+        norms, allowance, beta_sq = jac.materialised_sq_norms(W, w_hat)
         sq += norms
         sq.add_allowance(allowance)
-        sq.add_rounding(beta_sq, positions=1, more=3 * (jac.n + 4))
+        sq.add_rounding(beta_sq, positions=None, more=3 * (jac.n + 4))  # a weighted sum, then the VJP
         post = (lambda w: jac.vjp(weight_order(m, w))) if last else jac.vjp
         return MaterialisedPart(m, W, bias_per_example(m, G.sum(2), sq), post=post)
 
