@@ -48,12 +48,21 @@ def _deterministic_threads():
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster (127.0.0.1, dashboard on) for the tests that train on Ray; the
-    pipeline joins it instead of starting its own. Stopped at the end of the session."""
+    pipeline joins it instead of starting its own. Stopped at the end of the session. Each
+    pytest process (``-n 2``) starts its own (``address="local"``: never one that ``ray start``
+    left running, as a test in the other process may)."""
     import logging
 
     import ray
 
-    ray.init(num_cpus=2, num_gpus=0, include_dashboard=True, dashboard_host="127.0.0.1", logging_level=logging.WARNING)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        num_gpus=0,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        logging_level=logging.WARNING,
+    )
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

@@ -55,18 +55,23 @@ def _journal(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def reference(ray_cluster, tmp_path_factory) -> dict:
+    """The uninterrupted run, once for both cases below (it is the same seeded run; about a
+    minute of the slow suite on a 2-core machine), read and never changed by them."""
+    root = tmp_path_factory.mktemp("reference")
+    out = run(TrainConfig(**SETTINGS, storage_path=str(root / "ref"), tracking_uri=f"sqlite:///{root}/ref.db"))
+    assert out["rolled_back"] == out["replayed"] == 0
+    return out
+
+
 @pytest.mark.parametrize("torn_ray_record", [False, True], ids=["", "torn-ray-record"])
 def test_a_worker_and_then_the_driver_killed_end_bit_identical_to_the_uninterrupted_run(
-    tmp_path, ray_env, torn_ray_record
+    tmp_path, ray_env, reference, torn_ray_record
 ):
     """With ``torn_ray_record``, Ray Train's checkpoint-manager snapshot is left empty, as a driver
     killed while Ray rewrites it leaves it (CI hit that once, 2026-11-28: the resume failed before
     any worker started): the resume sets it aside and still lands bit for bit."""
-    reference = run(
-        TrainConfig(**SETTINGS, storage_path=str(tmp_path / "ref"), tracking_uri=f"sqlite:///{tmp_path}/ref.db")
-    )
-    assert reference["rolled_back"] == reference["replayed"] == 0
-
     # The run under test: rank 0 dies after a random step k, with its last release paid for but
     # not in the replay log (k is 2 to 9 steps past a checkpoint); then its driver is killed
     # mid-run, wherever the race puts it.
