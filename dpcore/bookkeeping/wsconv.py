@@ -112,22 +112,33 @@ class WSJacobian:
             s2, s1, sw = self._float64_sums(W, w_hat)
         rel_s2 = _gamma(n + 4, torch.float64)  # float64 squares of float32 or float64 entries, summed
         g = _gamma(n + 1, torch.float64)  # a float64 dot product of n terms
+        rn = math.sqrt(n)
         length = s2.mul(1.0 + rel_s2).sqrt()  # ‖v_o‖, rounded up
-        e1 = g * math.sqrt(n) * length  # |error of 1ᵀv| ≤ γ·Σ|v| ≤ γ·√n·‖v‖
-        ew = g * torch.linalg.vector_norm(w_hat, dim=1).mul(1.0 + 1e-12).view(1, -1) * length
+        # The sums scaled by 1/√n before they are squared: |1ᵀv|/√n ≤ ‖v‖ and |ŵᵀv|/√n ≤ √κ·‖v‖,
+        # so no square overflows while ‖v‖² is finite (a float64 model's (1ᵀv)² could reach
+        # n·‖v‖² and overflow to inf, its term −inf, clamped to 0: helper-2's review).
+        a1, aw = s1 / rn, sw / rn
+        e1 = g * length  # |error of 1ᵀv|/√n ≤ γ·Σ|v|/√n ≤ γ·‖v‖
+        ew = g * torch.linalg.vector_norm(w_hat, dim=1).mul(1.0 + 1e-12).view(1, -1) * length / rn
         two_k = (2.0 - self.kappa).view(1, -1)
         delta = w_hat.sum(1).view(1, -1)  # 1ᵀŵ_o in float64: within γ_n·‖ŵ_o‖₁ of its exact value
         e_delta = g * w_hat.abs().sum(1).view(1, -1)
-        per_filter = s2 - s1.square() / n - two_k * sw.square() / n + 2.0 * s1 * sw * delta / n**2
+        per_filter = s2 - a1.square() - two_k * aw.square() + 2.0 * (a1 * aw) * (delta / n)
+        # Not finite while ‖v‖² is (a product near float64's largest value): a bound from ‖v‖², as
+        # s·J = I − 11ᵀ/n − ŵŵᵀ/n has norm at most max(1, κ) for the stored ŵ (its eigenvalues
+        # are 1 and 1 − λ, 0 ≤ λ ≤ 1 + κ).
+        bound = s2 * (1.0 + rel_s2) * self.kappa.clamp_min(1.0).square().view(1, -1)
+        per_filter = torch.where(torch.isfinite(per_filter) | ~torch.isfinite(s2), per_filter, bound)
         # |s̃² − s²| ≤ 2|s̃|·e for a sum s̃ within e of s (and s̃² ≤ |s̃|·e where |s̃| < e); the
-        # cross term's product is within (|s̃1| + e1)(|s̃w| + ew)(|δ̃| + e_δ) − |s̃1·s̃w·δ̃| of its
-        # exact value; κ is within γ_{n+1}·κ of ‖ŵ‖²/n.
-        cross = (s1.abs() + e1) * (sw.abs() + ew) * (delta.abs() + e_delta) - (s1 * sw * delta).abs()
+        # cross term's product is within (|ã1| + e1)(|ãw| + ew)(|δ̃| + e_δ) − |ã1·ãw·δ̃| of its
+        # exact value; κ is within γ_{n+1}·κ of ‖ŵ‖²/n; the scalings by 1/√n and 1/n round
+        # within the last term's 128·u.
+        cross = (a1.abs() + e1) * (aw.abs() + ew) * (delta.abs() + e_delta) - (a1 * aw * delta).abs()
         allowance = (
-            2.0 * s1.abs() * e1 / n
-            + two_k * 2.0 * sw.abs() * ew / n
-            + 2.0 * cross / n**2
-            + g * self.kappa.view(1, -1) * sw.square() / n
+            2.0 * a1.abs() * e1
+            + two_k * 2.0 * aw.abs() * ew
+            + 2.0 * cross / n
+            + g * self.kappa.view(1, -1) * aw.square()
             + (rel_s2 + 64 * torch.finfo(torch.float64).eps) * s2
         )
         scale = self.s.view(1, -1).square()
@@ -155,12 +166,17 @@ class WSJacobian:
         [B, n, T] and output gradients G [B, out, T] without forming the per-example gradients.
 
         The patches are centred first: the standardisation discards the mean direction, so
-        with ṽ = Σ_t g_t Ã_t (Ã_t centred), ‖vjp(v)‖² = (‖ṽ‖² − (2 − κ)(ŵᵀṽ)²/n) / s², where
-        ‖ṽ‖² comes from the Gram matrices and ŵᵀṽ from ŵ applied to the patches. The
-        subtraction can cancel (v nearly along ŵ), so an allowance for float64 rounding is
-        added, 8·(n + T)·u·(Σ_t ‖Ã_t‖·|g_t|)², which bounds every term's magnitude: the
-        result can only overestimate the norm, which costs a smaller clip factor, never a
-        share above C."""
+        with ṽ = Σ_t g_t Ã_t (Ã_t centred), ‖vjp(ṽ)‖² = (‖ṽ‖² − (2 − κ)(ŵᵀṽ)²/n) / s² where
+        1ᵀṽ = 0 and ŵ ⟂ 1, ‖ṽ‖² from the Gram matrices and ŵᵀṽ from ŵ applied to the patches;
+        the clipped sum releases vjp(ṽ). The subtraction can cancel (ṽ nearly along ŵ), so an
+        allowance for float64 rounding is added, 16·(n + T)·u·μ² with μ = Σ_t ‖Ã_t‖·|g_t|,
+        which bounds every term's magnitude. The centred patches are ⟂ 1 and the stored ŵ is
+        ⟂ 1 only to their rounding (δ = 1ᵀŵ; far from 0 where the weights' mean is large next to
+        their spread), and the exact norm then has the terms −(1ᵀṽ)²/n + 2(1ᵀṽ)(ŵᵀṽ)δ/n² too,
+        at most (ŵᵀṽ)²δ²/n³ ≤ κ(δ/n)²·μ² whatever 1ᵀṽ is: that is added as well (helper-2's
+        review: without it, float64 weights of mean 10¹³–10¹⁵ times their spread gave shares of
+        1.05–56·C). The result can only overestimate the norm, which costs a smaller clip
+        factor, never a share above C."""
         sq, allowance = self.centred_sq_norms(*centred(A, G))
         return sq + allowance
 
@@ -185,8 +201,18 @@ class WSJacobian:
         # ‖Ã_t‖ from the Gram matrices' diagonals (a norm over the strided n axis took longer
         # than the Gram matrices themselves).
         magnitudes = (G.abs() * aa.diagonal(dim1=1, dim2=2).sqrt().unsqueeze(1)).sum(2)
-        allowance = 8.0 * (self.n + T) * torch.finfo(torch.float64).eps * magnitudes.square()
-        per_filter = (vv - (2.0 - self.kappa) * w_v.square() / self.n).clamp_min(0.0)
+        eps = torch.finfo(torch.float64).eps
+        # κ(δ/n)²·μ² for the terms that 1ᵀṽ = 0 and ŵ ⟂ 1 would remove (|δ| rounded up by its
+        # error, γ_{n+1}·‖ŵ‖₁; the factor takes the rounding of κ, δ/n and μ²).
+        delta = self.w_hat.sum(1).abs() + _gamma(self.n + 1, torch.float64) * self.w_hat.abs().sum(1)
+        off_axis = self.kappa * (delta / self.n).square() * (1.0 + 2 * (self.n + 2 * T + 8) * eps)
+        allowance = (8.0 * (self.n + T) * eps + off_axis.view(1, -1)) * magnitudes.square()
+        # ŵᵀṽ scaled by 1/√n before it is squared (|ŵᵀṽ|/√n ≤ √κ·‖ṽ‖: no overflow while ‖ṽ‖² is
+        # finite); where the difference is still not finite, max(1, κ)²·‖ṽ‖² bounds it (the norm
+        # of s·J, as in materialised_sq_norms; the allowance takes the rounding of ‖ṽ‖²).
+        per_filter = vv - (2.0 - self.kappa) * (w_v / math.sqrt(self.n)).square()
+        bound = vv * self.kappa.clamp_min(1.0).square().view(1, -1)
+        per_filter = torch.where(torch.isfinite(per_filter) | ~torch.isfinite(vv), per_filter, bound).clamp_min(0.0)
         scale = self.s.view(1, -1).square()
         return (per_filter / scale).sum(1), (allowance / scale).sum(1), magnitudes
 
@@ -221,9 +247,10 @@ class WSConvForm(ConvForm):
 
     def ghost(self, m, A, G, sq, ctx):
         bias_g = bias_per_example(m, G.sum(2), sq)
-        # The clipped sum contracts the centred patches the norms used: the standardisation's VJP
-        # discards the mean direction (ŵ ⟂ 1), so the sum is the same as with the patches as
-        # recorded, and the float64 copy is made once.
+        # The clipped sum contracts the centred patches the norms used, so what it releases,
+        # vjp(ṽ), is what was measured. The standardisation's VJP discards the mean direction, so
+        # that is vjp(v) of the patches as recorded, to the stored ŵ's rounding (ŵ ⟂ 1 to δ); the
+        # float64 copy is made once.
         return self._ghost(m, *centred(A, G), bias_g, sq)
 
     @staticmethod

@@ -560,3 +560,79 @@ def test_the_torch_path_of_materialised_ws_norms_does_not_depend_on_the_batchs_s
         together = jac.materialised_sq_norms(W[:b])
         for x, y in zip(alone, together):
             assert torch.equal(x[0], y[0]), b
+
+
+def _picked_output_loss(out, y):
+    """A loss whose output gradient is the label (vmappable): it picks which positions count."""
+    return (out.flatten(1) * y.flatten(1)).sum()
+
+
+@pytest.mark.parametrize("form", ["materialised", "ghost"])
+def test_float64_ws_norms_whose_sums_square_past_float64s_range_are_not_clamped_to_zero(form):
+    """A float64 weight-standardised layer and an input of about 10¹⁵³: ‖v‖² is finite, but (1ᵀv)²
+    (the materialised form) or (ŵᵀṽ)² (the ghost form) overflows to inf, and the per-filter
+    norm became −inf, clamped to 0: the example kept the factor 1 and its share was 6,282·C
+    (materialised) or 1.3·10⁴·C (ghost) (helper-2's review). With the sums scaled before they are
+    squared, the norm clipped on is never below the exact one and the share is ≤ C."""
+    torch.manual_seed(0)
+    m = WSConv2d(4, 1, 1, bias=False).double()  # n = 4
+    with torch.no_grad():
+        m.weight.copy_(torch.tensor([1.0, -1.0, 3.0, 0.5]).view(1, 4, 1, 1) * 10)
+    jac = WSJacobian(m)
+    w_hat = jac.w_hat[0]
+    size = 7 if form == "materialised" else 2  # 49 positions: materialised; 4 (< GHOST_POSITIONS): ghost
+    x = torch.zeros(1, 4, size, size, dtype=torch.float64)
+    y = torch.zeros(1, size * size, dtype=torch.float64)
+    y[0, 0] = 1.0  # only position 0 has an output gradient: v is that position's input
+    if form == "materialised":
+        v = 3e153 * torch.tensor([1.0, 1.0, 1.0, 2.0], dtype=torch.float64)  # (1ᵀv)² = inf, ‖v‖² finite
+    else:  # the patch is centred first: ṽ along ŵ and a direction ⟂ 1, ŵ, so that (ŵᵀṽ)² = inf
+        u = torch.tensor([1.0, 1.0, -1.0, -1.0], dtype=torch.float64)
+        u = u - u.mean()
+        u = u - u.dot(w_hat) / w_hat.dot(w_hat) * w_hat
+        v = 7e153 * w_hat / w_hat.norm() + 8e153 * u / u.norm()
+        x[0, :, 1, 1] = 1.0
+    x[0, :, 0, 0] = v
+    clipper = BookKeepingClipper(m, _picked_output_loss)
+    sq, parts = clipper.measure(x, y, 1.0)
+    (_, part), summed = parts[0], v.view(1, 1, 4)
+    assert type(part).__name__ == ("MaterialisedPart" if form == "materialised" else "GhostPart")
+    if form == "ghost":
+        summed = part.A[:, :, 0].reshape(1, 1, 4)  # the centred patch the clipped sum contracts
+    (exact,) = _exact_ws_sq_norms_fractions(jac, summed)
+    assert math.isfinite(float(sq[0])) and Fraction(float(sq[0])) >= exact, (float(sq[0]), float(exact))
+    share = {}
+    assert clipper.clipped_sum(x, y, 1.0, share) == 0  # clipped, not skipped
+    assert float(share["weight"].norm()) <= 1.0
+
+
+def test_ws_ghost_norms_count_the_terms_of_a_w_hat_off_its_axis_as_float64_weights_of_a_huge_mean_store_it():
+    """Float64 weights whose mean is 10¹⁴ times their spread: the stored ŵ is then far from ⟂ 1
+    (δ = 1ᵀŵ of order 0.1), and with inputs of mean 10¹⁵ the centred patches are ⟂ 1 only to their
+    rounding. The ghost form's formula assumed both exactly; it left out −(1ᵀṽ)²/n +
+    2(1ᵀṽ)(ŵᵀṽ)δ/n², and norms came out below the exact ones, an example's share at up to 3.4·C
+    (helper-2's review). With the allowance κ(δ/n)²·μ², none is below (exact rationals), and each
+    example alone in its batch is released at ≤ C."""
+    torch.manual_seed(0)
+    n, B, C = 27, 64, 1e-3
+    m = WSConv2d(n, 1, 1, bias=False).double()  # a 1×1 map: the ghost form
+    with torch.no_grad():
+        m.weight.copy_(1e14 + torch.randn_like(m.weight))
+    jac = WSJacobian(m)
+    w_hat = jac.w_hat[0]
+    assert abs(float(w_hat.sum())) > 1e-3  # δ: far from ⟂ 1
+    sign = math.copysign(1.0, float(w_hat.sum()))
+    alpha = 10 ** torch.empty(B, 1).uniform_(-1, 1).double()
+    x = (1e15 + sign * alpha * w_hat.view(1, n) + 1e-3 * torch.randn(B, n, dtype=torch.float64)).view(B, n, 1, 1)
+    y = torch.ones(B, 1, dtype=torch.float64)
+    clipper = BookKeepingClipper(m, _picked_output_loss)
+    sq, parts = clipper.measure(x, y, C)
+    (_, part) = parts[0]
+    assert type(part).__name__ == "GhostPart"
+    exact = _exact_ws_sq_norms_fractions(jac, part.A[:, :, 0].reshape(B, 1, n))
+    below = [i for i in range(B) if Fraction(float(sq[i])) < exact[i]]
+    assert not below, [(float(sq[i]), float(exact[i])) for i in below[:3]]
+    worst = max(range(B), key=lambda i: float(exact[i]) / float(sq[i]))
+    share = {}
+    clipper.clipped_sum(x[worst : worst + 1], y[worst : worst + 1], C, share)
+    assert float(share["weight"].norm()) <= C
