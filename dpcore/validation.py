@@ -58,10 +58,22 @@ def check_sample_rate(sample_rate, name: str = "sample_rate") -> float:
     return float(sample_rate)
 
 
+# The smallest clipping bound accepted: the book-keeping norms of float64 models may miss terms
+# that round to 0 in float64, below about 10⁻¹⁶² each (dpcore.bookkeeping.base.balanced); for
+# any C at or above this that is far inside the clipping margin.
+MIN_CLIP_NORM = 1e-100
+
+
 def check_clip_norm(clip_norm, name: str = "clip_norm") -> float:
-    return _finite_positive(
+    c = _finite_positive(
         clip_norm, name, f"the per-example L2 clipping bound C must be a finite number > 0 (for example {name}=1.0)."
     )
+    if c < MIN_CLIP_NORM:
+        raise DPConfigError(
+            f"{name}={clip_norm!r} is invalid: the clipping bound C must be at least {MIN_CLIP_NORM:g} "
+            f"(float64 rounds smaller norms' terms to 0); rescale the loss instead (for example {name}=1.0)."
+        )
+    return c
 
 
 def check_noise_multiplier(noise_multiplier, name: str = "noise_multiplier") -> float:

@@ -16,7 +16,7 @@ from torch import nn
 
 from .. import native
 from ..layers import WS_EPS
-from .base import GhostPart, MaterialisedPart, bias_per_example, by_channel
+from .base import GhostPart, MaterialisedPart, balanced, bias_per_example, by_channel
 from .conv import ConvForm, patch_view, per_example_gradients, weight_order
 
 
@@ -257,7 +257,11 @@ class WSConvForm(ConvForm):
     def _ghost(m, A, G, bias_g, sq):
         """The ghost part from centred float64 patches ``A`` and output gradients ``G``."""
         jac = WSJacobian(m)
-        norms, allowance, magnitudes = jac.centred_terms(A, G)
+        # A float64 model's operands balanced per (example, position) first (base.balanced: the
+        # same ṽ, ŵᵀṽ and magnitudes, with no square of a tiny input rounding to 0); the clipped
+        # sum contracts them as they are.
+        measured = balanced(A, G, True) if m.weight.dtype == torch.float64 else (A, G)
+        norms, allowance, magnitudes = jac.centred_terms(*measured)
         sq += norms
         sq.add_allowance(allowance)
         jac.add_rounding(sq, magnitudes, positions=A.shape[2])

@@ -636,3 +636,78 @@ def test_ws_ghost_norms_count_the_terms_of_a_w_hat_off_its_axis_as_float64_weigh
     share = {}
     clipper.clipped_sum(x[worst : worst + 1], y[worst : worst + 1], C, share)
     assert float(share["weight"].norm()) <= C
+
+
+def full(shape, value):
+    return torch.full(shape, value, dtype=torch.float64)
+
+
+def _underflow_case(name):
+    """(model, x, y, C) of helper-3's review: a float64 model, an input so small that its squares
+    round to 0 (or to subnormals) and an output gradient so large that g·aᵀ is ordinary."""
+    if name == "linear, one position":
+        return nn.Linear(4096, 1, bias=False), full((1, 4096), 1.5e-162), full((1, 1), 1e154), 1e-7
+    if name == "linear, ghost over 2 positions":
+        x, y = full((1, 2, 64), 1.5e-162), full((1, 2, 64), 1e154 / 8 / 2**0.5)
+        return nn.Linear(64, 64, bias=False), x, y, 1e-7
+    if name == "conv, ghost":
+        return (
+            nn.Conv2d(3, 1, 3, padding=1, bias=False),
+            full((1, 3, 4, 4), 1.5e-162),
+            full((1, 16), 1e154 / 12),
+            2e-8,
+        )
+    if name == "weight-standardised conv, ghost":
+        torch.manual_seed(0)
+        x = 1.5e-162 * torch.randn(1, 3, 4, 4, dtype=torch.float64)
+        return WSConv2d(3, 1, 3, padding=1, bias=False), x, full((1, 16), 1e154 / 12), 2e-8
+    ak = math.sqrt(1.49) * 2.0**-537  # its square, 1.49·2⁻¹⁰⁷⁴, rounds to 2⁻¹⁰⁷⁴
+    return nn.Linear(65536, 1, bias=False), full((1, 65536), ak), full((1, 1), 1.3e154), 8e-6
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "linear, one position",
+        "linear, ghost over 2 positions",
+        "conv, ghost",
+        "weight-standardised conv, ghost",
+        "linear, subnormal squares",
+    ],
+)
+def test_a_float64_models_norms_keep_the_terms_whose_squares_underflow(name):
+    """‖a‖² of an input of 10⁻¹⁶² is 0 in float64 (each square below its smallest number), while
+    g·aᵀ, what the clipped sum adds, is of the order 10⁻⁸: the norms measured 0 (or 18 % low, with
+    subnormal squares), the factor was 1 and the example's share 1.1–9.6·C (helper-3's review).
+    With each position's input and output gradient balanced by powers of two first, the share is
+    ≤ C, clipped as the vmap reference clips it."""
+    model, x, y, C = _underflow_case(name)
+    model = model.double()
+    x, y = x.double(), y.double()
+    clipper = BookKeepingClipper(model, _picked_output_loss)
+    assert type(clipper.measure(x, y, C)[1][0][1]).__name__ == "GhostPart"
+    share = {}
+    assert clipper.clipped_sum(x, y, C, share) == 0
+    norm = math.sqrt(sum(float(v.square().sum()) for v in share.values()))
+    reference, _ = dpcore.clipping.clipped_sum(PerSampleGradients(model, _picked_output_loss)(x, y), C)
+    assert 0.999 * C <= norm <= C
+    assert norm == pytest.approx(math.sqrt(sum(float(v.square().sum()) for v in reference.values())), rel=1e-6)
+
+
+def test_a_float64_gradient_whose_input_squares_overflow_is_clipped_not_skipped():
+    """The mirror case: an input of 10¹⁶⁰ (‖a‖² = inf) and an output gradient of 10⁻¹⁶⁰, g·aᵀ ≈ 1:
+    skipped as non-finite before, clipped like the reference now."""
+    model = nn.Linear(16, 1, bias=False).double()
+    x, y = torch.full((1, 16), 1e160, dtype=torch.float64), torch.full((1, 1), 1e-160, dtype=torch.float64)
+    share = {}
+    assert BookKeepingClipper(model, _picked_output_loss).clipped_sum(x, y, 1.0, share) == 0
+    assert 0.999 <= float(share["weight"].norm()) <= 1.0
+
+
+def test_a_clip_norm_below_the_float64_floor_is_refused():
+    from dpcore.errors import DPConfigError
+    from dpcore.validation import MIN_CLIP_NORM, check_clip_norm
+
+    assert check_clip_norm(MIN_CLIP_NORM) == MIN_CLIP_NORM
+    with pytest.raises(DPConfigError, match="at least"):
+        check_clip_norm(MIN_CLIP_NORM / 2)
