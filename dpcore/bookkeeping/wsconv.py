@@ -67,6 +67,7 @@ class WSJacobian:
 
     def __init__(self, m: nn.Conv2d):
         w = m.weight.detach().double().reshape(m.out_channels, -1)
+        self.float64 = m.weight.dtype == torch.float64  # its operands may underflow when squared
         self.n = w.shape[1]
         centred = w - w.mean(1, keepdim=True)
         # The variance as the mean square of the centred weights (torch's var, a Welford
@@ -189,7 +190,12 @@ class WSJacobian:
     def centred_terms(self, A: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(:meth:`centred_sq_norms`' two, and each filter's magnitudes Σ_t ‖Ã_t‖·|g_{t,o}|
         [B, out]: what the terms of filter o's per-example gradient add up to in magnitude).
-        A form adds the allowance with :meth:`~dpcore.bookkeeping.base.SquaredNorms.add_allowance`."""
+        A form adds the allowance with :meth:`~dpcore.bookkeeping.base.SquaredNorms.add_allowance`.
+        A float64 layer's operands are balanced per (example, position) first
+        (:func:`~dpcore.bookkeeping.base.balanced`: the same ṽ, ŵᵀṽ and magnitudes, with no
+        square of a tiny input rounding to 0); the clipped sum contracts them as they are."""
+        if self.float64:
+            A, G = balanced(A, G, True)
         B, n, T = A.shape
         flat = A.transpose(0, 1).reshape(n, B * T)  # no copy where A came from centred()
         aa = A.transpose(1, 2) @ A  # [B, T, T]
@@ -257,11 +263,7 @@ class WSConvForm(ConvForm):
     def _ghost(m, A, G, bias_g, sq):
         """The ghost part from centred float64 patches ``A`` and output gradients ``G``."""
         jac = WSJacobian(m)
-        # A float64 model's operands balanced per (example, position) first (base.balanced: the
-        # same ṽ, ŵᵀṽ and magnitudes, with no square of a tiny input rounding to 0); the clipped
-        # sum contracts them as they are.
-        measured = balanced(A, G, True) if m.weight.dtype == torch.float64 else (A, G)
-        norms, allowance, magnitudes = jac.centred_terms(*measured)
+        norms, allowance, magnitudes = jac.centred_terms(A, G)
         sq += norms
         sq.add_allowance(allowance)
         jac.add_rounding(sq, magnitudes, positions=A.shape[2])
