@@ -43,7 +43,7 @@ from .precision import formulas
 # m: the clipped share's norm is at most C·(1 − m) in exact arithmetic (see the module docstring).
 CLIP_MARGIN = 1e-4
 # The largest relative error of a norm the clip factor is computed from: book-keeping sums a
-# materialised layer's squares in float32 chunks (dpcore.bookkeeping.base.F32_CHUNK), 5.4e-7 of
+# materialised layer's squares in float32 chunks (dpcore.bookkeeping.norms.F32_CHUNK), 5.4e-7 of
 # the norm at most; float64 norms are far closer.
 NORM_ERROR = 5.4e-7
 # ρ: the most rounding an example's terms may take within their physical batch, relative to C

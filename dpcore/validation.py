@@ -59,7 +59,7 @@ def check_sample_rate(sample_rate, name: str = "sample_rate") -> float:
 
 
 # The smallest clipping bound accepted: the book-keeping norms of float64 models may miss terms
-# that round to 0 in float64, below about 10⁻¹⁶² each (dpcore.bookkeeping.base.balanced); for
+# that round to 0 in float64, below about 10⁻¹⁶² each (dpcore.bookkeeping.norms.balanced); for
 # any C at or above this that is far inside the clipping margin.
 MIN_CLIP_NORM = 1e-100
 

@@ -16,9 +16,10 @@ of the *activations only* (Bu et al. 2023, "book-keeping"):
 The forms, one file each: ``linear.py`` (``nn.Linear``, on vectors or sequences), ``conv.py``
 (``nn.Conv2d``), ``wsconv.py`` (:class:`dpcore.layers.WSConv2d`), ``groupnorm.py``,
 ``layernorm.py`` and ``embedding.py`` (``nn.Embedding``), over the pieces they share
-(``base.py``; ``sums.py``, the sparse and small-row sums the clipper adds up). A new
-layer type is one file with a :class:`LayerForm` subclass, one :func:`register_layer` line
-below, and one test against vmap (``tests/dpcore/test_bookkeeping_clipping.py``).
+(``base.py``; ``norms.py``, the squared-norm helpers; ``sums.py``, the sparse and small-row
+sums the clipper adds up). A new layer type is one file with a :class:`LayerForm` subclass,
+one :func:`register_layer` line below, and one test against vmap
+(``tests/dpcore/test_bookkeeping_clipping.py``).
 
 Models with any trainable parameter outside a registered layer (raw ``nn.Parameter`` attention
 projections, grouped convolutions, ...), layers used more than once per forward, or a loss that

@@ -220,7 +220,7 @@ class BookKeepingClipper:
     ) -> tuple[torch.Tensor, list]:
         """(each example's squared gradient norm, float64 [B]; each layer's part). The parts give
         Σ_i f_i·grad_i for any factors through :meth:`contributions`. ``clip_norm`` sets the
-        precision the norms need (see :func:`dpcore.bookkeeping.base.row_sq_norms`);
+        precision the norms need (see :func:`dpcore.bookkeeping.norms.row_sq_norms`);
         ``batch_size`` as in :meth:`clipped_sum`; ``norms``, a list the
         :class:`~dpcore.bookkeeping.base.SquaredNorms` the forms added into is appended to (what
         they measured and the allowances they added: :meth:`SquaredNorms.measured`)."""

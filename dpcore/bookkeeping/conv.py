@@ -22,9 +22,9 @@ from .base import (
     MaterialisedPart,
     bias_per_example,
     refuse_frozen_weight,
-    row_sq_norms,
     weight_and_bias,
 )
+from .norms import row_sq_norms
 
 
 def conv_per_example(m: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, native_ok: bool = True):

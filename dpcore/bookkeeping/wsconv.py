@@ -16,8 +16,9 @@ from torch import nn
 
 from .. import native
 from ..layers import WS_EPS
-from .base import GhostPart, MaterialisedPart, balanced, bias_per_example, by_channel
+from .base import GhostPart, MaterialisedPart, bias_per_example, by_channel
 from .conv import ConvForm, patch_view, per_example_gradients, weight_order
+from .norms import balanced
 
 
 def centred(A: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +193,7 @@ class WSJacobian:
         [B, out]: what the terms of filter o's per-example gradient add up to in magnitude).
         A form adds the allowance with :meth:`~dpcore.bookkeeping.base.SquaredNorms.add_allowance`.
         A float64 layer's operands are balanced per (example, position) first
-        (:func:`~dpcore.bookkeeping.base.balanced`: the same ṽ, ŵᵀṽ and magnitudes, with no
+        (:func:`~dpcore.bookkeeping.norms.balanced`: the same ṽ, ŵᵀṽ and magnitudes, with no
         square of a tiny input rounding to 0); the clipped sum contracts them as they are."""
         if self.float64:
             A, G = balanced(A, G, True)

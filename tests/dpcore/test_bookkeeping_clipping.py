@@ -591,7 +591,7 @@ def test_float32_chunked_norms_are_within_the_clipping_margin():
     magnitudes); huge rows that overflow float32 squares fall back to float64 instead of
     turning into inf (which would skip the example instead of clipping it)."""
     from dpcore.bookkeeping.base import Context
-    from dpcore.bookkeeping.base import row_sq_norms as _rsn
+    from dpcore.bookkeeping.norms import row_sq_norms as _rsn
     from dpcore.clipping import NORM_ERROR
 
     def _row_sq_norms(w, clip, exact=False):
