@@ -17,6 +17,25 @@ def digits():
     return load_digits()
 
 
+def test_the_digits_are_scikit_learns_read_without_importing_it():
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    from pipelines.data.sources import digits_arrays
+
+    images, target = digits_arrays()
+    raw = sk_load_digits()
+    assert images.shape == (1797, 8, 8) and torch.equal(torch.tensor(images), torch.tensor(raw.images))
+    assert torch.equal(torch.tensor(target), torch.tensor(raw.target))
+    code = "import sys; from pipelines.data import load_digits; load_digits(); print('sklearn' in sys.modules)"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )
+
+
 def test_round_trip_and_schema(digits, tmp_path):
     ingest(digits, tmp_path, num_shards=4)
     m = read_manifest(tmp_path)
