@@ -55,6 +55,9 @@ def ray_cluster():
 
     import ray
 
+    from pipelines.train.cluster import write_token_first
+
+    write_token_first()  # whole, once: two pytest processes starting clusters at once agree on it
     ray.init(
         address="local",
         num_cpus=2,

@@ -506,7 +506,9 @@ def test_killed_sweep_driver_continues_with_the_same_command(tmp_path, ray_env):
     assert first.poll() is None and done >= 1, "the first driver should still be running after its first trial"
     os.killpg(first.pid, signal.SIGKILL)  # the driver, as a crash would
     first.wait()
-    for session in set(Path("/tmp/ray").glob("session_2*")) - sessions_before:  # and its orphaned local Ray cluster
+    # and a local Ray cluster it may have started, orphaned (Ray names a session after the pid of
+    # the process that started it; a cluster another process started meanwhile is left alone)
+    for session in set(Path("/tmp/ray").glob(f"session_2*_{first.pid}")) - sessions_before:
         subprocess.run(["pkill", "-9", "-f", session.name], check=False)
     before = optuna.load_study(study_name="resume", storage=storage).trials
     res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
