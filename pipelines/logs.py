@@ -98,6 +98,35 @@ def _from_library(category: type, filename: str) -> bool:
     return any(p in ("site-packages", "dist-packages") and nxt in WARNING_PACKAGES for p, nxt in zip(parts, parts[1:]))
 
 
+def _route_raylet_warnings(saved: dict) -> None:
+    """Once Ray is imported: the warnings its raylets push to every driver of the cluster (printed
+    as ``(raylet) WARNING: ...`` on the driver's stdout, outside logging; one says that many worker
+    processes started at once, on a loaded node) go to the log file, as records of ``ray.raylet``;
+    its other pushed messages (a task killed for memory, say) still reach the terminal. Ray 2.5x-
+    2.6x print them with ``ray._private.worker.print_to_stdstream``; without it nothing changes."""
+    worker = sys.modules.get("ray._private.worker")
+    original = getattr(worker, "print_to_stdstream", None)
+    if saved or original is None:
+        return
+    raylet = logging.getLogger("ray.raylet")
+
+    def print_to_stdstream(data, *args, **kwargs):
+        lines = data.get("lines") if isinstance(data, dict) else None
+        if data.get("pid") != "raylet" or not lines or data.get("is_err"):
+            return original(data, *args, **kwargs)
+        rest = []
+        for line in lines:
+            if str(line).lstrip().startswith("WARNING:"):
+                raylet.warning(str(line).lstrip()[len("WARNING:") :].strip())
+            else:
+                rest.append(line)
+        if rest:
+            return original({**data, "lines": rest}, *args, **kwargs)
+
+    saved["original"] = original
+    worker.print_to_stdstream = print_to_stdstream
+
+
 @contextlib.contextmanager
 def library_logs(path: Path, keep: tuple[type[Warning], ...] = ()):
     """While inside: the libraries' records at INFO and above, and the Python warnings raised
@@ -113,7 +142,10 @@ def library_logs(path: Path, keep: tuple[type[Warning], ...] = ()):
     saved_levels: dict[logging.Handler, int] = {}
     saved_loggers: list[tuple[logging.Logger, int]] = []
 
+    ray_printer: dict = {}  # Ray's printer of the cluster's pushed messages, while replaced
+
     def quiet_terminal_handlers() -> None:
+        _route_raylet_warnings(ray_printer)
         for name in LIBRARIES:
             for h in logging.getLogger(name).handlers:
                 if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
@@ -155,6 +187,8 @@ def library_logs(path: Path, keep: tuple[type[Warning], ...] = ()):
         yield log
     finally:
         _ACTIVE.remove(quiet_terminal_handlers)
+        if ray_printer:
+            sys.modules["ray._private.worker"].print_to_stdstream = ray_printer["original"]
         warnings.showwarning = shown
         for k, v in saved_env.items():
             if v is None:

@@ -106,3 +106,26 @@ def test_the_features_progress_writes_whole_lines_into_a_log_file(tmp_path):
     text = log.getvalue()
     assert "\r" not in text and text.endswith("\n")
     assert text.splitlines()[-1].startswith("computing flat features once for digits: 1797/1797 examples")
+
+
+def test_the_warnings_a_raylet_pushes_to_the_driver_go_to_the_file_and_its_other_messages_stay(tmp_path, capsys):
+    """Ray prints what the cluster's raylets push to every driver with print_to_stdstream, outside
+    logging: under load a sweep's terminal got "(raylet) WARNING: 14 PYTHON worker processes have
+    been started ..." (a CI run with two test processes, 2026-12-01). It goes to the file; a pushed
+    message that is not a warning (a task killed for memory) still reaches the terminal."""
+    import ray._private.worker as ray_worker
+
+    original = ray_worker.print_to_stdstream
+    warning = "WARNING: 14 PYTHON worker processes have been started on node: 98bb with address: 192.0.2.2"
+    killed = "Task was killed due to the node running low on memory."
+    with library_logs(log_path(str(tmp_path), "sweep")) as logs:
+        # what Ray's error listener thread calls, with a pushed message
+        ray_worker.print_to_stdstream(
+            {"lines": [warning, killed], "pid": "raylet", "is_err": False}, ignore_prefix=False
+        )
+        on_terminal = capsys.readouterr()
+    text = logs.path.read_text()
+    assert "WARNING ray.raylet: 14 PYTHON worker processes have been started" in text and killed not in text
+    assert "PYTHON worker processes" not in on_terminal.out + on_terminal.err
+    assert killed in on_terminal.out and logs.library_warnings == 1
+    assert ray_worker.print_to_stdstream is original  # restored
