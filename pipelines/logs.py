@@ -111,11 +111,10 @@ def _route_raylet_warnings(saved: dict) -> None:
     raylet = logging.getLogger("ray.raylet")
 
     def print_to_stdstream(data, *args, **kwargs):
-        lines = data.get("lines") if isinstance(data, dict) else None
-        if data.get("pid") != "raylet" or not lines or data.get("is_err"):
+        if not isinstance(data, dict) or data.get("pid") != "raylet" or data.get("is_err") or not data.get("lines"):
             return original(data, *args, **kwargs)
         rest = []
-        for line in lines:
+        for line in data["lines"]:
             if str(line).lstrip().startswith("WARNING:"):
                 raylet.warning(str(line).lstrip()[len("WARNING:") :].strip())
             else:

@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's bundled digits: (images [1797, 8, 8] of counts 0..16, labels), read from the
     package's ``datasets/data/digits.csv.gz`` as ``sklearn.datasets.load_digits`` reads it, but
-    without importing scikit-learn (1.3 s of every run's start on 2 cores, for one file);
+    without importing scikit-learn (1.1 s of every digits run's start on 2 cores, for one file);
     through ``load_digits`` where the file is not found there."""
     import importlib.util
 
