@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from dpcore import native  # noqa: E402
+from dpcore import native, native_build  # noqa: E402
 from dpcore.bookkeeping.conv import conv_per_example_torch  # noqa: E402
 from pipelines import allocator  # noqa: E402
 from pipelines.models import mnist_cnn  # noqa: E402
@@ -43,7 +43,7 @@ REPO_SOURCE = Path(native.__file__).with_name("csrc") / "conv_pe.c"
 
 def build(source: Path, march: list[str], out: Path):
     """A kernel library built from ``source`` with dpcore.native's base flags and ``march``."""
-    cmd = [native._compiler() or "cc", "-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-fopenmp", *march]
+    cmd = [native_build.compiler() or "cc", "-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-fopenmp", *march]
     subprocess.run([*cmd, "-o", str(out), str(source)], check=True, capture_output=True)
     lib = ctypes.CDLL(str(out))
     lib.dp_conv2d_per_example.restype = ctypes.c_int

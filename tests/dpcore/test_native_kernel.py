@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from dpcore import native
+from dpcore import native, native_build
 from dpcore.bookkeeping.conv import conv_per_example as _conv_per_example
 from dpcore.bookkeeping.conv import conv_per_example_torch as _conv_per_example_torch
 
-needs_kernel = pytest.mark.skipif(native._compiler() is None, reason="no C compiler on this machine")
+needs_kernel = pytest.mark.skipif(native_build.compiler() is None, reason="no C compiler on this machine")
 
 
 @needs_kernel
@@ -162,7 +162,7 @@ def test_switched_off_or_unbuildable_kernel_falls_back_to_torch(tmp_path):
 
 
 def test_kernel_is_built_once_into_a_private_cache(tmp_path):
-    if native._compiler() is None:
+    if native_build.compiler() is None:
         pytest.skip("no C compiler here")
     first = _child({}, tmp_path)
     assert first["used"] and first["state"].startswith("on (" + str(tmp_path / "cache"))
@@ -176,7 +176,7 @@ def test_kernel_is_built_once_into_a_private_cache(tmp_path):
 def test_a_cache_directory_others_can_write_is_not_used(tmp_path):
     """A shared library is loaded from the cache: a group/world-writable directory is refused
     (another user could plant a library there) and a private temporary directory is used."""
-    if native._compiler() is None:
+    if native_build.compiler() is None:
         pytest.skip("no C compiler here")
     shared = tmp_path / "cache"
     shared.mkdir(mode=0o777)
@@ -216,7 +216,7 @@ def test_the_kernel_is_chosen_by_layer_shape_only():
 def test_a_cache_under_a_directory_others_can_change_is_not_used(tmp_path):
     """A private cache directory inside a world-writable, non-sticky directory could be
     renamed and replaced by another user: refused. Under a sticky one (like /tmp): used."""
-    if native._compiler() is None:
+    if native_build.compiler() is None:
         pytest.skip("no C compiler here")
     open_dir = tmp_path / "open"
     open_dir.mkdir()
@@ -236,7 +236,7 @@ def test_a_cache_under_a_directory_others_can_change_is_not_used(tmp_path):
 
 
 def test_the_cache_key_ignores_the_clock_speed():
-    assert "MHz" not in native._cpu_id() and "bogomips" not in native._cpu_id().lower()
+    assert "MHz" not in native_build.cpu_id() and "bogomips" not in native_build.cpu_id().lower()
 
 
 @needs_kernel
