@@ -5,7 +5,7 @@
     dp-platform audit --mechanism dpsgd --workers 2      # the mechanism audit of one release
 
 **One-run audit** (Steinke, Nasr and Jagielski 2023): ``dp-platform audit CONFIG`` trains with
-``audit_canaries`` white-box gradient canaries (see :mod:`pipelines.train`, ``ensure_audit``,
+``audit_canaries`` white-box gradient canaries (see :mod:`pipelines.train.canaries`, ``ensure_audit``,
 and the worker loop): each canary is a parameter coordinate e_j, in the training data with
 probability ½; a canary in the lot adds C·(1 − 10⁻⁴)·e_j (the clipping margin) to the clipped
 sum, like any example; its score

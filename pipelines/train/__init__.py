@@ -2,6 +2,7 @@
 
 * :mod:`.driver`: ``run(cfg)``: plan, the MLflow run, the Ray Train fit, ε from the ledger, logging;
 * :mod:`.entry` → :mod:`.worker`: the function every Ray Train worker runs, a short loop over a ``Worker``;
+* :mod:`.canaries`: the one-run audit's canaries, drawn before the workers start and scored after;
 * :mod:`.checkpoint`, :mod:`.run_ledger`, :mod:`.report`, :mod:`.placement`: the worker's pieces;
 * :mod:`.progress`, :mod:`.cli`: the driver's progress line and command line.
 
@@ -11,10 +12,10 @@ imports nothing heavy itself: ``from pipelines.train import run`` loads the driv
 
 _LAZY = {
     "run": "driver",
-    "load_final_model": "driver",
+    "load_final_model": "checkpoint",
     "ray_cluster": "cluster",
     "open_run_ledger": "driver",
-    "final_checkpoint": "driver",
+    "final_checkpoint": "checkpoint",
     "RESUME_MAY_CHANGE": "resume",
     "build_parser": "cli",
     "main": "cli",

@@ -190,3 +190,26 @@ def read_checkpoint(checkpoint, rank: int, world: int, device) -> tuple:
         rank_state = torch.load(d / f"rank-{rank}.pt", weights_only=False)
         ledger_state = json.loads((d / LEDGER_FILE).read_text())
     return meta, shared, rank_state, ledger_state
+
+
+def final_checkpoint(plan: RunPlan, world: int, reported) -> str:
+    """The run's last complete checkpoint (the one with the most releases)."""
+    candidates = complete_checkpoints(plan.run_dir, reported)
+    if not candidates:
+        raise RuntimeError(f"no complete checkpoint under {plan.run_dir}")
+    return candidates[-1][2]
+
+
+def load_final_model(plan: RunPlan, checkpoint_path: str):
+    """The run's model from a checkpoint: the EMA average when the run keeps one."""
+    import torch
+
+    from ..config import config_from_dict
+    from ..models import build_run_model
+    from .build import load_pca
+
+    cfg = config_from_dict(plan.config)
+    model = build_run_model(cfg, tuple(plan.input_shape), plan.num_classes, load_pca(plan))
+    name = EMA_MODEL_FILE if cfg.ema_decay is not None else MODEL_FILE
+    model.load_state_dict(torch.load(Path(checkpoint_path) / name, map_location="cpu"))
+    return model.eval()

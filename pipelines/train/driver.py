@@ -28,11 +28,11 @@ from dpcore.readout import epsilon_text
 
 from .. import tracking
 from .._trace import trace
-from ..config import TrainConfig, config_from_dict
+from ..config import TrainConfig
 from ..faults import FaultInjection
-from ..models import build_run_model
 from ..plan import RunPlan, plan_run, with_absolute_model
-from ..text.hf import is_hf, random_token_texts
+from .canaries import audit_result, ensure_audit
+from .checkpoint import final_checkpoint, load_final_model
 from .cluster import EarlyCluster, cluster_address, ray_cluster
 from .metrics_relay import MetricsForwarder
 from .progress import JournalProgress
@@ -90,30 +90,6 @@ def _fit(plan: RunPlan, cfg: TrainConfig, pruner=None, faults=None, own_cluster:
     return trainer.fit()
 
 
-def final_checkpoint(plan: RunPlan, world: int, reported) -> str:
-    """The run's last complete checkpoint (the one with the most releases)."""
-    from .checkpoint import complete_checkpoints
-
-    candidates = complete_checkpoints(plan.run_dir, reported)
-    if not candidates:
-        raise RuntimeError(f"no complete checkpoint under {plan.run_dir}")
-    return candidates[-1][2]
-
-
-def load_final_model(plan: RunPlan, checkpoint_path: str):
-    """The run's model from a checkpoint: the EMA average when the run keeps one."""
-    import torch
-
-    from .build import load_pca
-    from .checkpoint import EMA_MODEL_FILE, MODEL_FILE
-
-    cfg = config_from_dict(plan.config)
-    model = build_run_model(cfg, tuple(plan.input_shape), plan.num_classes, load_pca(plan))
-    name = EMA_MODEL_FILE if cfg.ema_decay is not None else MODEL_FILE
-    model.load_state_dict(torch.load(Path(checkpoint_path) / name, map_location="cpu"))
-    return model.eval()
-
-
 def ensure_pca(plan: RunPlan, cfg: TrainConfig, client, run_id: str) -> None:
     """DP-PCA (Abadi et al. §4) on the driver, before any worker starts: the release is checked
     against the budget and written to the run's ledger journal (step 0) before the components
@@ -139,75 +115,6 @@ def ensure_pca(plan: RunPlan, cfg: TrainConfig, client, run_id: str) -> None:
     torch.save({"components": result.components, "eigenvalues": result.eigenvalues}, tmp)
     os.replace(tmp, plan.pca_path)
     client.log_artifact(run_id, plan.pca_path, "dp_pca")
-
-
-def ensure_audit(plan: RunPlan, cfg: TrainConfig) -> None:
-    """The one-run audit's canaries, drawn on the driver before any worker starts: m distinct
-    parameter coordinates (public: a permutation seeded by init_seed) and which canaries are in
-    the training data (each with probability audit_canary_rate, from the run's randomness:
-    secure by default). Kept in the run directory for the workers and the final scoring; a
-    resumed run re-uses them."""
-    if not cfg.audit_canaries or Path(plan.audit_path).is_file():
-        return
-    import torch
-
-    included = (
-        dpcore.make_randomness(cfg.seed).spawn("audit-membership").uniform(cfg.audit_canaries) < cfg.audit_canary_rate
-    )
-    g = torch.Generator().manual_seed(
-        cfg.init_seed + 7919
-    )  # public: the canaries themselves are not secret, their membership is
-    if cfg.audit_kind == "gradient":
-        state = {
-            "kind": "gradient",
-            "coords": torch.randperm(plan.parameters, generator=g)[: cfg.audit_canaries],
-            "included": included,
-        }
-    else:  # out-of-distribution inputs with random labels: Gaussian-noise images, or random token sequences
-        shape = (cfg.audit_canaries, *plan.input_shape)
-        x = random_token_texts(cfg.model, shape, g) if is_hf(cfg.model) else 3.0 * torch.randn(shape, generator=g)
-        y = torch.randint(0, plan.num_classes, (cfg.audit_canaries,), generator=g)
-        state = {"kind": "input", "x": x, "y": y, "included": included}
-    tmp = Path(plan.audit_path + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, plan.audit_path)
-
-
-def audit_result(plan: RunPlan, cfg: TrainConfig, checkpoint: str) -> dict:
-    """Score the canaries, guess, and bound ε (Steinke et al.): the audit's summary. Gradient
-    canaries: Σ_t ⟨released gradient_t, e_j⟩, accumulated by rank 0 and kept in the
-    checkpoint. Input canaries: minus the final model's loss on each (a black-box score)."""
-    import torch
-    import torch.nn.functional as F
-
-    canaries = torch.load(plan.audit_path)
-    if canaries["kind"] == "gradient":
-        scores = torch.load(Path(checkpoint) / "audit_scores.pt")
-    else:
-        model = load_final_model(plan, checkpoint)
-        with torch.no_grad():  # in chunks: a text model's 1,000 canaries at once would hold GiBs of attention
-            scores = torch.cat(
-                [
-                    -F.cross_entropy(model(x), y, reduction="none").double()
-                    for x, y in zip(canaries["x"].split(256), canaries["y"].split(256))
-                ]
-            )
-    r = cfg.resolved_audit_guesses()
-    res = dpcore.audit.one_run_audit(
-        scores.numpy(), canaries["included"].numpy(), r - r // 2, r // 2, delta=cfg.target_delta
-    )
-    return {
-        "canaries": res.canaries,
-        "guesses": res.guesses,
-        "correct": res.correct,
-        "epsilon_lower_bound": res.epsilon_lower_bound,
-        "confidence": res.confidence,
-        "included": int(canaries["included"].sum()),
-        "scores": scores,
-        "kind": canaries["kind"],
-        "coords": canaries.get("coords", torch.arange(len(scores))),
-        "membership": canaries["included"],
-    }
 
 
 def open_run_ledger(plan: RunPlan, read_only: bool = False) -> dpcore.PrivacyLedger:
