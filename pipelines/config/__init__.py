@@ -2,7 +2,7 @@
 
 - :mod:`.options`: the machinery (options, sections, YAML flat or by section, flags, env defaults);
 - :mod:`.shared`: the sections the training and the federated configs share (dataset, audit, tracking);
-- :mod:`.train`: :class:`TrainConfig` and its sections.
+- :mod:`.train`: :class:`TrainConfig` and its sections (:mod:`.scale`: the cluster section).
 """
 
 from __future__ import annotations
