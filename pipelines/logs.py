@@ -39,7 +39,8 @@ _ACTIVE: list = []  # the open library_logs' handler adjusters, innermost last
 
 def library_imported() -> None:
     """Call after importing a library inside :func:`library_logs` (Ray adds its terminal handler
-    when it is first imported): its terminal handlers then pass only errors, like the others."""
+    when it is first imported; MLflow replaces its logger's handlers): its records then go to the
+    file again, and its terminal handlers pass only errors, like the others."""
     if _ACTIVE:
         _ACTIVE[-1]()
 
@@ -146,7 +147,12 @@ def library_logs(path: Path, keep: tuple[type[Warning], ...] = ()):
     def quiet_terminal_handlers() -> None:
         _route_raylet_warnings(ray_printer)
         for name in LIBRARIES:
-            for h in logging.getLogger(name).handlers:
+            lg = logging.getLogger(name)
+            if handler not in lg.handlers:  # a library imported since replaced its handlers (MLflow's dictConfig)
+                lg.addHandler(handler)
+                if lg.level == logging.NOTSET or lg.level > logging.INFO:
+                    lg.setLevel(logging.INFO)
+            for h in lg.handlers:
                 if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
                     if h not in saved_levels:
                         saved_levels[h] = h.level

@@ -74,7 +74,8 @@ def resolve_tracking_uri(uri: str) -> str:
 
 
 def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
-    """Fail fast, with the fix, if the tracking store is unreachable or unwritable."""
+    """Fail fast, with the fix, if the tracking store is unreachable or unwritable. A SQLite
+    database that does not exist yet is made from the cached schema (:mod:`.sqlite_schema`)."""
     parsed = urlparse(uri)
     if parsed.scheme in ("http", "https"):
         url = uri.rstrip("/") + "/health"
@@ -114,6 +115,9 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
         parent = path.parent
         if not parent.is_dir() or not os.access(parent, os.W_OK):
             raise TrackingError(f"cannot write the MLflow database {path}: {parent} does not exist or is not writable.")
+        from .sqlite_schema import create_if_missing
+
+        create_if_missing(path)  # a new database from the cached schema, not MLflow's 68 migrations
     elif parsed.scheme == "file":
         path = Path(parsed.path)
         existing = next(p for p in [path, *path.parents] if p.exists())

@@ -92,6 +92,37 @@ def test_a_library_imported_inside_gets_its_terminal_handler_quieted_too(tmp_pat
     library_imported()  # outside any command log: nothing to do
 
 
+def test_mlflow_first_imported_inside_still_logs_to_the_file_when_it_builds_a_database(tmp_path):
+    """MLflow's import replaces its logger's handlers (logging.config.dictConfig) with a terminal
+    handler at INFO. A run whose first MLflow import is the new database's schema, inside the
+    command's log, must still put MLflow's and Alembic's lines in the file and none on the
+    terminal. In a fresh interpreter: this one has imported MLflow already."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from pathlib import Path
+from pipelines.logs import library_logs
+assert "mlflow" not in sys.modules
+with library_logs(Path(sys.argv[1]) / "train.log") as log:
+    from pipelines.tracking import sqlite_schema
+    assert sqlite_schema.create_if_missing(Path(sys.argv[1]) / "mlflow.db")
+    import logging
+    logging.getLogger("mlflow.tracking").info("an MLflow line after the build")
+print(log.path.read_text())
+"""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}  # a cache with no schema yet: it is built here
+    (tmp_path / "cache").mkdir(mode=0o700)
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == "", res.stderr  # nothing on the terminal
+    assert "INFO mlflow.store.db.utils: Creating initial MLflow database tables" in res.stdout
+    assert "alembic.runtime.migration" in res.stdout and "an MLflow line after the build" in res.stdout
+
+
 def test_the_features_progress_writes_whole_lines_into_a_log_file(tmp_path):
     """helper-28: the public features' progress redrew itself with \\r into log files (one
     endless line); a stream that is not a terminal gets whole lines, the last with the total."""

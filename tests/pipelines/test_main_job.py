@@ -79,7 +79,9 @@ def test_main_job_prints_the_ui_command_and_the_ui_lists_the_run(tmp_path):
     ], res.stderr
     logs = re.search(r"^logs: (\S+) \(MLflow, Ray(?:; (\d+) warnings? there)?\)", res.stdout, re.M)
     text = open(logs.group(1)).read()
-    assert len(re.findall(r"\bWARNING\b", text)) >= int(logs.group(2) or 0) and "mlflow" in text
+    # MLflow's set-up lines are there: its schema check, run by Alembic (a new database is copied
+    # from the cached schema, so MLflow builds none; tests/pipelines/test_logs.py has one it builds)
+    assert len(re.findall(r"\bWARNING\b", text)) >= int(logs.group(2) or 0) and "INFO alembic.runtime" in text
     assert (tmp_path / "mlflow.db").is_file()
     token = home / ".ray" / "auth_token"  # written before ray.init, which would make both readable by all
     assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700 and stat.S_IMODE(token.stat().st_mode) == 0o600

@@ -9,7 +9,9 @@ from pipelines import tracking
 def client(tmp_path):
     from mlflow import MlflowClient
 
-    return MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracking.check_tracking_uri(uri)  # as the platform's commands do: the database from the cached schema
+    return MlflowClient(uri)
 
 
 def test_a_run_that_returns_is_finished_and_one_that_raises_is_failed_after_recording(client):
