@@ -14,6 +14,9 @@ from ..config.options import Parser
 
 
 def ui_argv(tracking_uri: str, host: str, port: int) -> list[str]:
+    """``mlflow ui`` for one person's browser: one server process, not MLflow's default 4, each of
+    which imports MLflow before the page answers (on 2 cores, 8–12 s to /health in place of about
+    20 s, 2026-12-01; the stack's server runs one too)."""
     return [
         sys.executable,
         "-m",
@@ -25,6 +28,8 @@ def ui_argv(tracking_uri: str, host: str, port: int) -> list[str]:
         host,
         "--port",
         str(port),
+        "--workers",
+        "1",
     ]
 
 
