@@ -74,7 +74,7 @@ def targets(storage_path: str, tracking_uri: str, what: set[str], optuna_storage
     if "tracking" in what:
         found += [("MLflow store: runs, metrics, models", p) for p in tracking_files(tracking_uri)]
     if "cache" in what:
-        found.append(("cache: verified shards, compiled kernel", cache_dir()))
+        found.append(("cache: verified shards, compiled kernel, MLflow's empty schema", cache_dir()))
     if "sweeps" in what:
         found += [("Optuna store: every sweep trial's exact scores", p) for p in sqlite_file(optuna_storage)]
     return [(label, p) for label, p in found if p.exists() or p.is_symlink()]
