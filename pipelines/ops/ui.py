@@ -122,12 +122,13 @@ def main(argv: list[str], prog: str = "dp-platform ui") -> int:
     if uri.startswith(("http://", "https://")):
         print(f"{redact(uri)} is a tracking server: it serves its own UI there (log in if it asks).")
         return 0
+    new_store = uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file()
     try:
-        check_tracking_uri(uri)
+        check_tracking_uri(uri)  # (which makes a new SQLite store's empty database)
     except TrackingError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+    if new_store:
         print(
             f"note: {uri[len('sqlite:///') :]} does not exist yet: the UI is empty until a run logs to it.", flush=True
         )

@@ -115,9 +115,10 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
         parent = path.parent
         if not parent.is_dir() or not os.access(parent, os.W_OK):
             raise TrackingError(f"cannot write the MLflow database {path}: {parent} does not exist or is not writable.")
-        from .sqlite_schema import create_if_missing
+        if "?" not in uri and "%" not in uri:  # (a URI with options or escapes: MLflow makes its own)
+            from .sqlite_schema import create_if_missing
 
-        create_if_missing(path)  # a new database from the cached schema, not MLflow's 68 migrations
+            create_if_missing(path)  # a new database from the cached schema, not MLflow's 68 migrations
     elif parsed.scheme == "file":
         path = Path(parsed.path)
         existing = next(p for p in [path, *path.parents] if p.exists())

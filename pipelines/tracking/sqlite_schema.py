@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 def _key() -> str:
     """What the schema depends on: MLflow's, SQLAlchemy's, Alembic's and SQLite's versions and
-    MLflow's migration scripts (their names)."""
+    MLflow's migration scripts (their names and contents)."""
     import alembic
     import mlflow
     import sqlalchemy
@@ -43,9 +43,12 @@ def _key() -> str:
 
     library_imported()  # MLflow's first import replaces its logger's handlers: to the command's log file again
     versions = Path(mlflow.__file__).parent / "store" / "db_migrations" / "versions"
-    parts = [mlflow.__version__, sqlalchemy.__version__, alembic.__version__, sqlite3.sqlite_version]
-    parts += sorted(p.name for p in versions.glob("*.py"))
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+    digest = hashlib.sha256()
+    for part in (mlflow.__version__, sqlalchemy.__version__, alembic.__version__, sqlite3.sqlite_version):
+        digest.update(part.encode() + b"\0")
+    for script in sorted(versions.glob("*.py")):
+        digest.update(script.name.encode() + b"\0" + script.read_bytes() + b"\0")
+    return digest.hexdigest()[:20]
 
 
 def _cache_dir() -> Path | None:
@@ -73,8 +76,8 @@ def build(path: Path) -> None:
 
 
 def template() -> Path | None:
-    """The cached empty database for this MLflow, built on first use (None: no private cache,
-    or the build failed)."""
+    """The cached empty database for this MLflow, built on first use (None: no private cache).
+    Raises what a failed build raised."""
     cache = _cache_dir()
     if cache is None:
         return None
@@ -85,10 +88,9 @@ def template() -> Path | None:
     os.close(fd)
     try:
         build(Path(tmp))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())  # whole on disk before it is named: a torn template would fail every new store
         os.replace(tmp, target)  # atomic: concurrent builders are safe
-    except Exception as e:  # noqa: BLE001 - any failure: MLflow builds each database itself
-        log.info("no cached MLflow schema (%s: %s); MLflow builds the database", type(e).__name__, e)
-        return None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -97,16 +99,22 @@ def template() -> Path | None:
 
 def create_if_missing(path: str | Path) -> bool:
     """Copy the cached empty database to ``path`` if nothing is there yet. True if it did; False
-    leaves the database to MLflow (it exists, the cache is off or not private, or a copy failed)."""
+    leaves the database to MLflow (it exists, the cache is off, not private or not writable, or
+    anything failed: this only saves time, it never stops a run)."""
     path = Path(path)
     if path.exists() or os.environ.get("DP_MLFLOW_SCHEMA_CACHE", "1") == "0":
         return False
-    source = template()
+    try:
+        source = template()
+    except Exception as e:  # noqa: BLE001 - e.g. a read-only cache: MLflow builds the database
+        log.info("no cached MLflow schema (%s: %s); MLflow builds the database", type(e).__name__, e)
+        return False
     if source is None:
         return False
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
         shutil.copyfile(source, tmp)
         os.chmod(tmp, 0o644 & ~_umask())  # the mode SQLite gives a database it creates
         os.link(tmp, path)  # never over a database another process made meanwhile
@@ -116,7 +124,8 @@ def create_if_missing(path: str | Path) -> bool:
             log.info("could not copy the cached MLflow schema to %s (%s); MLflow builds it", path, e)
         return False
     finally:
-        os.unlink(tmp)
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _umask() -> int:

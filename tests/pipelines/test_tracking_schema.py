@@ -93,7 +93,7 @@ def test_the_schema_is_built_once_and_then_only_copied(cache, tmp_path, monkeypa
     monkeypatch.setattr(sqlite_schema, "build", no_second_build)
     assert sqlite_schema.create_if_missing(tmp_path / "b.db") is True
     assert list(cache.glob("mlflow-*.db")) == built and (tmp_path / "b.db").read_bytes() == built[0].read_bytes()
-    assert not list(tmp_path.glob("*.tmp")) and not list(cache.glob("*.tmp"))
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")] and not list(cache.glob("*.tmp"))
 
 
 def test_a_cache_others_can_write_is_not_used_and_mlflow_builds_the_database(cache, tmp_path):
@@ -122,3 +122,29 @@ def test_a_failed_build_leaves_the_database_to_mlflow(cache, tmp_path, monkeypat
     monkeypatch.setattr(sqlite_schema, "build", broken)
     assert sqlite_schema.create_if_missing(tmp_path / "mlflow.db") is False
     assert not (tmp_path / "mlflow.db").exists() and not list(cache.iterdir())
+
+
+def test_a_cache_that_cannot_be_written_never_stops_a_run(cache, tmp_path, monkeypatch):
+    """A private cache on a read-only mount: no schema can be built there; the run goes on."""
+    import errno
+    import tempfile
+
+    real = tempfile.mkstemp
+
+    def read_only(*args, dir=None, **kwargs):
+        if dir is not None and str(dir).startswith(str(cache)):
+            raise OSError(errno.EROFS, "Read-only file system", str(dir))
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(sqlite_schema.tempfile, "mkstemp", read_only)
+    db = tmp_path / "mlflow.db"
+    assert sqlite_schema.create_if_missing(db) is False
+    tracking.check_tracking_uri(f"sqlite:///{db}")  # no error
+    assert not db.exists()
+
+
+def test_a_uri_with_options_is_left_to_mlflow(cache, tmp_path):
+    """SQLAlchemy reads the path of sqlite:///x.db?timeout=20 as x.db: no file named after the URI."""
+    tracking.check_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db?timeout=20")
+    tracking.check_tracking_uri(f"sqlite:///{tmp_path}/a%20b.db")
+    assert list(tmp_path.iterdir()) == [tmp_path / "cache"]
