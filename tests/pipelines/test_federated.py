@@ -519,8 +519,10 @@ def test_cli_runs_on_ray_and_tracks_the_run_at_client_level(tmp_path, ray_env):
         1
     )  # libraries' log
     assert not re.search(r"\b(WARNING|ERROR)\b", proc.stderr + proc.stdout), proc.stderr  # K, must-show 4
-    assert log.startswith(str(tmp_path / "runs" / "logs" / "federated-")) and "mlflow" in open(log).read()
-    assert "Creating initial MLflow database tables" not in proc.stderr
+    # MLflow's set-up lines are in the file (its schema check, run by Alembic: a new store is
+    # copied from the cached schema, so MLflow builds none), none on the terminal
+    assert log.startswith(str(tmp_path / "runs" / "logs" / "federated-")) and "INFO alembic.runtime" in open(log).read()
+    assert "Creating initial MLflow database tables" not in proc.stderr and "alembic" not in proc.stderr
     client = mlflow.MlflowClient(uri)
     run = client.search_runs([client.get_experiment_by_name("dp-federated").experiment_id])[0]
     tags = run.data.tags
