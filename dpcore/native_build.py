@@ -69,13 +69,24 @@ def private_dir(path: Path) -> bool:
     return True
 
 
+def user_cache() -> Path:
+    """The platform's per-user cache: ``$XDG_CACHE_HOME/dp-platform``, else ``~/.cache/dp-platform``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dp-platform"
+
+
+def private_cache(name: str) -> Path | None:
+    """``user_cache()/name``, made if missing (mode 700), if it is :func:`private_dir`; else None."""
+    path = user_cache() / name
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError:
+        return None
+    return path if private_dir(path) else None
+
+
 def cache_dir() -> Path:
     env = os.environ.get("DP_NATIVE_CACHE")
-    if env:
-        path = Path(env)
-    else:
-        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-        path = Path(base) / "dp-platform" / "native"
+    path = Path(env) if env else user_cache() / "native"
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError:

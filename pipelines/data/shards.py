@@ -42,6 +42,7 @@ import pyarrow as pa
 import torch
 
 from dpcore import DPConfigError
+from dpcore.native_build import user_cache
 
 from .dataset import Dataset, Normalization
 
@@ -222,8 +223,7 @@ def read_manifest(data_dir: str | Path) -> dict:
 # ------------------------------------------------------------------------------------------
 # Verification (driver): full hash once, then only what changed since.
 def _stamp_path(data_dir: Path) -> Path | None:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    folder = Path(base) / "dp-platform" / "verified"
+    folder = user_cache() / "verified"
     try:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         if folder.stat().st_uid != os.getuid() or folder.stat().st_mode & 0o022:

@@ -50,7 +50,9 @@ def _human(n: int) -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dp-platform"
+    from dpcore.native_build import user_cache
+
+    return user_cache()
 
 
 def tracking_files(tracking_uri: str) -> list[Path]:

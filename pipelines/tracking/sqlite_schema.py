@@ -12,7 +12,7 @@ by MLflow itself on first open, as for a database it had built.
 
 The cache is ``$XDG_CACHE_HOME/dp-platform/mlflow-schema`` (else ``~/.cache/...``). It must be a
 folder of this user that no one else can write to, nor any folder above it unless sticky
-(:func:`dpcore.native_build.private_dir`): a database copied from there is the run's record.
+(:func:`dpcore.native_build.private_cache`): a database copied from there is the run's record.
 Otherwise, or when anything fails, nothing is copied and MLflow builds the database itself.
 ``DP_MLFLOW_SCHEMA_CACHE=0`` turns the cache off.
 """
@@ -27,7 +27,7 @@ import sqlite3
 import tempfile
 from pathlib import Path
 
-from dpcore.native_build import private_dir
+from dpcore.native_build import private_cache
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +51,6 @@ def _key() -> str:
     return digest.hexdigest()[:20]
 
 
-def _cache_dir() -> Path | None:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    path = Path(base) / "dp-platform" / "mlflow-schema"
-    try:
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError:
-        return None
-    return path if private_dir(path) else None
-
-
 def build(path: Path) -> None:
     """An empty MLflow database at ``path`` (a new file), as MLflow's store builds one: its first
     tables, then every migration; its schema is then checked to be at the head revision."""
@@ -78,7 +68,7 @@ def build(path: Path) -> None:
 def template() -> Path | None:
     """The cached empty database for this MLflow, built on first use (None: no private cache).
     Raises what a failed build raised."""
-    cache = _cache_dir()
+    cache = private_cache("mlflow-schema")
     if cache is None:
         return None
     target = cache / f"mlflow-{_key()}.db"
