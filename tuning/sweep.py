@@ -25,8 +25,6 @@ and the total (ε, δ) of releasing the best trial is accounted by RDP (:mod:`tu
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -37,11 +35,12 @@ from pipelines import tracking
 from pipelines.tracking import redact
 
 from . import search_cost, selection
-from .config import MEDIAN_PRUNER, SweepConfig, check_feasible, make_storage
+from .config import MEDIAN_PRUNER, SweepConfig
+from .plan import SweepPlan, plan_sweep
 from .pruning import TrialPruner
 from .results import best_trial, finalise, finish_trial
 from .selection import SCOPE
-from .space import check_against, default_space, parse_space
+from .space import default_space
 from .trials import Progress, trial_seed, trial_task
 
 
@@ -60,144 +59,14 @@ def run_sweep(
     ε of its registered model, then cover them too (:class:`tuning.search_cost.StagedBound`).
     ``trial_hook``: a test hook, called in each trial's task with its config dict before the
     trial runs."""
-    import optuna
-    import ray
     from mlflow import MlflowClient
 
-    from pipelines.models import build_run_model
-    from pipelines.plan import check_shards, prepare_data, prepare_features, with_absolute_model
-    from pipelines.train import ray_cluster
+    plan = plan_sweep(sweep, base, space_override, fixed, prior)  # everything that can fail, first
+    sweep, base, sel, bound = plan.sweep, plan.base, plan.sel, plan.bound
+    study, n_trials = _open_study(plan)
 
-    # ---- everything that can fail, before the study or any run is written ----------------
-    sweep.validate()
-    # A relative SQLite path would name a different file in each Ray worker (Ray Train runs
-    # them in the run's own folder): resolve it here, once.
-    sweep = dataclasses.replace(sweep, storage=tracking.resolve_tracking_uri(sweep.storage))
-    if fixed:
-        base = dataclasses.replace(base, **fixed)
-    base.validate()
-    tracking_uri = tracking.resolve_tracking_uri(base.tracking_uri)
-    tracking.check_tracking_uri(tracking_uri)
-    # Trials run in Ray tasks whose working folder may not be this one (a joined cluster):
-    # every relative path of the base config (a local hf: model folder too) is made absolute here.
-    base = with_absolute_model(
-        dataclasses.replace(
-            base,
-            tracking_uri=tracking_uri,
-            storage_path=str(Path(base.storage_path).expanduser().resolve()),
-            data_dir=None if base.data_dir is None else str(Path(base.data_dir).expanduser().resolve()),
-        )
-    )
-    data_dir, manifest = prepare_data(base)
-    check_shards(base, data_dir, manifest)
-    n = sum(e["rows"] for e in manifest["files"] if e["split"] == "train")
-    if not sum(e["rows"] for e in manifest["files"] if e["split"] == "val"):
-        raise dpcore.DPConfigError(
-            "the sweep scores, prunes and chooses its trials on the validation split, and this dataset has none "
-            f"(val_fraction={base.val_fraction:g}): every trial would train and have no score. Give it one "
-            "(--val-fraction 0.1), or train without a sweep."
-        )
-    # A public front end's features (ScatterNet) are computed once here, not by the first trials at once.
-    prepare_features(
-        base, data_dir, manifest, build_run_model(base, tuple(manifest["input_shape"]), manifest["num_classes"])
-    )
-    raw_space = (
-        space_override
-        if space_override is not None
-        else (
-            sweep.space
-            if sweep.space is not None
-            else default_space(base.method, private_selection=sweep.private_selection is not None)
-        )
-    )
-    space = parse_space(raw_space, n)
-    if "lora_rank" in space.names and not base.lora_rank:
-        raise dpcore.DPConfigError(
-            "space: lora_rank is searched but the base config fine-tunes every weight (lora_rank=0, or not an hf: "
-            "model); set --lora-rank (any r ≥ 1) on an hf: model to search LoRA's rank."
-        )
-    if "ascent" in space.names and base.method == "dpsgd":
-        raise dpcore.DPConfigError(
-            "space: ascent is searched but method='dpsgd' has no ascent step; set --method bam or dpsat."
-        )
-    check_against(space, base)
-    lot_choices = check_feasible(base, space, n)
-    if lot_choices is not None and len(lot_choices) < len(space.get("lot_size").choices):
-        dropped = sorted(set(space.get("lot_size").choices) - set(lot_choices))
-        print(
-            f"[sweep] lot sizes {dropped} cannot meet ε={base.target_epsilon:g}; searching {lot_choices}",
-            file=sys.stderr,
-        )
-        raw_space = {**raw_space, "lot_size": {"choices": lot_choices}}
-        space = parse_space(raw_space, n)
-    sel = _selection(sweep, base, space, n)
-    # Without private selection: a bound on the whole search's cost to the training split,
-    # fixed before any trial runs (or the reason there is none).
-    bound = search_cost.search_bound(base, space, n) if sel is None else None
-    bound = search_cost.after(bound, prior)  # a later stage: widened to the earlier stages' choices, composed with them
-    # With private selection a trial whose process died is one of the K runs: not retried.
-    storage = make_storage(sweep.storage, sweep if sel is None else dataclasses.replace(sweep, max_retry=0))
-
-    # ---- the study ---------------------------------------------------------------------
-    fingerprint = json.dumps(
-        {
-            "space": raw_space,
-            # (the memory budget is the machine's, not the search's: a study may go on elsewhere)
-            "base": {k: v for k, v in base.to_dict().items() if k not in ("quiet", "memory_budget_mb")},
-            "private_selection": sweep.private_selection,
-            # K's distribution and the score's noise make the accounted total: a study goes on with the same
-            **(
-                {k: getattr(sweep, k) for k in ("selection_mean", "selection_shape", "selection_noise_multiplier")}
-                if sweep.private_selection
-                else {}
-            ),
-        },
-        sort_keys=True,
-        default=str,
-    )
-    sampler_seed = sweep.sampler_seed
-    if sel is not None:  # each trial's hyperparameters a fresh draw: from OS entropy, or --seed's (tests)
-        seeded = None if base.seed is None else dpcore.make_randomness(base.seed).spawn("sampler")
-        sampler_seed = None if seeded is None else int(seeded.uniform(1)[0] * 2**31)
-    sampler = (
-        optuna.samplers.TPESampler(seed=sampler_seed)
-        if sweep.sampler == "tpe"
-        else optuna.samplers.RandomSampler(seed=sampler_seed)
-    )
-    pruner = optuna.pruners.MedianPruner(**MEDIAN_PRUNER) if sweep.pruner == "median" else optuna.pruners.NopPruner()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(
-        study_name=sweep.study,
-        storage=storage,
-        sampler=sampler,
-        pruner=pruner,
-        direction="maximize",
-        load_if_exists=True,
-    )
-    attrs = study.user_attrs
-    if "fingerprint" in attrs and attrs["fingerprint"] != fingerprint:
-        raise dpcore.DPConfigError(
-            f"study {sweep.study!r} in {redact(sweep.storage)} was started with a different space, base config or "
-            "private-selection options (K's distribution, the score's noise); use a new --study name, or the same "
-            "options to continue it."
-        )
-    if "fingerprint" not in attrs:
-        study.set_user_attr("fingerprint", fingerprint)
-    n_trials = sweep.n_trials
-    if sel is not None:
-        if "selection_k" not in attrs:  # drawn once; a resumed sweep keeps it (a redraw would leak)
-            k = selection.draw_number_of_trials(
-                sweep.selection_mean,
-                sweep.private_selection,
-                sweep.selection_shape,
-                dpcore.make_randomness(base.seed).spawn("selection-count"),
-            )
-            study.set_user_attr("selection_k", k)
-        n_trials = int(study.user_attrs["selection_k"])
-
-    # ---- MLflow parent ------------------------------------------------------------------
-    client = MlflowClient(tracking_uri)
-    parent_tags = _parent_tags(sweep, base, space, sel, n_trials)
+    client = MlflowClient(plan.tracking_uri)
+    parent_tags = _parent_tags(sweep, base, plan.space, sel, n_trials)
     storage_tag = redact(sweep.storage)
     with tracking.mlflow_run(
         client,
@@ -216,71 +85,133 @@ def run_sweep(
         # a process that died); with it: exactly K (a failed run is one of them, never retried).
         cap = max(n_trials + (sweep.max_failed_trials if sel is None else 0), len(study.trials))
         search_cost.log(client, parent_id, bound, cap)
-
-        run_dir = Path(base.storage_path).resolve() / "sweeps" / sweep.study
-        run_dir.mkdir(parents=True, exist_ok=True)
-        progress = Progress(n_trials, not sweep.quiet)
-        finished_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-        randomness = dpcore.make_randomness(base.seed) if sel is not None else None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", dpcore.SeededRandomnessWarning)
-            with ray_cluster(dataclasses.replace(base, num_workers=max(base.num_workers, sweep.max_concurrent))):
-                run_trial = trial_task()
-                inflight: dict = {}  # ObjectRef -> (trial, params)
-                while True:
-                    optuna.storages.fail_stale_trials(study)
-                    trials = study.get_trials(deepcopy=False)
-                    done = sum(t.state in finished_states for t in trials)
-                    failed = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
-                    if sel is not None:  # a failed trial is one of the K runs of Q (with no score), not replaced
-                        done += len(failed)
-                    mine = {t.number for t, _ in inflight.values()}
-                    foreign = sum(t.state == optuna.trial.TrialState.RUNNING and t.number not in mine for t in trials)
-                    stop = sel is None and (
-                        len(failed) >= sweep.max_failed_trials
-                        or (len(trials) >= cap and not inflight and not foreign and done < n_trials)
-                    )
-                    launchable = 0 if stop else min(n_trials - done - len(inflight) - foreign, cap - len(trials))
-                    while launchable > 0 and len(inflight) < sweep.max_concurrent:
-                        trial = study.ask()
-                        params = space.suggest(trial)
-                        storage.record_heartbeat(trial._trial_id)
-                        ref = run_trial.remote(
-                            *_trial_args(sweep, base, trial, params, parent_id),
-                            str(run_dir / f"trial-{trial.number}.pid"),
-                            trial_hook,
-                            1.0 / sweep.max_concurrent,  # trials at once share the nodes' memory
-                        )
-                        inflight[ref] = (trial, params)
-                        launchable -= 1
-                        progress.show(done, len(inflight), best_trial(study), f"started trial {trial.number}: {params}")
-                    if not inflight:
-                        if done >= n_trials or stop:
-                            break
-                        time.sleep(min(5, sweep.heartbeat_interval))  # foreign running trials: wait until they go stale
-                        continue
-                    ready, _ = ray.wait(list(inflight), num_returns=1, timeout=sweep.heartbeat_interval)
-                    for ref in ready:
-                        trial, params = inflight.pop(ref)
-                        note = finish_trial(study, trial, ref, sel, randomness, client, parent_id)
-                        trials = study.get_trials(deepcopy=False)
-                        progress.show(
-                            sum(t.state in finished_states for t in trials), len(inflight), best_trial(study), note
-                        )
-        if stop:
-            first = next((t.user_attrs["error"] for t in failed if "error" in t.user_attrs), "its process died")
-            stopped = (
-                f"{len(failed)} trials failed (max_failed_trials={sweep.max_failed_trials}), {done} finished of "
-                f"{n_trials}, {len(study.trials)} started (at most {cap}); no more were launched. The first error: "
-                f"{first[:500]}"
-            )
-            client.set_tag(parent_id, "sweep.stopped", stopped)
-            progress.show(done, 0, best_trial(study), f"stopped: {stopped}")
+        stopped = _run_trials(plan, study, n_trials, cap, client, parent_id, trial_hook)
         summary = finalise(study, sweep, base, client, parent_id, sel, n_trials, bound, cap)
-        summary["stopped"] = stopped if stop else None
+        summary["stopped"] = stopped
         own = bound.own if isinstance(bound, search_cost.StagedBound) else bound
         summary["_search"] = (own, max(cap, len(study.trials)))  # for a preset's total; not printed
         return summary
+
+
+def _open_study(plan: SweepPlan) -> tuple:
+    """(the study, created or continued, and how many trials it finishes). A study started with
+    another space, base config or private-selection options is refused; with private
+    selection the number of trials K is drawn once and kept in the study."""
+    import optuna
+
+    sweep, base, sel = plan.sweep, plan.base, plan.sel
+    sampler_seed = sweep.sampler_seed
+    if sel is not None:  # each trial's hyperparameters a fresh draw: from OS entropy, or --seed's (tests)
+        seeded = None if base.seed is None else dpcore.make_randomness(base.seed).spawn("sampler")
+        sampler_seed = None if seeded is None else int(seeded.uniform(1)[0] * 2**31)
+    sampler = (
+        optuna.samplers.TPESampler(seed=sampler_seed)
+        if sweep.sampler == "tpe"
+        else optuna.samplers.RandomSampler(seed=sampler_seed)
+    )
+    pruner = optuna.pruners.MedianPruner(**MEDIAN_PRUNER) if sweep.pruner == "median" else optuna.pruners.NopPruner()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        study_name=sweep.study,
+        storage=plan.storage,
+        sampler=sampler,
+        pruner=pruner,
+        direction="maximize",
+        load_if_exists=True,
+    )
+    fingerprint, attrs = plan.fingerprint(), study.user_attrs
+    if "fingerprint" in attrs and attrs["fingerprint"] != fingerprint:
+        raise dpcore.DPConfigError(
+            f"study {sweep.study!r} in {redact(sweep.storage)} was started with a different space, base config or "
+            "private-selection options (K's distribution, the score's noise); use a new --study name, or the same "
+            "options to continue it."
+        )
+    if "fingerprint" not in attrs:
+        study.set_user_attr("fingerprint", fingerprint)
+    if sel is None:
+        return study, sweep.n_trials
+    if "selection_k" not in attrs:  # drawn once; a resumed sweep keeps it (a redraw would leak)
+        k = selection.draw_number_of_trials(
+            sweep.selection_mean,
+            sweep.private_selection,
+            sweep.selection_shape,
+            dpcore.make_randomness(base.seed).spawn("selection-count"),
+        )
+        study.set_user_attr("selection_k", k)
+    return study, int(study.user_attrs["selection_k"])
+
+
+def _run_trials(plan: SweepPlan, study, n_trials: int, cap: int, client, parent_id: str, trial_hook) -> str | None:
+    """Run the study's trials on Ray, at most ``max_concurrent`` at once and at most ``cap``
+    started in all, until ``n_trials`` are finished. Returns why no more were launched (too
+    many failed trials; also tagged on the parent run), or None."""
+    import optuna
+    import ray
+
+    from pipelines.train import ray_cluster
+
+    sweep, base, sel, space, storage = plan.sweep, plan.base, plan.sel, plan.space, plan.storage
+    run_dir = Path(base.storage_path).resolve() / "sweeps" / sweep.study
+    run_dir.mkdir(parents=True, exist_ok=True)
+    progress = Progress(n_trials, not sweep.quiet)
+    finished_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    randomness = dpcore.make_randomness(base.seed) if sel is not None else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dpcore.SeededRandomnessWarning)
+        with ray_cluster(dataclasses.replace(base, num_workers=max(base.num_workers, sweep.max_concurrent))):
+            run_trial = trial_task()
+            inflight: dict = {}  # ObjectRef -> (trial, params)
+            while True:
+                optuna.storages.fail_stale_trials(study)
+                trials = study.get_trials(deepcopy=False)
+                done = sum(t.state in finished_states for t in trials)
+                failed = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
+                if sel is not None:  # a failed trial is one of the K runs of Q (with no score), not replaced
+                    done += len(failed)
+                mine = {t.number for t, _ in inflight.values()}
+                foreign = sum(t.state == optuna.trial.TrialState.RUNNING and t.number not in mine for t in trials)
+                stop = sel is None and (
+                    len(failed) >= sweep.max_failed_trials
+                    or (len(trials) >= cap and not inflight and not foreign and done < n_trials)
+                )
+                launchable = 0 if stop else min(n_trials - done - len(inflight) - foreign, cap - len(trials))
+                while launchable > 0 and len(inflight) < sweep.max_concurrent:
+                    trial = study.ask()
+                    params = space.suggest(trial)
+                    storage.record_heartbeat(trial._trial_id)
+                    ref = run_trial.remote(
+                        *_trial_args(sweep, base, trial, params, parent_id),
+                        str(run_dir / f"trial-{trial.number}.pid"),
+                        trial_hook,
+                        1.0 / sweep.max_concurrent,  # trials at once share the nodes' memory
+                    )
+                    inflight[ref] = (trial, params)
+                    launchable -= 1
+                    progress.show(done, len(inflight), best_trial(study), f"started trial {trial.number}: {params}")
+                if not inflight:
+                    if done >= n_trials or stop:
+                        break
+                    time.sleep(min(5, sweep.heartbeat_interval))  # foreign running trials: wait until they go stale
+                    continue
+                ready, _ = ray.wait(list(inflight), num_returns=1, timeout=sweep.heartbeat_interval)
+                for ref in ready:
+                    trial, params = inflight.pop(ref)
+                    note = finish_trial(study, trial, ref, sel, randomness, client, parent_id)
+                    trials = study.get_trials(deepcopy=False)
+                    progress.show(
+                        sum(t.state in finished_states for t in trials), len(inflight), best_trial(study), note
+                    )
+    if not stop:
+        return None
+    first = next((t.user_attrs["error"] for t in failed if "error" in t.user_attrs), "its process died")
+    stopped = (
+        f"{len(failed)} trials failed (max_failed_trials={sweep.max_failed_trials}), {done} finished of "
+        f"{n_trials}, {len(study.trials)} started (at most {cap}); no more were launched. The first error: "
+        f"{first[:500]}"
+    )
+    client.set_tag(parent_id, "sweep.stopped", stopped)
+    progress.show(done, 0, best_trial(study), f"stopped: {stopped}")
+    return stopped
 
 
 def _trial_args(sweep: SweepConfig, base, trial, params: dict, parent_id: str) -> tuple:
@@ -313,39 +244,6 @@ def _trial_args(sweep: SweepConfig, base, trial, params: dict, parent_id: str) -
         "trial_id": trial._trial_id,
     }
     return cfg.to_dict(), parent_id, tags, pruner, heartbeat
-
-
-def _selection(sweep: SweepConfig, base, space, n: int) -> dict | None:
-    """With ``--private-selection``: the selection's privacy event, its total ε and the one
-    mechanism every trial runs (σ, q, steps); None without it. Raises where the search cannot
-    be accounted (lot size or epochs searched, or a mechanism RDP cannot compose)."""
-    if sweep.private_selection is None:
-        return None
-    searched = {"lot_size", "epochs"} & set(space.names)
-    if searched:
-        raise dpcore.DPConfigError(
-            f"--private-selection needs every trial to be the same mechanism: take {', '.join(sorted(searched))} out of "
-            "the search space ('space:') and fix it in the base config (every trial then has the same q, σ and steps); "
-            "search lr, λ/ρ, the clip norm or the optimizer."
-        )
-    found = search_cost.mechanisms(base, space, n)  # lot size and epochs fixed: one mechanism
-    if isinstance(found, str):
-        raise dpcore.DPConfigError(f"--private-selection accounts the search by RDP, which cannot account it: {found}.")
-    (mech,) = found
-    event = selection.selection_event(
-        selection.trial_event(mech.groups(), sweep.selection_noise_multiplier),
-        sweep.selection_mean,
-        sweep.private_selection,
-        sweep.selection_shape,
-    )
-    return {
-        "event": event,
-        "total_epsilon": selection.total_epsilon(event, base.target_delta),
-        "sigma": mech.noise_multiplier,
-        "q": mech.sample_rate,
-        "steps": mech.max_releases,
-        "score_noise": sweep.selection_noise_multiplier,
-    }
 
 
 def _parent_tags(sweep: SweepConfig, base, space, sel: dict | None, n_trials: int) -> dict:
