@@ -132,7 +132,8 @@ class CheckedBookKeeping:
     A model that cannot be copied or run in float64 is compared in float32, to 1e-5 of the sum's
     scale. (With a bf16 forward, the float64 check is the same: autocast
     leaves float64 alone.) The float32 kernels are tested on their own
-    (``tests/dpcore/test_native_kernel.py``, ``tests/dpcore/test_bookkeeping_clipping.py``).
+    (``tests/dpcore/test_native_kernel.py``, ``tests/dpcore/bookkeeping/test_conv_forms_equal_vmap.py``,
+    ``tests/dpcore/bookkeeping/test_squared_norms_and_sums.py``).
     """
 
     def __init__(self, model: nn.Module, loss_fn, clip_norm: float, multiplicity: int = 1, autocast: str = "none"):

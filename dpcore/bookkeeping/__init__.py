@@ -19,7 +19,8 @@ The forms, one file each: ``linear.py`` (``nn.Linear``, on vectors or sequences)
 (``base.py``; ``norms.py``, the squared-norm helpers; ``sums.py``, the sparse and small-row
 sums the clipper adds up). A new layer type is one file with a :class:`LayerForm` subclass,
 one :func:`register_layer` line below, and one test against vmap
-(``tests/dpcore/test_bookkeeping_clipping.py``).
+(``tests/dpcore/bookkeeping/test_clipped_sum_equals_vmap.py``: an entry of ``CASES`` in
+``tests/dpcore/bookkeeping/_common.py``).
 
 Models with any trainable parameter outside a registered layer (raw ``nn.Parameter`` attention
 projections, grouped convolutions, ...), layers used more than once per forward, or a loss that

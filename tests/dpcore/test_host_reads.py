@@ -19,8 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dpcore import native
 from dpcore.bookkeeping import BookKeepingClipper
 
-from .test_bookkeeping_clipping import CASES
-from .test_bookkeeping_text_layers import TinyText
+from .bookkeeping._common import CASES, TinyText
 
 # Operations that read the device: a value to the host (``_local_scalar_dense``: ``bool``,
 # ``int``, ``float``, ``.item()``, from Python or from inside torch), or an output sized by values.

@@ -1,8 +1,8 @@
 """The private step on a CUDA GPU: book-keeping equals the vmap reference there, a whole step keeps
 everything on the device with noise of the right scale, and bf16 autocast keeps clipping and
 noise in float32. These run where a GPU is (skipped elsewhere: CI has none); the same checks
-on the CPU are in test_bookkeeping_clipping.py, test_bookkeeping_text_layers.py and
-test_autocast.py. ``DP_TEST_CUDA_ON_CPU=1`` runs them on the CPU instead, to try them out."""
+on the CPU are in tests/dpcore/bookkeeping/ (test_clipped_sum_equals_vmap.py,
+test_text_layers_equal_vmap.py) and test_autocast.py. ``DP_TEST_CUDA_ON_CPU=1`` runs them on the CPU instead, to try them out."""
 
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ from dpcore.clipping import clipped_sum
 from dpcore.grad_sample import PerSampleGradients
 from pipelines.models import build_model, resnet9
 
+from .bookkeeping._common import CASES, TinyText
 from .test_autocast import TinyText as SpyText
-from .test_bookkeeping_clipping import CASES
-from .test_bookkeeping_text_layers import TinyText
 
 ON_CPU = os.environ.get("DP_TEST_CUDA_ON_CPU") == "1"
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or ON_CPU), reason="no CUDA GPU")
@@ -171,8 +170,9 @@ def test_a_gradient_that_overflows_float32_squares_is_clipped_on_the_gpu():
     """Per-example gradients of about 1e20 (finite in float32, their squares not) on the device:
     the batch is measured again in float64 after the one read of the device, and every example
     is clipped as by the reference (its sums formed in float64); none is counted as
-    non-finite. The CPU's own test is in test_bookkeeping_clipping.py."""
-    from .test_bookkeeping_clipping import SeqModel
+    non-finite. The CPU's own test is in
+    bookkeeping/test_shares_bounded_and_nonfinite_skipped.py."""
+    from .bookkeeping._common import SeqModel
 
     torch.manual_seed(2)
     model = SeqModel(d=32, hidden=32).to(DEVICE)

@@ -13,34 +13,16 @@ from torch import nn
 
 import dpcore
 from dpcore.bookkeeping import BookKeepingClipper, unsupported_parameters
-from dpcore.clipping import clipped_sum, per_sample_norms
+from dpcore.clipping import per_sample_norms
 from dpcore.grad_sample import PerSampleGradients
 
-
-class TinyText(nn.Module):
-    """Embedding → LayerNorm → Linear at every position → tanh → mean over positions → head.
-    (Padding positions are not masked: their output gradients are not zero, and only
-    nn.Embedding's padding_idx keeps them out of the table's gradient.)"""
-
-    def __init__(self, vocab=40, dim=12, classes=3, padding_idx: int | None = 0):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim, padding_idx=padding_idx)
-        self.norm = nn.LayerNorm(dim)
-        self.mix = nn.Linear(dim, dim)
-        self.head = nn.Linear(dim, classes)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.mix(self.norm(self.emb(x)))).mean(1))
+from ._common import TinyText, _reference
 
 
 def _tokens(batch=16, length=10, vocab=8, seed=0):
     """Few distinct tokens, so that most examples repeat some (the case the form must sum)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, length), generator=g), torch.randint(0, 3, (batch,), generator=g)
-
-
-def _reference(model, x, y, clip):
-    return clipped_sum(PerSampleGradients(model, F.cross_entropy)(x, y), clip)
 
 
 @pytest.mark.parametrize("padding_idx", [0, None], ids=["padding", "no-padding"])
