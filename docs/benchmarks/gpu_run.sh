@@ -3,7 +3,7 @@
 # time is 15 minutes, so everything runs in one call of about 8 minutes):
 #   1. the CUDA tests: book-keeping = vmap in float64 on the GPU, a private step that stays on the
 #      device with noise of the right scale, bf16 autocast with float32 clipping and noise, and the
-#      secure normals drawn for the GPU (tests/dpcore/test_on_cuda.py, test_noise_and_sampling.py);
+#      secure normals drawn for the GPU (tests/dpcore/test_on_cuda.py, test_secure_randomness.py);
 #   2. one secure noise draw for the GPU (docs/benchmarks/secure_noise.py --device cuda);
 #   3. `dp-platform bench` on the GPU: MNIST CNN (batch 256), ResNet-9 and WRN-16-4 (batch 64);
 #   4. the text fine-tuning step (docs/benchmarks/text_step.py --device cuda), T = 128 and 256;
@@ -38,7 +38,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
 python3 -c "import os, torch, transformers, peft, opacus; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'opacus', opacus.__version__, 'cpus', os.cpu_count())" | tee -a "$out/machine.txt"
 
 want tests && section "CUDA tests" && timeout 240 python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/dpcore/test_on_cuda.py \
-  "tests/dpcore/test_noise_and_sampling.py::test_secure_normals_for_a_gpu_are_box_muller_there_of_host_keystream_pieces" \
+  "tests/dpcore/test_secure_randomness.py::test_secure_normals_for_a_gpu_are_box_muller_there_of_host_keystream_pieces" \
   2>&1 | tail -25 | tee "$out/tests.txt"
 
 want noise && section "secure noise" && timeout 120 python3 docs/benchmarks/secure_noise.py --device cuda --repeats 7 --threads 4 2>&1 | tee "$out/noise.md"

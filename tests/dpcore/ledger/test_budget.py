@@ -1,0 +1,48 @@
+"""The ledger's budget check and allowances (dpcore/ledger/ledger.py): the ledger refuses exactly the
+release that would exceed its budget, before anything is released, and an allowance primed from the
+driver's plan equals the one the ledger computes itself."""
+
+import dp_accounting
+import pytest
+
+import dpcore
+from dpcore.accounting import PrivacyEvent
+
+from .._common import _dpa_pld
+
+
+def test_ledger_refuses_the_step_that_would_exceed_the_budget():
+    ev = PrivacyEvent.dpsgd_step(1.2, 0.05)
+    ledger = dpcore.PrivacyLedger(2.0, 1e-5)
+    appended = 0
+    with pytest.raises(dpcore.BudgetExceededError, match="Nothing was released"):
+        while True:
+            ledger.check(ev)
+            ledger.append(ev, step=appended + 1, clip_norm=1.0)
+            appended += 1
+    assert len(ledger) == appended > 0
+    assert ledger.epsilon() <= 2.0
+    over = dp_accounting.SelfComposedDpEvent(ev.to_dp_event(), appended + 1)
+    assert _dpa_pld(over, 1e-5) > 2.0
+    # append() re-checks on its own as well.
+    with pytest.raises(dpcore.BudgetExceededError):
+        ledger.append(ev, step=appended + 1, clip_norm=1.0)
+    assert len(ledger) == appended
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["pca-apart", "pca-same-as-a-step"])
+def test_a_primed_allowance_equals_the_computed_one(same):
+    """The driver's plan seeds the budget check with max_steps (steps beyond the prior releases);
+    the ledger's allowance is then the one it would compute itself, also where a prior release
+    is the step's own event (a DP-PCA release sampled at the step's q and σ): it was one short."""
+    ev = dpcore.PrivacyEvent.dpsgd_step(1.1, 0.05)
+    prior_event = ev if same else dpcore.PrivacyEvent.of("gaussian", 4.0, 1.0)
+    prior = [(prior_event, 1)]
+    k = dpcore.max_steps(1.1, 0.05, 3.0, 1e-5, "pld", prior_groups=prior, event=ev)
+    primed, computed = dpcore.PrivacyLedger(3.0, 1e-5), dpcore.PrivacyLedger(3.0, 1e-5)
+    primed.prime_allowance(ev, prior, k)
+    for ledger in (primed, computed):
+        ledger.append(prior_event, step=0, clip_norm=1.0)
+        for s in range(1, 4):
+            ledger.append(ev, step=s, clip_norm=1.0)
+    assert primed.allowance(ev) == computed.allowance(ev) == k - 3
