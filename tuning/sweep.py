@@ -65,6 +65,7 @@ def run_sweep(
     sweep, base, sel, bound = plan.sweep, plan.base, plan.sel, plan.bound
     study, n_trials = _open_study(plan)
 
+    tracking.open_store(plan.tracking_uri)
     client = MlflowClient(plan.tracking_uri)
     parent_tags = _parent_tags(sweep, base, plan.space, sel, n_trials)
     storage_tag = redact(sweep.storage)

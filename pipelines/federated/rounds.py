@@ -73,6 +73,7 @@ def run_federated(cfg: FederatedConfig | None = None, faults: ActorFault | None 
     )
     server_opt = torch.optim.SGD(params, lr=cfg.server_lr, momentum=cfg.server_momentum)
 
+    tracking.open_store(plan["tracking_uri"])
     client = MlflowClient(plan["tracking_uri"])
     mlflow.set_tracking_uri(plan["tracking_uri"])
     with tracking.mlflow_run(

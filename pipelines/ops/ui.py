@@ -115,7 +115,7 @@ def main(argv: list[str], prog: str = "dp-platform ui") -> int:
     p.add_argument("--port", type=int, help="port (default: 5000, or a free one if 5000 is taken)")
     p.add_argument("--host", default="127.0.0.1", help="interface (default 127.0.0.1: this machine only)")
     a = p.parse_args(argv)
-    from ..tracking import TrackingError, check_tracking_uri, redact, resolve_tracking_uri
+    from ..tracking import TrackingError, check_tracking_uri, open_store, redact, resolve_tracking_uri
     from .stack.common import free_port, port_in_use
 
     uri = resolve_tracking_uri(a.tracking_uri)
@@ -124,10 +124,11 @@ def main(argv: list[str], prog: str = "dp-platform ui") -> int:
         return 0
     new_store = uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file()
     try:
-        check_tracking_uri(uri)  # (which makes a new SQLite store's empty database)
+        check_tracking_uri(uri)
     except TrackingError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    open_store(uri)  # a new SQLite store's empty database, from the cached schema
     if new_store:
         print(
             f"note: {uri[len('sqlite:///') :]} does not exist yet: the UI is empty until a run logs to it.", flush=True

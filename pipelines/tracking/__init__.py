@@ -73,9 +73,20 @@ def resolve_tracking_uri(uri: str) -> str:
     return uri
 
 
+def open_store(uri: str) -> None:
+    """Before the first MLflow client of a command, once every check has passed (so that a
+    command that fails leaves no new store behind): a SQLite database that does not exist yet
+    is made from the cached schema (:mod:`.sqlite_schema`), not by MLflow's 68 migrations. A URI
+    with options or escapes, and any other store, are left to MLflow."""
+    if uri.startswith("sqlite:///") and "?" not in uri and "%" not in uri:
+        from .sqlite_schema import create_if_missing
+
+        create_if_missing(Path(uri[len("sqlite:///") :]))
+
+
 def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
-    """Fail fast, with the fix, if the tracking store is unreachable or unwritable. A SQLite
-    database that does not exist yet is made from the cached schema (:mod:`.sqlite_schema`)."""
+    """Fail fast, with the fix, if the tracking store is unreachable or unwritable. Writes
+    nothing (a new SQLite store is made by :func:`open_store`, once the command's checks pass)."""
     parsed = urlparse(uri)
     if parsed.scheme in ("http", "https"):
         url = uri.rstrip("/") + "/health"
@@ -115,10 +126,6 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
         parent = path.parent
         if not parent.is_dir() or not os.access(parent, os.W_OK):
             raise TrackingError(f"cannot write the MLflow database {path}: {parent} does not exist or is not writable.")
-        if "?" not in uri and "%" not in uri:  # (a URI with options or escapes: MLflow makes its own)
-            from .sqlite_schema import create_if_missing
-
-            create_if_missing(path)  # a new database from the cached schema, not MLflow's 68 migrations
     elif parsed.scheme == "file":
         path = Path(parsed.path)
         existing = next(p for p in [path, *path.parents] if p.exists())

@@ -177,6 +177,7 @@ def _run_planned(plan: RunPlan, cfg: TrainConfig, resume, parent_run_id, extra_t
     import mlflow
     from mlflow import MlflowClient
 
+    tracking.open_store(plan.tracking_uri)
     client = MlflowClient(plan.tracking_uri)
     mlflow.set_tracking_uri(plan.tracking_uri)
     tags = None if resume is not None else {**tracking.dp_tags(cfg, plan), **(extra_tags or {})}

@@ -28,6 +28,7 @@ def resume_plan(run_id: str, tracking_uri: str, changes: dict) -> tuple[RunPlan,
         raise dpcore.DPConfigError(f"--resume cannot change {', '.join(bad)}: a resumed run keeps its config.")
     uri = tracking.resolve_tracking_uri(tracking_uri)
     tracking.check_tracking_uri(uri)
+    tracking.open_store(uri)
     client = MlflowClient(uri)
     try:
         run = client.get_run(run_id)

@@ -10,7 +10,8 @@ def client(tmp_path):
     from mlflow import MlflowClient
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    tracking.check_tracking_uri(uri)  # as the platform's commands do: the database from the cached schema
+    tracking.check_tracking_uri(uri)  # as the platform's commands do, then the database from the cached schema
+    tracking.open_store(uri)
     return MlflowClient(uri)
 
 

@@ -57,7 +57,7 @@ def test_a_new_database_is_the_one_mlflow_builds_and_mlflow_opens_it_as_its_own(
 
     monkeypatch.chdir(tmp_path)  # the default experiment's artifact location is under the folder opened from
     ours, theirs = tmp_path / "ours.db", tmp_path / "theirs.db"
-    tracking.check_tracking_uri(f"sqlite:///{ours}")  # every entry point checks its tracking URI first
+    tracking.open_store(f"sqlite:///{ours}")  # every command, before its first MLflow client
     assert ours.is_file() and list(cache.glob("mlflow-*.db"))
     MlflowClient(f"sqlite:///{theirs}").search_experiments()  # MLflow alone: its tables, then 68 migrations
     assert _schema(ours) == _schema(theirs)
@@ -80,6 +80,7 @@ def test_an_existing_database_is_left_as_it_is(cache, tmp_path):
     before = db.read_bytes()
     assert sqlite_schema.create_if_missing(db) is False
     tracking.check_tracking_uri(f"sqlite:///{db}")
+    tracking.open_store(f"sqlite:///{db}")
     assert db.read_bytes() == before and client.get_run(run).info.run_id == run
 
 
@@ -104,7 +105,7 @@ def test_a_cache_others_can_write_is_not_used_and_mlflow_builds_the_database(cac
     db = tmp_path / "mlflow.db"
     assert sqlite_schema.create_if_missing(db) is False and not db.exists()
     assert not list(cache.iterdir())
-    tracking.check_tracking_uri(f"sqlite:///{db}")
+    tracking.open_store(f"sqlite:///{db}")
     assert not db.exists()  # left to MLflow, which builds it on first use
     assert [e.name for e in MlflowClient(f"sqlite:///{db}").search_experiments()] == ["Default"]
 
@@ -139,12 +140,29 @@ def test_a_cache_that_cannot_be_written_never_stops_a_run(cache, tmp_path, monke
     monkeypatch.setattr(sqlite_schema.tempfile, "mkstemp", read_only)
     db = tmp_path / "mlflow.db"
     assert sqlite_schema.create_if_missing(db) is False
-    tracking.check_tracking_uri(f"sqlite:///{db}")  # no error
+    tracking.open_store(f"sqlite:///{db}")  # no error
     assert not db.exists()
 
 
 def test_a_uri_with_options_is_left_to_mlflow(cache, tmp_path):
     """SQLAlchemy reads the path of sqlite:///x.db?timeout=20 as x.db: no file named after the URI."""
-    tracking.check_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db?timeout=20")
-    tracking.check_tracking_uri(f"sqlite:///{tmp_path}/a%20b.db")
+    tracking.open_store(f"sqlite:///{tmp_path}/mlflow.db?timeout=20")
+    tracking.open_store(f"sqlite:///{tmp_path}/a%20b.db")
     assert list(tmp_path.iterdir()) == [tmp_path / "cache"]
+
+
+def test_a_run_refused_by_its_checks_leaves_no_store_behind(cache, tmp_path):
+    """Every command checks its tracking URI before its data and its budget: that check writes
+    nothing, so a run that a later check refuses leaves no database in the folder. The store is
+    made before the command's first MLflow client (:func:`pipelines.tracking.open_store`)."""
+    import dpcore
+    from pipelines.config import TrainConfig
+    from pipelines.plan import plan_run
+
+    db = tmp_path / "mlflow.db"
+    cfg = TrainConfig(lot_size=100_000, storage_path=str(tmp_path / "runs"), tracking_uri=f"sqlite:///{db}")
+    with pytest.raises(dpcore.DPConfigError, match="lot_size=100000 is larger than the dataset"):
+        plan_run(cfg)  # refused once the data is read, after the tracking URI's check
+    assert not db.exists() and (tmp_path / "runs").is_dir()
+    tracking.open_store(f"sqlite:///{db}")
+    assert db.is_file()
