@@ -188,13 +188,14 @@ def _ledger(argv: list[str]) -> int:
     a = p.parse_args(argv)
     import mlflow
 
-    from .tracking import resolve_tracking_uri
+    from .tracking import resolve_tracking_uri, sqlite_file
 
     uri = resolve_tracking_uri(a.tracking_uri)
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).expanduser().is_file():
+    db = sqlite_file(uri)
+    if db is not None and not db.is_file():
         # MLflow would make an empty store there: a command that only reads makes nothing
         print(
-            f"error: no MLflow store at {uri[len('sqlite:///') :]}: give --tracking-uri (or $MLFLOW_TRACKING_URI), "
+            f"error: no MLflow store at {db}: give --tracking-uri (or $MLFLOW_TRACKING_URI), "
             "or run from the folder you trained in.",
             file=sys.stderr,
         )

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from ..config.options import Parser
 
@@ -115,24 +114,22 @@ def main(argv: list[str], prog: str = "dp-platform ui") -> int:
     p.add_argument("--port", type=int, help="port (default: 5000, or a free one if 5000 is taken)")
     p.add_argument("--host", default="127.0.0.1", help="interface (default 127.0.0.1: this machine only)")
     a = p.parse_args(argv)
-    from ..tracking import TrackingError, check_tracking_uri, open_store, redact, resolve_tracking_uri
+    from ..tracking import TrackingError, check_tracking_uri, open_store, redact, resolve_tracking_uri, sqlite_file
     from .stack.common import free_port, port_in_use
 
     uri = resolve_tracking_uri(a.tracking_uri)
     if uri.startswith(("http://", "https://")):
         print(f"{redact(uri)} is a tracking server: it serves its own UI there (log in if it asks).")
         return 0
-    new_store = uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file()
+    db = sqlite_file(uri)
+    new_store = db is not None and not db.is_file()
     try:
         check_tracking_uri(uri)
     except TrackingError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    open_store(uri)  # a new SQLite store's empty database, from the cached schema
     if new_store:
-        print(
-            f"note: {uri[len('sqlite:///') :]} does not exist yet: the UI is empty until a run logs to it.", flush=True
-        )
+        print(f"note: {db} does not exist yet: the UI is empty until a run logs to it.", flush=True)
     stack_port = _stack_mlflow_port()
     port = a.port if a.port is not None else 5000
     if port_in_use(a.host, port):
@@ -148,6 +145,7 @@ def main(argv: list[str], prog: str = "dp-platform ui") -> int:
         port = free_port(a.host)
         print(f"port 5000 is taken ({holder}); this UI uses port {port}.", flush=True)
     url = f"http://{a.host}:{port}"
+    open_store(uri)  # a new SQLite store's empty database, from the cached schema; not before the port is had
     from .clean import cache_dir
 
     log = cache_dir() / "logs" / f"ui-{port}.log"

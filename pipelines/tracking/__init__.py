@@ -32,7 +32,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import dpcore
 from dpcore.readout import epsilon_text
@@ -71,6 +71,14 @@ def resolve_tracking_uri(uri: str) -> str:
     if "://" not in uri:  # a plain path: MLflow's file store
         return Path(uri).resolve().as_uri()
     return uri
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI (its options left off, its escapes decoded), or
+    None for any other store."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(unquote(uri[len("sqlite:///") :].split("?", 1)[0])).expanduser()
 
 
 def open_store(uri: str) -> None:

@@ -92,7 +92,10 @@ def create_if_missing(path: str | Path) -> bool:
     leaves the database to MLflow (it exists, the cache is off, not private or not writable, or
     anything failed: this only saves time, it never stops a run)."""
     path = Path(path)
-    if path.exists() or os.environ.get("DP_MLFLOW_SCHEMA_CACHE", "1") == "0":
+    try:
+        if path.exists() or os.environ.get("DP_MLFLOW_SCHEMA_CACHE", "1") == "0":
+            return False
+    except OSError:  # a folder that cannot be searched: MLflow reports it in its own words
         return False
     try:
         source = template()

@@ -28,7 +28,12 @@ def resume_plan(run_id: str, tracking_uri: str, changes: dict) -> tuple[RunPlan,
         raise dpcore.DPConfigError(f"--resume cannot change {', '.join(bad)}: a resumed run keeps its config.")
     uri = tracking.resolve_tracking_uri(tracking_uri)
     tracking.check_tracking_uri(uri)
-    tracking.open_store(uri)
+    db = tracking.sqlite_file(uri)
+    if db is not None and not db.is_file():  # MLflow would make an empty store there, and find no run
+        raise dpcore.DPConfigError(
+            f"--resume {run_id}: no MLflow store at {db}: give the --tracking-uri the run was tracked in (or "
+            "$MLFLOW_TRACKING_URI), or resume from the folder it was started in."
+        )
     client = MlflowClient(uri)
     try:
         run = client.get_run(run_id)
@@ -37,6 +42,7 @@ def resume_plan(run_id: str, tracking_uri: str, changes: dict) -> tuple[RunPlan,
     if run.info.status == "FINISHED":
         raise dpcore.DPConfigError(f"run {run_id} is already finished; there is nothing to resume.")
     plan = RunPlan.from_dict(tracking.read_json_artifact(uri, run_id, "spec.json"))
+    plan.tracking_uri = uri  # where the run was found (spec.json holds the URI it was started with)
     if not Path(plan.journal).is_file():
         raise dpcore.DPConfigError(
             f"run {run_id}'s ledger journal {plan.journal} is missing; without it the releases cannot be accounted for."

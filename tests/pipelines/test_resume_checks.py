@@ -153,3 +153,15 @@ def test_a_resumed_plans_step_bound_is_computed_again_not_trusted(caplog):
         recheck_max_releases(plan, cfg)
     assert plan.max_releases == true_max and f"the budget allows {true_max}" in caplog.text
     assert dpcore.epsilon([(plan.step_event(), true_max)], 1e-5, "pld") <= 1.0
+
+
+def test_resuming_from_a_store_that_is_not_there_names_it_and_makes_none(tmp_path):
+    """A resumed run is looked up in its tracking store: a SQLite file that is not there (another
+    folder, a mistyped path) is named, and no empty store is left in its place."""
+    from pipelines.train.resume import resume_plan
+
+    db = tmp_path / "elsewhere" / "mlflow.db"
+    db.parent.mkdir()
+    with pytest.raises(dpcore.DPConfigError, match=f"--resume abc: no MLflow store at {db}"):
+        resume_plan("abc", f"sqlite:///{db}", {})
+    assert not db.exists()

@@ -37,6 +37,7 @@ def test_a_taken_port_is_named_and_nothing_starts(tmp_path):
     assert out.returncode == 2
     assert f"port {port} is taken: another program listens there" in out.stderr
     assert "MLflow UI:" not in out.stdout and "starting" not in out.stdout
+    assert not (tmp_path / "mlflow.db").exists()  # nothing started: no store made either
 
 
 def test_the_stacks_mlflow_server_is_recognised(tmp_path):
