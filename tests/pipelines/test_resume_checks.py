@@ -165,3 +165,35 @@ def test_resuming_from_a_store_that_is_not_there_names_it_and_makes_none(tmp_pat
     with pytest.raises(dpcore.DPConfigError, match=f"--resume abc: no MLflow store at {db}"):
         resume_plan("abc", f"sqlite:///{db}", {})
     assert not db.exists()
+
+
+def test_a_resumed_run_logs_to_the_store_it_was_found_in(tmp_path, monkeypatch):
+    """The run's spec.json keeps the URI it was started with; a store moved since (and named
+    with --tracking-uri) is where the run was found, so the resumed plan logs there (the driver
+    opens the plan's store: at the old path it would have made an empty one)."""
+    import shutil
+
+    from mlflow import MlflowClient
+
+    from pipelines import tracking
+    from pipelines.train import resume
+
+    from ..helpers import small_plan
+
+    monkeypatch.chdir(tmp_path)  # the runs' artifacts: under tmp_path/mlruns, wherever the database goes
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    old, new = tmp_path / "a" / "mlflow.db", tmp_path / "b" / "mlflow.db"
+    client = MlflowClient(f"sqlite:///{old}")
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    journal = tmp_path / "journal.jsonl"
+    journal.write_text("")
+    plan = small_plan(journal=str(journal), tracking_uri=f"sqlite:///{old}", config={})
+    tracking.write_json_artifact(client, run_id, "spec.json", plan.to_dict())
+    shutil.move(old, new)
+    # what this test is not about: the data's and the budget's checks (tested above)
+    monkeypatch.setattr(resume, "check_same_data", lambda plan: None)
+    monkeypatch.setattr(resume, "recheck_max_releases", lambda plan, cfg: None)
+    monkeypatch.setattr(resume, "config_from_dict", lambda d: d)
+    got, _ = resume.resume_plan(run_id, f"sqlite:///{new}", {})
+    assert got.tracking_uri == f"sqlite:///{new}"
