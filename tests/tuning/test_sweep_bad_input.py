@@ -1,7 +1,9 @@
 """Bad sweep input, refused before the study or any run is written: the checks of a sweep's plan
 (tuning/plan.py) on the search space, the base config, the Optuna storage and the private-selection
 options each fail with their message and leave no study and no MLflow run behind; and the
-``sweep`` command exits with status 2 and an error line, not a traceback."""
+``sweep`` command exits with status 2 and an error line, not a traceback. Nothing here starts
+Ray or a trial, so these run in the default suite (about 35 s, most of it the unreachable
+storage's connect timeout and the command's start-up)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,6 @@ from tuning.config import SweepConfig
 from tuning.sweep import run_sweep
 
 from ._common import _base
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize(

@@ -4,13 +4,9 @@ last report only, whatever the base config asks."""
 
 from __future__ import annotations
 
-import pytest
-
 from tuning.config import SweepConfig
 
 from ._common import _base
-
-pytestmark = pytest.mark.slow
 
 
 def test_a_seeded_sweep_gives_each_trial_a_seed_of_its_own():
