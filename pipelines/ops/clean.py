@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from ..config.options import Parser
+from ..tracking import sqlite_file as _sqlite_file
 
 PROG = "dp-platform clean"
 
@@ -63,9 +64,8 @@ def tracking_files(tracking_uri: str) -> list[Path]:
 
 def sqlite_file(uri: str) -> list[Path]:
     """The file of a ``sqlite:///`` URL (an Optuna store), or nothing for a server's."""
-    if not uri.startswith("sqlite:///"):
-        return []
-    return [Path(uri[len("sqlite:///") :].split("?", 1)[0]).expanduser().resolve()]
+    db = _sqlite_file(uri)
+    return [] if db is None else [db.resolve()]
 
 
 def targets(storage_path: str, tracking_uri: str, what: set[str], optuna_storage: str = "") -> list[tuple[str, Path]]:

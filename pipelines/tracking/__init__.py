@@ -86,10 +86,11 @@ def open_store(uri: str) -> None:
     command that fails leaves no new store behind): a SQLite database that does not exist yet
     is made from the cached schema (:mod:`.sqlite_schema`), not by MLflow's 68 migrations. A URI
     with options or escapes, and any other store, are left to MLflow."""
-    if uri.startswith("sqlite:///") and "?" not in uri and "%" not in uri:
+    db = sqlite_file(uri)
+    if db is not None and "?" not in uri and "%" not in uri:
         from .sqlite_schema import create_if_missing
 
-        create_if_missing(Path(uri[len("sqlite:///") :]))
+        create_if_missing(db)
 
 
 def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
