@@ -9,8 +9,9 @@
 Every trial is a full training run of the main job (``pipelines.train.run``) in a Ray task,
 nested as a child MLflow run under the sweep's parent run, with its own σ calibrated for its
 own lot size and epochs, and its own ledger. The study lives in an RDB storage (a SQLite file
-by default, PostgreSQL on a cluster); running the same command again continues it. A trial
-whose process dies stops sending heartbeats; once it is stale, Optuna marks it failed and
+by default, PostgreSQL on a cluster); running the same command again continues it. The driver
+sends each running trial's heartbeat (:class:`tuning.trials.Heartbeats`); a trial whose process
+dies, or whose driver dies, gets no more; once it is stale, Optuna marks it failed and
 :class:`optuna.storages.RetryHeartbeatStaleTrialCallback` queues a retry with the same
 parameters, which the next free slot runs.
 
@@ -41,7 +42,7 @@ from .pruning import TrialPruner
 from .results import best_trial, finalise, finish_trial
 from .selection import SCOPE
 from .space import default_space
-from .trials import Progress, trial_seed, trial_task
+from .trials import Heartbeats, Progress, trial_seed, trial_task
 
 
 def run_sweep(
@@ -159,7 +160,10 @@ def _run_trials(plan: SweepPlan, study, n_trials: int, cap: int, client, parent_
     randomness = dpcore.make_randomness(base.seed) if sel is not None else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dpcore.SeededRandomnessWarning)
-        with ray_cluster(dataclasses.replace(base, num_workers=max(base.num_workers, sweep.max_concurrent))):
+        with (
+            ray_cluster(dataclasses.replace(base, num_workers=max(base.num_workers, sweep.max_concurrent))),
+            Heartbeats(storage, sweep.heartbeat_interval) as heartbeats,
+        ):
             run_trial = trial_task()
             inflight: dict = {}  # ObjectRef -> (trial, params)
             while True:
@@ -179,7 +183,7 @@ def _run_trials(plan: SweepPlan, study, n_trials: int, cap: int, client, parent_
                 while launchable > 0 and len(inflight) < sweep.max_concurrent:
                     trial = study.ask()
                     params = space.suggest(trial)
-                    storage.record_heartbeat(trial._trial_id)
+                    heartbeats.add(trial._trial_id)
                     ref = run_trial.remote(
                         *_trial_args(sweep, base, trial, params, parent_id),
                         str(run_dir / f"trial-{trial.number}.pid"),
@@ -197,6 +201,7 @@ def _run_trials(plan: SweepPlan, study, n_trials: int, cap: int, client, parent_
                 ready, _ = ray.wait(list(inflight), num_returns=1, timeout=sweep.heartbeat_interval)
                 for ref in ready:
                     trial, params = inflight.pop(ref)
+                    heartbeats.discard(trial._trial_id)
                     note = finish_trial(study, trial, ref, sel, randomness, client, parent_id)
                     trials = study.get_trials(deepcopy=False)
                     progress.show(
@@ -219,7 +224,7 @@ def _trial_args(sweep: SweepConfig, base, trial, params: dict, parent_id: str) -
     """The first arguments of :func:`tuning.trials.trial_task`'s task for one trial: its config
     (the base with the trial's parameters and own seed, no model logged, the test split only at
     its end: nothing the search looks at mid-trial, the pruner's reports among them, sees it), the
-    parent run, its tags, its pruner and its heartbeat."""
+    parent run, its tags and its pruner."""
     cfg = dataclasses.replace(
         base,
         **params,
@@ -238,13 +243,7 @@ def _trial_args(sweep: SweepConfig, base, trial, params: dict, parent_id: str) -
     pruner = None
     if sweep.pruner == "median":
         pruner = TrialPruner(sweep.storage, sweep.study, trial._trial_id, MEDIAN_PRUNER)
-    heartbeat = {
-        "storage": sweep.storage,
-        "interval": sweep.heartbeat_interval,
-        "grace": sweep.grace_period,
-        "trial_id": trial._trial_id,
-    }
-    return cfg.to_dict(), parent_id, tags, pruner, heartbeat
+    return cfg.to_dict(), parent_id, tags, pruner
 
 
 def _parent_tags(sweep: SweepConfig, base, space, sel: dict | None, n_trials: int) -> dict:

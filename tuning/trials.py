@@ -1,5 +1,6 @@
-"""One trial of a sweep: the Ray task that runs the main job as a child MLflow run (sending the
-trial's Optuna heartbeat while it runs), the trial's own seed, and the sweep's progress line."""
+"""One trial of a sweep: the Ray task that runs the main job as a child MLflow run, the heartbeats
+the driver sends for its trials while their tasks run, the trial's own seed, and the sweep's
+progress line."""
 
 from __future__ import annotations
 
@@ -25,49 +26,28 @@ def trial_task():
         parent_run_id: str,
         tags: dict,
         pruner: TrialPruner | None,
-        heartbeat: dict | None,
         pid_file: str,
         hook=None,
         memory_share: float = 1.0,
     ) -> dict:
-        """One trial: the main job as a child run. Sends the trial's heartbeat while it runs
-        (first thing, before the heavy imports)."""
+        """One trial: the main job as a child run. Its heartbeat is the driver's (:class:`Heartbeats`)."""
         Path(pid_file).write_text(str(os.getpid()))
-        stop = threading.Event()
-        if heartbeat is not None:
-            import optuna
-
-            storage = optuna.storages.RDBStorage(
-                heartbeat["storage"], heartbeat_interval=heartbeat["interval"], grace_period=heartbeat["grace"]
-            )
-
-            def beat():
-                while True:
-                    with contextlib.suppress(Exception):
-                        storage.record_heartbeat(heartbeat["trial_id"])
-                    if stop.wait(heartbeat["interval"]):
-                        return
-
-            threading.Thread(target=beat, daemon=True).start()
         import warnings as _w
 
         from pipelines.config import config_from_dict
         from pipelines.train import run
 
-        try:
-            if hook is not None:
-                hook(cfg_dict)
-            with _w.catch_warnings():
-                _w.simplefilter("ignore", dpcore.SeededRandomnessWarning)
-                out = run(
-                    config_from_dict(cfg_dict),
-                    parent_run_id=parent_run_id,
-                    extra_tags=tags,
-                    pruner=pruner,
-                    memory_share=memory_share,
-                )
-        finally:
-            stop.set()
+        if hook is not None:
+            hook(cfg_dict)
+        with _w.catch_warnings():
+            _w.simplefilter("ignore", dpcore.SeededRandomnessWarning)
+            out = run(
+                config_from_dict(cfg_dict),
+                parent_run_id=parent_run_id,
+                extra_tags=tags,
+                pruner=pruner,
+                memory_share=memory_share,
+            )
         keys = (
             "run_id",
             "val_accuracy",
@@ -86,6 +66,53 @@ def trial_task():
         return summary
 
     return run_trial
+
+
+class Heartbeats:
+    """The Optuna heartbeats of the trials this driver has launched and not yet collected, sent
+    from a thread of the driver every ``interval`` seconds, from the launch on.
+
+    The driver, not the trial's task, sends them: a task spends its first seconds (more on a
+    loaded machine) in Ray's worker start-up and in importing torch before any code of its own
+    could send one, and a trial whose heartbeat is older than the grace period is failed and
+    retried while it still runs (its pruner reports then fail: CI at daf4c28). A trial whose
+    process dies (Ray tells the driver), or whose driver dies, is beaten for no more, goes stale
+    and is retried, as before.
+    """
+
+    def __init__(self, storage, interval: float):
+        self.storage, self.interval = storage, float(interval)
+        self._ids: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="optuna-heartbeats", daemon=True)
+
+    def __enter__(self) -> Heartbeats:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval + 5)
+
+    def add(self, trial_id: int) -> None:
+        """Beat for this trial from now on (the first beat at once)."""
+        self.storage.record_heartbeat(trial_id)
+        with self._lock:
+            self._ids.add(trial_id)
+
+    def discard(self, trial_id: int) -> None:
+        """Its task has returned (or its process died): beat for it no more."""
+        with self._lock:
+            self._ids.discard(trial_id)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
+            with self._lock:
+                ids = sorted(self._ids)
+            for trial_id in ids:
+                with contextlib.suppress(Exception):  # a missed beat is retried; the grace period covers several
+                    self.storage.record_heartbeat(trial_id)
 
 
 def trial_seed(seed: int | None, number: int) -> int | None:

@@ -1,0 +1,38 @@
+"""The heartbeats of a sweep's trials come from the driver, from each trial's launch until its
+task returns: a trial whose task is slow to start (Ray's worker start-up and torch's import, on
+a loaded machine) is not failed as stale while it still runs, which CI at daf4c28 saw; a trial
+whose task has returned or died, or whose driver has stopped, goes stale and is failed."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import optuna
+
+from tuning.trials import Heartbeats
+
+RUNNING, FAIL = optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.FAIL
+
+
+def _states(study) -> dict:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)  # what the sweep's loop runs before each launch
+    return {t.number: t.state for t in study.get_trials()}
+
+
+def test_the_driver_keeps_a_launched_trial_fresh_until_its_task_returns(tmp_path):
+    grace = 3
+    storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path}/optuna.db", heartbeat_interval=1, grace_period=grace)
+    study = optuna.create_study(study_name="h", storage=storage)
+    slow, returned = study.ask(), study.ask()
+    with Heartbeats(storage, 1) as heartbeats:
+        heartbeats.add(slow._trial_id)  # its task has not sent a beat of its own, nor will it
+        heartbeats.add(returned._trial_id)
+        heartbeats.discard(returned._trial_id)  # its task returned, or its process died
+        time.sleep(grace + 2)
+        assert _states(study) == {0: RUNNING, 1: FAIL}
+    # the driver has stopped (as when it dies): its trial goes stale too
+    time.sleep(grace + 1)
+    assert _states(study) == {0: FAIL, 1: FAIL}
