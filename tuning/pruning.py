@@ -8,6 +8,8 @@ reference to this module, which imports Optuna only when first called.
 
 from __future__ import annotations
 
+import warnings
+
 
 class TrialPruner:
     def __init__(self, storage: str, study: str, trial_id: int, median_pruner: dict | None = None):
@@ -32,5 +34,18 @@ class TrialPruner:
                 pruner=optuna.pruners.MedianPruner(**self.median_pruner),
             )
             self._trial = optuna.trial.Trial(study, self.trial_id)
-        self._trial.report(float(value), int(step))
+        import optuna
+
+        try:
+            self._trial.report(float(value), int(step))
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # The study has already ended this trial: failed as stale (its heartbeat missed the
+            # grace period) and queued for a retry, which runs instead. Stop here, rather than
+            # raise and have Ray Train restart the run only to fail at its next report.
+            warnings.warn(
+                f"{self!r} was already finished in the study (failed as stale; its retry runs instead): "
+                "stopping this run.",
+                stacklevel=2,
+            )
+            return True
         return bool(self._trial.should_prune())

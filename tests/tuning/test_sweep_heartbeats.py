@@ -1,7 +1,8 @@
 """The heartbeats of a sweep's trials come from the driver, from each trial's launch until its
 task returns: a trial whose task is slow to start (Ray's worker start-up and torch's import, on
 a loaded machine) is not failed as stale while it still runs, which CI at daf4c28 saw; a trial
-whose task has returned or died, or whose driver has stopped, goes stale and is failed."""
+whose task has returned or died, or whose driver has stopped, goes stale and is failed; and a
+trial failed so while it still runs stops at its next report."""
 
 from __future__ import annotations
 
@@ -36,3 +37,23 @@ def test_the_driver_keeps_a_launched_trial_fresh_until_its_task_returns(tmp_path
     # the driver has stopped (as when it dies): its trial goes stale too
     time.sleep(grace + 1)
     assert _states(study) == {0: FAIL, 1: FAIL}
+
+
+def test_a_trial_the_study_has_already_failed_stops_at_its_next_report(tmp_path):
+    """Were a trial still failed as stale while it runs (its heartbeat lost for the grace period),
+    its retry runs instead: its pruner says stop at the next report, rather than raise and have Ray
+    Train restart the run only to fail again."""
+    import pytest
+
+    from tuning.config import MEDIAN_PRUNER
+    from tuning.pruning import TrialPruner
+
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    study = optuna.create_study(study_name="s", storage=storage, direction="maximize")
+    trial = study.ask()
+    report = TrialPruner(storage, "s", trial._trial_id, MEDIAN_PRUNER)
+    assert report(0.5, 1) is False
+    study.tell(trial, state=FAIL)  # what fail_stale_trials does to a stale trial
+    with pytest.warns(UserWarning, match="already finished in the study"):
+        assert report(0.6, 2) is True
+    assert optuna.load_study(study_name="s", storage=storage).trials[0].intermediate_values == {1: 0.5}
