@@ -182,8 +182,8 @@ def _run_trials(plan: SweepPlan, study, n_trials: int, cap: int, client, parent_
                 launchable = 0 if stop else min(n_trials - done - len(inflight) - foreign, cap - len(trials))
                 while launchable > 0 and len(inflight) < sweep.max_concurrent:
                     trial = study.ask()
+                    heartbeats.add(trial._trial_id)  # at once: Optuna never fails a RUNNING trial without a beat
                     params = space.suggest(trial)
-                    heartbeats.add(trial._trial_id)
                     ref = run_trial.remote(
                         *_trial_args(sweep, base, trial, params, parent_id),
                         str(run_dir / f"trial-{trial.number}.pid"),
@@ -201,8 +201,10 @@ def _run_trials(plan: SweepPlan, study, n_trials: int, cap: int, client, parent_
                 ready, _ = ray.wait(list(inflight), num_returns=1, timeout=sweep.heartbeat_interval)
                 for ref in ready:
                     trial, params = inflight.pop(ref)
-                    heartbeats.discard(trial._trial_id)
-                    note = finish_trial(study, trial, ref, sel, randomness, client, parent_id)
+                    try:  # beaten while its outcome is written, so that no other driver fails it meanwhile
+                        note = finish_trial(study, trial, ref, sel, randomness, client, parent_id)
+                    finally:
+                        heartbeats.discard(trial._trial_id)
                     trials = study.get_trials(deepcopy=False)
                     progress.show(
                         sum(t.state in finished_states for t in trials), len(inflight), best_trial(study), note

@@ -4,7 +4,7 @@ progress line."""
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import os
 import sys
 import threading
@@ -76,8 +76,10 @@ class Heartbeats:
     loaded machine) in Ray's worker start-up and in importing torch before any code of its own
     could send one, and a trial whose heartbeat is older than the grace period is failed and
     retried while it still runs (its pruner reports then fail: CI at daf4c28). A trial whose
-    process dies (Ray tells the driver), or whose driver dies, is beaten for no more, goes stale
-    and is retried, as before.
+    process dies, or whose driver dies, is beaten for no more, goes stale and is retried, as
+    before; its grace period now starts once Ray has told the driver of the death (on a lost
+    node, Ray's own timeout later). A task that never starts, or a driver that hangs, keeps its
+    trials fresh for as long as the driver waits on them.
     """
 
     def __init__(self, storage, interval: float):
@@ -107,12 +109,25 @@ class Heartbeats:
             self._ids.discard(trial_id)
 
     def _beat(self) -> None:
+        failing = False
         while not self._stop.wait(self.interval):
             with self._lock:
-                ids = sorted(self._ids)
+                ids = sorted(self._ids)  # one beat may land just after a discard: staleness waits one interval more
             for trial_id in ids:
-                with contextlib.suppress(Exception):  # a missed beat is retried; the grace period covers several
+                if self._stop.is_set():
+                    return
+                try:
                     self.storage.record_heartbeat(trial_id)
+                    failing = False
+                except Exception as e:  # noqa: BLE001 - retried next interval; the grace period covers several
+                    if not failing:  # once a streak: an unreachable storage would fail the trials as stale
+                        logging.getLogger(__name__).warning(
+                            "a sweep trial's heartbeat could not be recorded (%s: %s); retrying every %gs",
+                            type(e).__name__,
+                            str(e).splitlines()[0] if str(e) else "",
+                            self.interval,
+                        )
+                    failing = True
 
 
 def trial_seed(seed: int | None, number: int) -> int | None:
