@@ -25,17 +25,15 @@ class TrialPruner:
 
     def __call__(self, value: float, step: int) -> bool:
         """Report ``value`` at ``step`` to the trial; True if the pruner says the trial should stop."""
-        if self._trial is None:
-            import optuna
+        import optuna
 
+        if self._trial is None:
             study = optuna.load_study(
                 study_name=self.study,
                 storage=optuna.storages.RDBStorage(self.storage),
                 pruner=optuna.pruners.MedianPruner(**self.median_pruner),
             )
             self._trial = optuna.trial.Trial(study, self.trial_id)
-        import optuna
-
         try:
             self._trial.report(float(value), int(step))
         except optuna.exceptions.UpdateFinishedTrialError:
