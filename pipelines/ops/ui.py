@@ -177,7 +177,11 @@ def main(argv: list[str], prog: str = "dp-platform ui") -> int:
                 print(f"  experiment {name}: {link}", flush=True)
         else:
             print(f"MLflow UI: {url}/#/?workflowType=machine_learning  (Ctrl-C stops it)", flush=True)
-        return proc.wait()
+        while True:  # in short waits: a SIGTERM that another thread of this process took runs its handler
+            try:  # only once the main thread is back in Python, which one long wait never is
+                return proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                continue
     except KeyboardInterrupt:
         return 0
     finally:

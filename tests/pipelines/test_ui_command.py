@@ -111,3 +111,66 @@ def test_the_experiment_with_the_newest_run_is_linked_first(tmp_path):
     finally:
         os.killpg(ui.pid, signal.SIGTERM)
         ui.wait(timeout=30)
+
+
+# A SIGTERM that the kernel hands to another thread of the ui's process (a library's, say) sets
+# Python's flag but does not interrupt the main thread's wait for the server: the ui must still
+# run its handler, stop the server and exit (CI at e0d4dec: the ui outlived the test's 30 s).
+SIGTERM_ON_ANOTHER_THREAD = r"""
+import signal, sys, threading, time
+from pipelines.cli import main
+
+def deliver_here_once_the_ui_waits_on_its_server():
+    main_id = threading.main_thread().ident
+    deadline = time.monotonic() + 170
+    while time.monotonic() < deadline:
+        frame, calls = sys._current_frames().get(main_id), set()
+        while frame is not None:
+            calls.add((frame.f_code.co_filename.rsplit("/", 2)[-1], frame.f_code.co_name))
+            frame = frame.f_back
+        if {("subprocess.py", "wait"), ("ui.py", "main")} <= calls:  # on the server, the links printed
+            time.sleep(0.5)
+            print("SIGTERM to a thread that is not the main one", flush=True)
+            signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+            return
+        time.sleep(0.05)
+
+threading.Thread(target=deliver_here_once_the_ui_waits_on_its_server, daemon=True).start()
+sys.argv = ["dp-platform"] + sys.argv[1:]
+sys.exit(main())
+"""
+
+
+def test_a_sigterm_taken_by_another_thread_still_stops_the_ui_and_its_server(tmp_path):
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["DP_STACK_DIR"] = str(tmp_path / "stack")
+    argv = ["ui", "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--port", str(port)]
+    ui = subprocess.Popen(
+        [sys.executable, "-c", SIGTERM_ON_ANOTHER_THREAD, *argv],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = ui.communicate(timeout=200)  # up to 180 s for the page, then the signal
+    except subprocess.TimeoutExpired:
+        ui.kill()
+        out, _ = ui.communicate()
+        raise AssertionError(f"the ui did not exit after the SIGTERM: {out[-2000:]}") from None
+    assert "MLflow UI: " in out and "SIGTERM to a thread that is not the main one" in out, out[-2000:]
+    assert ui.returncode == 128 + 15, out[-2000:]
+    with socket.socket() as s:  # and its server is gone: the port is free again
+        for _ in range(50):
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"the MLflow server still listens on {port}")
