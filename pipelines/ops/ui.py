@@ -177,8 +177,8 @@ def main(argv: list[str], prog: str = "dp-platform ui") -> int:
                 print(f"  experiment {name}: {link}", flush=True)
         else:
             print(f"MLflow UI: {url}/#/?workflowType=machine_learning  (Ctrl-C stops it)", flush=True)
-        while True:  # in short waits: a SIGTERM that another thread of this process took runs its handler
-            try:  # only once the main thread is back in Python, which one long wait never is
+        while True:  # in short waits: a SIGTERM that lands just before a wait, or on another thread,
+            try:  # runs its handler only once the main thread is back in Python (CI at e0d4dec hung)
                 return proc.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 continue

@@ -60,6 +60,36 @@ def _threads(pid: int) -> str:
     return "\n".join(rows)
 
 
+def _start_ui(tmp_path, uri: str, command: list[str] = CLI) -> tuple[subprocess.Popen, int]:
+    """``command --tracking-uri uri --port P`` on a free port P, in a session of its own: (process, P)."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["DP_STACK_DIR"] = str(tmp_path / "stack")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ui = subprocess.Popen(
+        command + ["--tracking-uri", uri, "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    return ui, port
+
+
+def _kill(ui: subprocess.Popen) -> None:
+    """SIGKILL the ui and its MLflow server, which runs in a session of its own (killing the ui leaves it)."""
+    import signal
+
+    for server in _children(ui.pid):
+        with contextlib.suppress(OSError):
+            os.killpg(server, signal.SIGKILL)
+    ui.kill()
+    ui.wait()
+
+
 def _stop_ui(ui: subprocess.Popen, timeout: float) -> None:
     """SIGTERM the ui; if it has not exited within ``timeout``, fail with its threads' signal state,
     after killing it and its server (which would otherwise hold its port for the rest of the run)."""
@@ -71,11 +101,7 @@ def _stop_ui(ui: subprocess.Popen, timeout: float) -> None:
         return
     except subprocess.TimeoutExpired:
         state = _threads(ui.pid)
-        for server in _children(ui.pid):
-            with contextlib.suppress(OSError):
-                os.killpg(server, signal.SIGKILL)
-        ui.kill()
-        ui.wait()
+        _kill(ui)
     raise AssertionError(f"the ui had not exited {timeout:g} s after its SIGTERM; its threads:\n{state}")
 
 
@@ -138,20 +164,7 @@ def test_the_experiment_with_the_newest_run_is_linked_first(tmp_path):
     time.sleep(0.05)
     client.set_terminated(client.create_run(trained_in).info.run_id)
 
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    env["DP_STACK_DIR"] = str(tmp_path / "stack")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ui = subprocess.Popen(
-        CLI + ["--tracking-uri", uri, "--port", str(port)],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    ui, _ = _start_ui(tmp_path, uri)
     try:
         import queue
         import threading
@@ -171,11 +184,10 @@ def test_the_experiment_with_the_newest_run_is_linked_first(tmp_path):
         _stop_ui(ui, 30)
 
 
-# A SIGTERM that another thread of the ui's process takes (Linux offers it to the main thread
-# first, and passes it on only if that one blocks it or has a signal pending) sets Python's flag
-# but does not interrupt the main thread's wait for the server: the ui must still run its handler,
-# stop the server and exit. One path by which the ui of CI at e0d4dec may have outlived its
-# SIGTERM; that failure was not reproduced (docs/benchmarks/README.md, "The CI run's time").
+# A SIGTERM whose handler the main thread does not run while it waits on the server in one
+# `waitpid`: it landed just before the call (a lost wake-up), or another thread of the process
+# took it. The ui of CI at e0d4dec hung so (docs/benchmarks/README.md, "The CI run's time"). This
+# hands the signal to a non-main thread: the ui must still run its handler, stop the server, exit.
 SIGTERM_ON_ANOTHER_THREAD = r"""
 import signal, sys, threading, time
 from pipelines.cli import main
@@ -202,30 +214,12 @@ sys.exit(main())
 
 
 def test_a_sigterm_taken_by_another_thread_still_stops_the_ui_and_its_server(tmp_path):
-    import signal
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    env["DP_STACK_DIR"] = str(tmp_path / "stack")
-    argv = ["ui", "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--port", str(port)]
-    ui = subprocess.Popen(
-        [sys.executable, "-c", SIGTERM_ON_ANOTHER_THREAD, *argv],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    command = [sys.executable, "-c", SIGTERM_ON_ANOTHER_THREAD, "ui"]
+    ui, port = _start_ui(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", command)
     try:
         out, _ = ui.communicate(timeout=200)  # up to 180 s for the page, then the signal
     except subprocess.TimeoutExpired:
-        for server in _children(ui.pid):  # in a session of its own: killing the ui leaves it
-            with contextlib.suppress(OSError):
-                os.killpg(server, signal.SIGKILL)
-        ui.kill()
+        _kill(ui)
         out, _ = ui.communicate()
         raise AssertionError(f"the ui did not exit after the SIGTERM: {out[-2000:]}") from None
     assert "MLflow UI: " in out and "SIGTERM to a thread that is not the main one" in out, out[-2000:]
