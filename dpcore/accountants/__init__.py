@@ -6,8 +6,8 @@ here is for the add/remove-one relation and gives an upper bound on the true ε:
 * ``"pld"`` (default, :mod:`.pld`): privacy-loss distributions, as
   ``dp_accounting.pld.PLDAccountant`` (pessimistic discretisation). Tight.
 * ``"rdp"`` (:mod:`.rdp`): Rényi DP, ``dp_accounting.rdp.RdpAccountant`` with the modern
-  conversion (Balle et al. 2020): the moments accountant in today's terms, about 10–25 % looser
-  (9–25 % measured against PLD on six settings, 2026-11-29).
+  conversion (Balle et al. 2020): the moments accountant in today's terms, about 8–25 % looser
+  (9–25 % measured against PLD on six settings, 2026-11-29; 8.6–21 % on nine, 2026-12-07).
 * ``"moments"`` (:mod:`.moments`): Abadi et al.'s original moments accountant, computed here
   independently of dp_accounting (integer orders, the paper's tail bound). Gaussian only.
 

@@ -45,8 +45,10 @@ def calibrate_noise_multiplier(
 
     ``kind=POISSON_LAPLACE`` calibrates the Laplace form's b/C instead (PLD only).
 
-    Guarantees ε(σ) ≤ target_epsilon and ε(σ) ≥ (1 − rel_tol)·target_epsilon, unless no σ
-    can reach the target (then :class:`DPConfigError`). ``prior_groups`` are other events of
+    Guarantees ε(σ) ≤ target_epsilon on every path, unless no σ can reach the target (then
+    :class:`DPConfigError`). Tightness, ε(σ) ≥ (1 − rel_tol)·target_epsilon, holds except where
+    σ ≤ 10⁻³ already meets the target (that σ is returned as it is) or the search ends after its
+    60 steps (the last σ that met the target is returned). ``prior_groups`` are other events of
     the same run (a DP-PCA release, say) that are composed with the steps.
 
     Method: a cheap RDP bracket first (RDP is looser, so its σ is an upper end), then

@@ -200,9 +200,27 @@ class PrivacyLedger:
         budget, δ and accountant. It is used only while the ledger's other releases are exactly
         ``other_groups``; any other history is computed afresh, as always. The cache holds the
         most releases of ``event`` in all, so releases of ``event`` among ``other_groups`` (a
-        DP-PCA release identical to a step) are added to ``max_count``."""
+        DP-PCA release identical to a step) are added to ``max_count``. The count is checked
+        once, by ε of all those releases with this ledger's accountant: one over the budget is
+        refused (:class:`DPConfigError`), never cached."""
         others = list(other_groups)
         same = sum(c for e, c in others if e == event)
+        if self.target_epsilon is not None:
+            # Trusted no further than one evaluation with this ledger's own accountant: the budget
+            # check reads the count from the cache, so a count over the budget would let releases
+            # past it (a plan made with another δ or accountant, or a caller's slip).
+            total = Counter()
+            for e, c in others:
+                total[e] += c
+            total[event] = int(max_count) + same
+            spent = self.epsilon_of(total)
+            if spent > self.target_epsilon:
+                raise DPConfigError(
+                    f"the planned {max_count} releases of {event.kind} (q={event.sample_rate:.4g}, "
+                    f"σ={event.noise_multiplier:.4g}) beside the run's other releases would spend "
+                    f"ε={spent:.6g} > target ε={self.target_epsilon:g} at δ={self.target_delta:g} "
+                    f"({self.accountant}): the plan does not fit this ledger's budget."
+                )
         self._allowance_cache[self._allowance_key(event, others)] = int(max_count) + same
 
     def allowance(self, event: PrivacyEvent) -> int | float:

@@ -46,3 +46,24 @@ def test_a_primed_allowance_equals_the_computed_one(same):
         for s in range(1, 4):
             ledger.append(ev, step=s, clip_norm=1.0)
     assert primed.allowance(ev) == computed.allowance(ev) == k - 3
+
+
+def test_a_primed_allowance_over_the_budget_is_refused_and_not_cached():
+    """The budget check reads a primed count from its cache, so the count is checked once
+    against the ledger's own accountant: one release more than max_steps is refused (helper-3:
+    a count of 10**6 was taken as it was), and the ledger then computes its own allowance."""
+    ev = dpcore.PrivacyEvent.dpsgd_step(1.1, 0.05)
+    prior = [(dpcore.PrivacyEvent.of("gaussian", 4.0, 1.0), 1)]
+    k = dpcore.max_steps(1.1, 0.05, 3.0, 1e-5, "pld", prior_groups=prior, event=ev)
+    ledger = dpcore.PrivacyLedger(3.0, 1e-5)
+    for wrong in (k + 1, 10**6):
+        with pytest.raises(dpcore.DPConfigError, match="does not fit this ledger's budget"):
+            ledger.prime_allowance(ev, prior, wrong)
+    rdp_k = dpcore.max_steps(1.1, 0.05, 3.0, 1e-5, "rdp", prior_groups=prior, event=ev)
+    assert rdp_k < k  # a count planned with another accountant fits the other way round only
+    with pytest.raises(dpcore.DPConfigError):
+        dpcore.PrivacyLedger(3.0, 1e-5, "rdp").prime_allowance(ev, prior, k)
+    ledger.append(prior[0][0], step=0, clip_norm=1.0)
+    assert ledger.allowance(ev) == k  # computed afresh: nothing wrong was cached
+    ledger.prime_allowance(ev, prior, k)  # the plan's own count is accepted
+    assert ledger.allowance(ev) == k
