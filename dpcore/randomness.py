@@ -11,9 +11,14 @@ Two modes:
   bits from the kernel here (docs/benchmarks/README.md) and as unpredictable to anyone
   without the key. Without ``cryptography`` every bit comes from ``os.urandom``. It accepts
   no seed and has no state to save or log: a restart simply draws fresh bits. Uniforms carry
-  53 random bits; Gaussians come from the Box–Muller transform of such uniforms in float64.
+  53 random bits; Gaussians come from the Box–Muller transform of such uniforms in float64, the
+  radius's 1 − u with 64 bits where it is small.
   What it does *not* cover: floating-point side channels of sampling in finite precision
-  (Mironov 2012; Jin et al. 2022). It makes the noise unpredictable, not bit-exact.
+  (Mironov 2012; Jin et al. 2022). It makes the noise unpredictable, not bit-exact. Nor the
+  bounded support this gives: a Box–Muller radius is at most √(128·ln 2) = 9.4193 standard
+  deviations (:func:`_normal_from_words_`) and a Laplace magnitude at most 64·ln 2 = 44.36
+  scales; what that costs in δ, which the accountant does not count: README, "The guarantee,
+  precisely".
 * :class:`SeededRandomness`: for tests and reproducible research only. The seed must be
   passed explicitly; creating one emits :class:`SeededRandomnessWarning` and marks
   ``secure = False`` so that callers record it (the ledger and MLflow do).
@@ -27,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import threading
 import warnings
 from typing import Any
 
@@ -57,8 +61,12 @@ class Randomness:
         n = shape.numel()
         u = self.uniform(2 * n)
         sign = torch.where(u[:n] < 0.5, -1.0, 1.0).to(torch.float64)
-        magnitude = -torch.log1p(-u[n:])
+        magnitude = self._exponential(u[n:])
         return (sign * magnitude * float(scale)).to(dtype=dtype, device=device).reshape(shape)
+
+    def _exponential(self, u: torch.Tensor) -> torch.Tensor:
+        """Exp(1) draws −log(1 − u) from uniforms ``u`` (float64)."""
+        return -torch.log1p(-u)
 
     def spawn(self, *key: Any) -> Randomness:
         raise NotImplementedError
@@ -161,93 +169,48 @@ def _uniform53_(raw: torch.Tensor) -> torch.Tensor:
 _NORMAL_CHUNK = 1 << 17
 
 
-def _box_muller(u: torch.Tensor, std: float, out: torch.Tensor) -> None:
+def _box_muller(u: torch.Tensor, std: float, out: torch.Tensor, finer: torch.Tensor | None = None) -> None:
     """``out`` (float64, 2m) ← (r cos θ, r sin θ)·std from 2m uniforms ``u`` (overwritten):
-    r = sqrt(−2 log(1 − u₁)) with 1 − u₁ in (0, 1], θ = 2π·u₂."""
+    r = sqrt(−2 log(1 − u₁ − f·2⁻⁶⁴)), 1 − u₁ − f·2⁻⁶⁴ in (0, 1], θ = 2π·u₂; ``finer``, m integers
+    f in [0, 2¹¹) (0 if None): the radius's further bits (:func:`_normal_from_words_`)."""
     m = u.numel() // 2
-    r = u[:m].neg_().add_(1.0).log_().mul_(-2.0).sqrt_().mul_(float(std))
+    r = u[:m].neg_().add_(1.0)
+    if finer is not None:
+        r.sub_(finer, alpha=_TWO_POW_M64)
+    r.log_().mul_(-2.0).sqrt_().mul_(float(std))
     theta = u[m:].mul_(2.0 * math.pi)
     torch.cos(theta, out=out[:m]).mul_(r)
     torch.sin(theta, out=out[m:]).mul_(r)
 
 
-# A draw for a CUDA device: the host makes the keystream, in pieces of this many normal pairs
-# (8 MiB of it, less 16 bytes: with AES's spare 15 a piece fits the pinned allocator's 8 MiB
-# block, which rounds sizes up to a power of two), on several threads at once (AES releases the GIL; each piece has its own key,
-# from the OS), into pinned buffers that are copied to the device without waiting; the 53-bit
-# uniforms and Box–Muller are then computed there in float64, each piece laid out as the host
-# path lays out a chunk. On the host the transform costs about 4 times the keystream (2 cores:
-# 0.23 s against 0.05 s for 22.7M normals); a GPU does it in a fraction of a millisecond.
-_CUDA_PIECE_PAIRS = (1 << 19) - 1
-_CUDA_POOL = None
+_TWO_POW_M64 = 2.0**-64
+_LOW_BITS = (1 << 11) - 1  # the bits of a 64-bit word below its 53-bit uniform
 
 
-def _forget_pools() -> None:
-    """In a forked child the parent's thread pools have no threads: make new ones on first use."""
-    global _POOL, _CUDA_POOL
-    _POOL = _CUDA_POOL = None
+def _normal_from_words_(raw: torch.Tensor, std: float, out: torch.Tensor) -> None:
+    """``out`` (float64, 2m) ← Box–Muller of 2m random int64 words (overwritten): 53-bit
+    uniforms of their top bits, and for the radius the first m words' low 11 bits too, so that
+    1 − u₁ has 64 bits where it is small: 1 − u₁ − low·2⁻⁶⁴, in [2⁻⁶⁴, 1].
+
+    Why: with 53 bits, 1 − u₁ ≥ 2⁻⁵³, so the whole Gaussian tail beyond 8.5717 standard
+    deviations, mass 2⁻⁵³ a pair, fell on that one radius. A neighbour whose sum differs in
+    that pair cannot give those outputs (its own edge is elsewhere), so each such pair risked
+    2⁻⁵³ of unbounded privacy loss a step, which the accountant does not count: for 10⁷ weights
+    up to 5.6·10⁻¹⁰ a step before sampling (helper-4's review, 2026-12-07). With 64 bits the
+    edge is at 9.4193 standard deviations and its mass 2⁻⁶⁴ (2,048 times less)."""
+    m = raw.numel() // 2
+    finer = raw[:m].bitwise_and(_LOW_BITS)  # before _uniform53_ shifts them out
+    _box_muller(_uniform53_(raw), std, out, finer)
+
+
+def _forget_pool() -> None:
+    """In a forked child the parent's thread pool has no threads: make a new one on first use."""
+    global _POOL
+    _POOL = None
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pools)
-
-
-_PIN_FAILED: str | None = None  # why pinned host memory could not be had, once it could not
-_PIN_LOCK = threading.Lock()  # the pieces are made on several threads: one of them finds out and warns
-
-
-def _keystream_piece(m: int, pin: bool) -> torch.Tensor:
-    """16·m keystream bytes (m pairs' 53-bit words) in a host tensor, pinned if ``pin`` and
-    pinned memory can be had (a container's locked-memory limit can refuse it): else in pageable
-    memory, whose copy to the device is as correct, only not overlapped with the next piece."""
-    global _PIN_FAILED
-    size = 16 * m + 15  # AES's block size − 1 spare
-    host = None
-    if pin and _PIN_FAILED is None:
-        try:
-            host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError as e:
-            with _PIN_LOCK:
-                first = _PIN_FAILED is None
-                if first:
-                    _PIN_FAILED = f"{type(e).__name__}: {e}"
-            if first:
-                warnings.warn(
-                    f"pinned host memory is not available ({_PIN_FAILED}); the secure noise's keystream is copied "
-                    "to the device from pageable memory (slower, not less secure)",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-    if host is None:
-        host = torch.empty(size, dtype=torch.uint8)
-    with memoryview(host.numpy()) as view:
-        _Keystream().read_into(view, 16 * m)
-    return host[: 16 * m]
-
-
-def _normal_on_cuda(n: int, std: float, dtype, device: torch.device) -> torch.Tensor:
-    """``n`` secure normals of ``std`` on ``device``; nothing here waits for the device."""
-    global _CUDA_POOL
-    if _CUDA_POOL is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        workers = max(1, min(8, (os.cpu_count() or 2) - 1))
-        _CUDA_POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dpcore-keystream")
-    pairs = (n + 1) // 2
-    out = torch.empty(2 * pairs, dtype=dtype, device=device)
-    pin = device.type == "cuda"
-    starts = range(0, pairs, _CUDA_PIECE_PAIRS)
-    pieces = _CUDA_POOL.map(lambda p0: _keystream_piece(min(_CUDA_PIECE_PAIRS, pairs - p0), pin), starts)
-    for p0, host in zip(starts, pieces):
-        u = _uniform53_(host.to(device, non_blocking=pin).view(torch.int64))
-        m = u.numel() // 2
-        if dtype == torch.float64:
-            _box_muller(u, std, out[2 * p0 : 2 * (p0 + m)])
-        else:
-            z = torch.empty(2 * m, dtype=torch.float64, device=device)
-            _box_muller(u, std, z)
-            out[2 * p0 : 2 * (p0 + m)].copy_(z)
-    return out[:n]
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 class SecureRandomness(Randomness):
@@ -272,16 +235,27 @@ class SecureRandomness(Randomness):
     def uniform(self, n: int) -> torch.Tensor:
         return self._uniform53(int(n))
 
+    def _exponential(self, u: torch.Tensor) -> torch.Tensor:
+        """Exp(1) draws −log(1 − u − f·2⁻⁶⁴), ``u`` with 11 more fresh bits f each: the tail that
+        53 bits put on one magnitude, 36.74 scales, mass 2⁻⁵³ (as :func:`_normal_from_words_`
+        says for the Gaussian) reaches 44.36 with mass 2⁻⁶⁴."""
+        if u.numel() == 0:
+            return u.clone()
+        finer = torch.frombuffer(_secure_bytes(2 * u.numel()), dtype=torch.int16).bitwise_and(_LOW_BITS)
+        return u.neg().add_(1.0).sub_(finer, alpha=_TWO_POW_M64).log_().neg_()
+
     def normal(self, shape, std: float, dtype=torch.float32, device=None) -> torch.Tensor:
-        """Box–Muller in float64 on 53-bit uniforms of one keystream, ``_NORMAL_CHUNK`` normals at
+        """Box–Muller in float64 on the 64-bit words of one keystream (:func:`_normal_from_words_`), ``_NORMAL_CHUNK`` normals at
         a time (each from its own uniforms; the last chunk may be odd). For a CUDA device, the
-        keystream is made on the host and the transform runs there (:func:`_normal_on_cuda`)."""
+        keystream is made on the host and the transform runs there (:func:`dpcore.randomness_cuda.normal_on_cuda`)."""
         shape = torch.Size(shape if not isinstance(shape, int) else (shape,))
         n = shape.numel()
         if n == 0:
             return torch.empty(shape, dtype=dtype, device=device)
         if device is not None and torch.device(device).type == "cuda":
-            return _normal_on_cuda(n, std, dtype, torch.device(device)).reshape(shape)
+            from .randomness_cuda import normal_on_cuda
+
+            return normal_on_cuda(n, std, dtype, torch.device(device)).reshape(shape)
         out = torch.empty(n, dtype=dtype)
         chunk = min(_NORMAL_CHUNK + _NORMAL_CHUNK % 2, n + n % 2)  # even: a pair per two normals
         stream = _Keystream()
@@ -292,11 +266,11 @@ class SecureRandomness(Randomness):
                 k = min(chunk, n - start)
                 m = (k + 1) // 2
                 stream.read_into(view, 16 * m)
-                u = _uniform53_(torch.frombuffer(buf, dtype=torch.int64, count=2 * m))
+                words = torch.frombuffer(buf, dtype=torch.int64, count=2 * m)
                 if dtype == torch.float64 and k == 2 * m:  # the sums' dtype: straight into the draw
-                    _box_muller(u, std, out[start : start + k])
+                    _normal_from_words_(words, std, out[start : start + k])
                 else:
-                    _box_muller(u, std, z[: 2 * m])
+                    _normal_from_words_(words, std, z[: 2 * m])
                     out[start : start + k].copy_(z[:k])
         return out.reshape(shape).to(device=device)
 

@@ -125,8 +125,9 @@ def test_secure_uniforms_are_the_keystreams_53_bit_words(monkeypatch):
 def test_secure_normals_are_box_muller_of_the_keystream_chunk_by_chunk(monkeypatch):
     """A draw is made chunk by chunk (``_NORMAL_CHUNK`` normals, here 6; the last chunk odd):
     each chunk's 53-bit uniforms come from the next bytes of one keystream, rekeyed every 64 MiB
-    (here 100 bytes, so a chunk straddles two keys), and give (r cos θ, r sin θ)·std. Checked
-    against the openssl command line and a Box–Muller written here in numpy."""
+    (here 100 bytes, so a chunk straddles two keys), and give (r cos θ, r sin θ)·std, the
+    radius's 1 − u with the words' low 11 bits too. Checked against the openssl command line and
+    a Box–Muller written here in numpy."""
 
     from dpcore import randomness as rnd
 
@@ -143,7 +144,7 @@ def test_secure_normals_are_box_muller_of_the_keystream_chunk_by_chunk(monkeypat
         m = (k + 1) // 2
         words = np.frombuffer(stream[start : start + 16 * m], dtype="<u8")
         u = (words >> np.uint64(11)).astype(np.float64) * 2.0**-53
-        r = np.sqrt(-2.0 * np.log(1.0 - u[:m]))
+        r = np.sqrt(-2.0 * np.log((1.0 - u[:m]) - (words[:m] & np.uint64(2047)).astype(np.float64) * 2.0**-64))
         theta = 2.0 * np.pi * u[m:]
         expected.extend(np.concatenate([r * np.cos(theta), r * np.sin(theta)])[:k] * 2.5)
     np.testing.assert_allclose(got.numpy(), np.array(expected), rtol=1e-12, atol=0)
@@ -160,6 +161,46 @@ def test_secure_normals_are_box_muller_of_the_keystream_chunk_by_chunk(monkeypat
         assert empty.shape == shape and empty.dtype == torch.float64
 
 
+def test_the_gaussian_tail_reaches_64_bits_not_a_53_bit_edge():
+    """The radius takes 1 − u with each word's low 11 bits as well: the tail that 53-bit uniforms
+    put on one radius, 8.5717 standard deviations, mass 2⁻⁵³ a pair (an output a shifted
+    neighbour cannot give: helper-4's review), now reaches 9.4193 with mass 2⁻⁶⁴; the same word's
+    top 53 bits with other low bits give distinct radii in between."""
+    from dpcore import randomness as rnd
+
+    top = 0xFFFF_FFFF_FFFF_F800  # the largest 53-bit uniform, low bits 0
+    radius_words = np.array([top, top | 1, top | 0x400, top | 0x7FF, 0, 0x7FF], dtype=np.uint64)
+    words = np.concatenate([radius_words, np.zeros(6, dtype=np.uint64)])  # θ = 0: z = (r, 0)
+    out = torch.empty(12, dtype=torch.float64)
+    rnd._normal_from_words_(torch.from_numpy(words.view(np.int64).copy()), 2.0, out)
+    r = out[:6].numpy() / 2.0
+    np.testing.assert_allclose(
+        r[:4], np.sqrt(-2.0 * np.log([2.0**-53, 2.0**-53 - 2.0**-64, 2.0**-54, 2.0**-64])), rtol=1e-15
+    )
+    assert r[3] == pytest.approx(9.4193, abs=1e-4) and r[0] == pytest.approx(8.5717, abs=1e-4)
+    assert r[0] < r[1] < r[2] < r[3] and r[4] == 0.0 and not out[6:].any()
+    assert r[5] == np.sqrt(-2.0 * np.log1p(-(2.0**-53)))  # 1 − 2047·2⁻⁶⁴, rounded: the body keeps float64's grid
+
+
+def test_the_laplace_tail_reaches_64_bits_too(monkeypatch):
+    """A secure Laplace magnitude is −log(1 − u − f·2⁻⁶⁴) with 11 more fresh bits f: at the
+    largest 53-bit uniform it ranges from 36.74 (f = 0) to 44.36 scales (f = 2047), where 53 bits
+    stopped at 36.74 with the tail's whole mass 2⁻⁵³."""
+    from dpcore import randomness as rnd
+
+    finer = np.array([0, 1, 1024, 2047, 0xF800 - 0x10000], dtype=np.int16)  # high bits are dropped
+    monkeypatch.setattr(rnd, "_secure_bytes", lambda nbytes: bytearray(finer.tobytes()[:nbytes]))
+    u = torch.full((5,), 1.0 - 2.0**-53, dtype=torch.float64)
+    got = dpcore.SecureRandomness()._exponential(u).numpy()
+    t = np.array([2.0**-53, 2.0**-53 - 2.0**-64, 2.0**-54, 2.0**-64, 2.0**-53])
+    np.testing.assert_allclose(got, -np.log(t), rtol=1e-15)
+    assert got[0] == pytest.approx(36.7368, abs=1e-4) and got[3] == pytest.approx(44.3614, abs=1e-4)
+    monkeypatch.undo()
+    assert dpcore.SecureRandomness().laplace((0,), 1.0).shape == (0,)
+    z = dpcore.SecureRandomness().laplace((200_000,), 2.0, dtype=torch.float64).numpy() / 2.0
+    assert abs(z.mean()) < 0.02 and abs(z.var() - 2.0) < 0.05  # Laplace(0, 1): variance 2
+
+
 _DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 
 
@@ -172,37 +213,38 @@ def test_secure_normals_for_a_gpu_are_box_muller_there_of_host_keystream_pieces(
     On "cpu" the same function runs without pinned memory (it is reached from ``normal`` only
     for CUDA)."""
     from dpcore import randomness as rnd
+    from dpcore import randomness_cuda as rcuda
 
     taken, fake_urandom, keystream = _fake_os_entropy(bytes((5 * i + 1) % 256 for i in range(1024)))
-    monkeypatch.setattr(rnd, "_CUDA_PIECE_PAIRS", 3)
-    monkeypatch.setattr(rnd, "_CUDA_POOL", type("Serial", (), {"map": staticmethod(map)})())
+    monkeypatch.setattr(rcuda, "_CUDA_PIECE_PAIRS", 3)
+    monkeypatch.setattr(rcuda, "_CUDA_POOL", type("Serial", (), {"map": staticmethod(map)})())
     monkeypatch.setattr(rnd.os, "urandom", fake_urandom)
     if device == "cuda":
         got = dpcore.SecureRandomness().normal((3, 5), 2.5, dtype=torch.float64, device="cuda")
         assert got.device.type == "cuda" and got.shape == (3, 5)
     else:
-        got = rnd._normal_on_cuda(15, 2.5, torch.float64, torch.device("cpu"))
+        got = rcuda.normal_on_cuda(15, 2.5, torch.float64, torch.device("cpu"))
     assert taken == [32, 16] * 3  # 8 pairs (15 normals): pieces of 3, 3 and 2 pairs, a key each
 
     expected = []
     for i, m in enumerate((3, 3, 2)):
         words = np.frombuffer(keystream(i, 16 * m), dtype="<u8")
         u = (words >> np.uint64(11)).astype(np.float64) * 2.0**-53
-        r = np.sqrt(-2.0 * np.log(1.0 - u[:m]))
+        r = np.sqrt(-2.0 * np.log((1.0 - u[:m]) - (words[:m] & np.uint64(2047)).astype(np.float64) * 2.0**-64))
         theta = 2.0 * np.pi * u[m:]
         expected.extend(np.concatenate([r * np.cos(theta), r * np.sin(theta)]) * 2.5)
     np.testing.assert_allclose(got.flatten().cpu().numpy(), np.array(expected[:15]), rtol=1e-12, atol=0)
     monkeypatch.undo()
     # with the real piece size and threads: several pieces and an odd remainder are N(0, std²) in float32
-    n = 3 * 2 * rnd._CUDA_PIECE_PAIRS + 12345
+    n = 3 * 2 * rcuda._CUDA_PIECE_PAIRS + 12345
     if device == "cuda":
         z = dpcore.SecureRandomness().normal((n,), 1.5, device="cuda")
     else:
-        z = rnd._normal_on_cuda(n, 1.5, torch.float32, torch.device("cpu"))
+        z = rcuda.normal_on_cuda(n, 1.5, torch.float32, torch.device("cpu"))
     assert z.shape == (n,) and z.dtype == torch.float32 and z.device.type == device
     z = z.double().cpu() / 1.5
     assert_unseeded_draw_fits(z, "norm")
-    heads = z[: 3 * 2 * rnd._CUDA_PIECE_PAIRS].reshape(3, -1)[:, :8]
+    heads = z[: 3 * 2 * rcuda._CUDA_PIECE_PAIRS].reshape(3, -1)[:, :8]
     assert len({tuple(h.tolist()) for h in heads}) == 3  # no piece repeats another's stream
 
 
@@ -226,6 +268,7 @@ def test_a_gpu_draw_falls_back_to_pageable_memory_when_pinned_memory_is_refused(
     keystream then goes through pageable memory, with one warning, and the draw is the same
     Box–Muller of the same kind of pieces."""
     from dpcore import randomness as rnd
+    from dpcore import randomness_cuda as rcuda
 
     real_empty = torch.empty
 
@@ -234,14 +277,14 @@ def test_a_gpu_draw_falls_back_to_pageable_memory_when_pinned_memory_is_refused(
             raise RuntimeError("cannot pin memory (locked-memory limit)")
         return real_empty(*a, **k)
 
-    monkeypatch.setattr(rnd, "_PIN_FAILED", None, raising=False)
+    monkeypatch.setattr(rcuda, "_PIN_FAILED", None, raising=False)
     monkeypatch.setattr(rnd.torch, "empty", refuse_pinned)
     with pytest.warns(RuntimeWarning, match="pinned host memory is not available"):
-        first = rnd._keystream_piece(4, pin=True)
+        first = rcuda._keystream_piece(4, pin=True)
     assert first.shape == (64,) and not first.is_pinned()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once: later pieces do not try again, nor warn again
-        second = rnd._keystream_piece(4, pin=True)
+        second = rcuda._keystream_piece(4, pin=True)
     assert second.shape == (64,) and not torch.equal(first, second)
 
 
