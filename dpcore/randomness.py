@@ -192,12 +192,11 @@ def _normal_from_words_(raw: torch.Tensor, std: float, out: torch.Tensor) -> Non
     uniforms of their top bits, and for the radius the first m words' low 11 bits too, so that
     1 − u₁ has 64 bits where it is small: 1 − u₁ − low·2⁻⁶⁴, in [2⁻⁶⁴, 1].
 
-    Why: with 53 bits, 1 − u₁ ≥ 2⁻⁵³, so the whole Gaussian tail beyond 8.5717 standard
-    deviations, mass 2⁻⁵³ a pair, fell on that one radius. A neighbour whose sum differs in
-    that pair cannot give those outputs (its own edge is elsewhere), so each such pair risked
-    2⁻⁵³ of unbounded privacy loss a step, which the accountant does not count: for 10⁷ weights
-    up to 5.6·10⁻¹⁰ a step before sampling (helper-4's review, 2026-12-07). With 64 bits the
-    edge is at 9.4193 standard deviations and its mass 2⁻⁶⁴ (2,048 times less)."""
+    Why: with 53 bits, 1 − u₁ ≥ 2⁻⁵³, so the radius stopped at 8.5717 standard deviations, with
+    the whole tail beyond, mass 2⁻⁵³ a pair, on that edge. A neighbour whose sum differs in a pair
+    cannot give that pair's outputs near the edge on the far side, a privacy loss the accountant
+    does not count (helper-4's review, 2026-12-07). With 64 bits the edge is at 9.4193 standard
+    deviations and the mass near it far smaller (README, "The guarantee, precisely")."""
     m = raw.numel() // 2
     finer = raw[:m].bitwise_and(_LOW_BITS)  # before _uniform53_ shifts them out
     _box_muller(_uniform53_(raw), std, out, finer)
