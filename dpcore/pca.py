@@ -30,6 +30,7 @@ from .events import Gaussian, PoissonGaussian, PrivacyEvent
 from .ledger import PrivacyLedger
 from .randomness import Randomness
 from .release import release
+from .sampling import included
 from .validation import check_noise_multiplier, check_sample_rate
 
 
@@ -153,7 +154,7 @@ def release_gram(
         )
     a = normalized_rows(x) * (1.0 - CLIP_MARGIN)
     if sample_rate < 1.0:
-        a = a[randomness.uniform(a.shape[0]) < sample_rate]
+        a = a[included(randomness.uniform(a.shape[0]), sample_rate)]
     gram = a.T @ a
     sums = [0.5 * (gram + gram.T)]  # exactly symmetric, and so is the noise
     noise = lambda: [symmetric_noise(d, noise_multiplier, randomness)]  # noqa: E731

@@ -12,6 +12,8 @@ truncated or resampled: any of those would change the sampling distribution.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .randomness import Randomness
@@ -29,6 +31,14 @@ def shard_indices(dataset_size: int, rank: int, world_size: int) -> torch.Tensor
     start = rank * base + min(rank, extra)
     stop = start + base + (1 if rank < extra else 0)
     return torch.arange(start, stop, dtype=torch.long)
+
+
+def included(u: torch.Tensor, rate: float) -> torch.Tensor:
+    """Which of the 53-bit uniforms ``u`` (multiples of 2⁻⁵³ in [0, 1)) fall below ``rate``: each
+    is True with probability ⌊rate·2⁵³⌋·2⁻⁵³, the rate rounded down to the uniforms' grid, never
+    above it. (``u < rate`` is True with probability ⌈rate·2⁵³⌉·2⁻⁵³, up to 2⁻⁵³ above the rate
+    the accountant is told.)"""
+    return u < math.floor(rate * 2.0**53) * 2.0**-53
 
 
 class PoissonSampler:
@@ -54,7 +64,7 @@ class PoissonSampler:
         """Draw the next lot."""
         u = self.randomness.uniform(len(self.indices))
         self.step += 1
-        return self.indices[u < self.sample_rate]
+        return self.indices[included(u, self.sample_rate)]
 
     def __iter__(self):
         while self.step < self.steps:

@@ -174,7 +174,8 @@ def run_federated(cfg: FederatedConfig | None = None, faults: ActorFault | None 
                     bits = sum(res["bits"] for res in results) if adaptive else None
                     count = len(ids)
                     if audit is not None:  # present canary clients join at rate q, like every client
-                        joined = audit["in"][audit["sampling"].uniform(len(audit["in"])) < dp.sample_rate]
+                        draw = audit["sampling"].uniform(len(audit["in"]))
+                        joined = audit["in"][dpcore.sampling.included(draw, dp.sample_rate)]
                         total.index_add_(
                             0,
                             joined,

@@ -272,7 +272,9 @@ class Worker:
         opt.accumulate(self.train.batch(lot), self.train.labels(lot))
         if audit is not None:  # canaries in the data join the lot at rate q, like every example
             draw = audit["root"].spawn("audit-sampling", step).uniform(len(audit["in"]))
-            opt.add_coordinate_examples(audit["in"][draw < self.plan.sample_rate], audit["value"])
+            opt.add_coordinate_examples(
+                audit["in"][dpcore.sampling.included(draw, self.plan.sample_rate)], audit["value"]
+            )
         opt.step()
         if self.replay_log is not None:  # a queue entry here; checksummed and written by its own thread
             self.replay_log.append(step + 1, opt.released_update())

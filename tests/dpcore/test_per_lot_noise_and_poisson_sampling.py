@@ -220,3 +220,19 @@ def test_make_private_accounts_with_pld_by_default():
         epochs=1, target_epsilon=2.0, target_delta=1e-5, clip_norm=1.0, seed=0,
     )  # fmt: skip
     assert private.ledger.accountant == "pld" and private.optimizer.event.sample_rate == private.sampler.sample_rate
+
+
+@pytest.mark.parametrize("rate", [0.3, 0.0047, 256 / 60000, 0.5, 1.0, 2.0**-60])
+def test_an_example_joins_at_the_rate_rounded_down_to_the_uniforms_grid(rate):
+    """The uniforms are multiples of 2⁻⁵³, so ``u < q`` holds for ⌈q·2⁵³⌉ of the 2⁵³ values, up to
+    2⁻⁵³ above the q the accountant is told; ``included`` holds for ⌊q·2⁵³⌋ of them, never above."""
+    from dpcore.sampling import included
+
+    k = math.floor(rate * 2.0**53)  # how many grid values are included: the rate rounded down
+    grid = torch.tensor([k - 1, k, k + 1], dtype=torch.float64) * 2.0**-53
+    grid = grid[(grid >= 0) & (grid < 1)]
+    got = included(grid, rate).tolist()
+    assert got == [u < k * 2.0**-53 for u in grid.tolist()]  # the last included value is (k − 1)·2⁻⁵³
+    assert k * 2.0**-53 <= rate
+    if k * 2.0**-53 < rate:  # q is off the grid: the plain comparison would include one value more
+        assert (grid == k * 2.0**-53).sum() == 1 and bool((grid < rate)[grid == k * 2.0**-53])
