@@ -203,16 +203,15 @@ class PrivacyLedger:
         DP-PCA release identical to a step) are added to ``max_count``. The count is checked
         once, by ε of all those releases with this ledger's accountant: one over the budget is
         refused (:class:`DPConfigError`), never cached."""
-        others = list(other_groups)
-        same = sum(c for e, c in others if e == event)
+        total = Counter()  # the history, each event once (as the ledger's own counts are kept)
+        for e, c in other_groups:
+            total[e] += c
+        same = total[event]
+        total[event] = int(max_count) + same
         if self.target_epsilon is not None:
             # Trusted no further than one evaluation with this ledger's own accountant: the budget
             # check reads the count from the cache, so a count over the budget would let releases
             # past it (a plan made with another δ or accountant, or a caller's slip).
-            total = Counter()
-            for e, c in others:
-                total[e] += c
-            total[event] = int(max_count) + same
             spent = self.epsilon_of(total)
             if spent > self.target_epsilon:
                 raise DPConfigError(
@@ -221,7 +220,7 @@ class PrivacyLedger:
                     f"ε={spent:.6g} > target ε={self.target_epsilon:g} at δ={self.target_delta:g} "
                     f"({self.accountant}): the plan does not fit this ledger's budget."
                 )
-        self._allowance_cache[self._allowance_key(event, others)] = int(max_count) + same
+        self._allowance_cache[self._allowance_key(event, total.items())] = int(max_count) + same
 
     def allowance(self, event: PrivacyEvent) -> int | float:
         """How many more releases of ``event`` fit in the budget given everything so far."""

@@ -67,3 +67,22 @@ def test_a_primed_allowance_over_the_budget_is_refused_and_not_cached():
     assert ledger.allowance(ev) == k  # computed afresh: nothing wrong was cached
     ledger.prime_allowance(ev, prior, k)  # the plan's own count is accepted
     assert ledger.allowance(ev) == k
+
+
+def test_a_prior_listed_in_pieces_primes_the_allowance_the_ledger_looks_up(monkeypatch):
+    """The ledger keeps one count per event; a plan's prior given as pieces of one event (two
+    DP-PCA releases listed apart) primes the entry that history looks up (helper-5: it was
+    cached under a key no history makes, and the search ran again)."""
+    from dpcore.accountants import calibration
+
+    ev = dpcore.PrivacyEvent.dpsgd_step(1.1, 0.05)
+    pca = dpcore.PrivacyEvent.of("gaussian", 6.0, 1.0)
+    k = dpcore.max_steps(1.1, 0.05, 3.0, 1e-5, "pld", prior_groups=[(pca, 2)], event=ev)
+    ledger = dpcore.PrivacyLedger(3.0, 1e-5)
+    ledger.prime_allowance(ev, [(pca, 1), (pca, 1)], k)
+    ledger.append(pca, step=0, clip_norm=1.0)
+    ledger.append(pca, step=0, clip_norm=1.0)
+    searched = []
+    real = calibration.max_steps
+    monkeypatch.setattr(calibration, "max_steps", lambda *a, **kw: searched.append(1) or real(*a, **kw))
+    assert ledger.allowance(ev) == k and not searched  # read from the primed entry
