@@ -146,6 +146,31 @@ def test_aggregated_noise_std_is_sigma_C_whatever_the_number_of_workers(world, t
     assert abs(noise.std().item() / target - 1) < tol
 
 
+def test_a_rank_that_adds_no_noise_releases_its_clipped_sum_exactly():
+    """Invariant 2 inside the step (helper-6: a step that noised whatever ``add_noise`` said went
+    unseen by every fast dpcore test): a rank ≥ 1 hands the all-reduce its clipped sum exactly, and
+    its update is that sum ÷ q·N; rank 0's differs from it by the noise."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g)
+    steps = {}
+    for rank in (0, 1):
+        torch.manual_seed(0)
+        model = tiny_mlp()
+        private = dpcore.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), ce, dataset_size=120, lot_size=12, epochs=1,
+            target_epsilon=4.0, target_delta=1e-5, clip_norm=1.0, seed=3, rank=rank, world_size=2,
+            reduce_fn=lambda tensors: None,  # the all-reduce of a lone rank: leaves the sums as they are
+        )  # fmt: skip
+        opt = private.optimizer
+        opt.accumulate(x, y)
+        clean = {n: t.clone() for n, t in opt.lot.sums.items()}
+        opt.step()
+        steps[rank] = [(p.grad.double() * opt.expected_lot_size, clean[n]) for n, p in opt.params.items()]
+    for released, clean in steps[1]:
+        torch.testing.assert_close(released, clean, rtol=1e-6, atol=1e-7)  # ÷ qN, then × qN, in float32
+    assert all((released - clean).abs().max() > 0.1 for released, clean in steps[0])  # σ·C = O(1) of noise
+
+
 def test_sharded_make_private_noises_on_rank_zero_only_and_samples_its_shard():
     n, world = 103, 2
 

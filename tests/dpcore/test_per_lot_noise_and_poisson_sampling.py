@@ -236,3 +236,23 @@ def test_an_example_joins_at_the_rate_rounded_down_to_the_uniforms_grid(rate):
     assert k * 2.0**-53 <= rate
     if k * 2.0**-53 < rate:  # q is off the grid: the plain comparison would include one value more
         assert (grid == k * 2.0**-53).sum() == 1 and bool((grid < rate)[grid == k * 2.0**-53])
+
+
+def test_the_sampler_leaves_out_the_uniform_at_the_rounded_down_rate():
+    """The sampler itself (helper-6: reverted to ``u < q`` it passed every test here): for a rate
+    off the 2⁻⁵³ grid, an example whose uniform is ⌊q·2⁵³⌋·2⁻⁵³ (below q) stays out of the lot,
+    and one a grid step lower joins it."""
+
+    class Fixed(dpcore.Randomness):
+        def __init__(self, values):
+            self.values = values
+
+        def uniform(self, n):
+            return self.values[:n].clone()
+
+    q = 0.3
+    edge = math.floor(q * 2.0**53) * 2.0**-53
+    assert edge < q  # 0.3 is off the grid
+    u = torch.tensor([edge, edge - 2.0**-53, 0.0, 0.9], dtype=torch.float64)
+    lot = dpcore.PoissonSampler(4, q, Fixed(u), steps=1).sample()
+    assert lot.tolist() == [1, 2]

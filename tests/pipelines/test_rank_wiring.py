@@ -51,3 +51,28 @@ def test_each_rank_samples_and_noises_from_its_own_stream():
     n0, n1 = (p.optimizer.randomness.normal((8,), 1.0, dtype=torch.float64) for p in (r0, r1))
     assert not torch.equal(n0, n1)
     assert isinstance(_private(1, 2).optimizer.randomness, dpcore.SecureRandomness)  # no seed: secure on every rank
+
+
+def test_without_a_seed_every_rank_samples_its_lots_from_os_keyed_bits(monkeypatch):
+    """Invariant 9 for sampling, not only for noise (helper-6: a sampler given a fixed seed per rank
+    in secure mode went unseen): each rank's lot is drawn from the secure keystream, and its
+    positions are exactly those of the 53-bit uniforms that the keystream gives below q."""
+    from dpcore import randomness as rnd
+
+    real, drawn = rnd._secure_bytes, []
+
+    def kept(n: int) -> bytearray:
+        out = real(n)
+        drawn.append(bytes(out))  # a copy: the draw turns the buffer into uniforms in place
+        return out
+
+    for rank in (0, 1):
+        p = _private(rank, 2)
+        assert isinstance(p.sampler.randomness, dpcore.SecureRandomness)
+        drawn.clear()
+        monkeypatch.setattr(rnd, "_secure_bytes", kept)
+        lot = p.sampler.sample()
+        monkeypatch.undo()
+        assert len(drawn) == 1 and len(drawn[0]) == 8 * len(p.sampler.indices)
+        u = rnd._uniform53_(torch.frombuffer(bytearray(drawn[0]), dtype=torch.int64))
+        assert torch.equal(lot, p.sampler.indices[dpcore.sampling.included(u, PLAN.sample_rate)])

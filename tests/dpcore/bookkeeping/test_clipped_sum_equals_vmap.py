@@ -37,7 +37,8 @@ def test_bookkeeping_equals_the_vmap_clipped_sum(name, make, shape, classes, cli
     assert bad == ref_bad == 0
     assert set(out) == set(ref)
     for k in ref:
-        assert torch.allclose(out[k], ref[k], atol=1e-5, rtol=1e-5), (k, (out[k] - ref[k]).abs().max())
+        # atol in units of C: at C = 0.01 a fixed 1e-5 let factors 0.02 % too large pass (helper-6)
+        assert torch.allclose(out[k], ref[k], atol=1e-5 * min(clip, 1.0), rtol=1e-5), (k, (out[k] - ref[k]).abs().max())
 
 
 def test_a_private_step_is_the_same_with_either_path():

@@ -20,7 +20,8 @@ def test_ledger_epsilon_equals_dp_accountings_own_value(accountant):
     ledger = dpcore.PrivacyLedger(None, 1e-6, accountant=accountant, epsilon_every=50)
     for step in range(1, 121):
         ledger.append(PrivacyEvent.dpsgd_step(1.1, 0.02), step=step, clip_norm=1.0)
-    ledger.append(PrivacyEvent(GAUSSIAN, 6.0), step=121, clip_norm=1.0)  # e.g. a DP-PCA release
+    for _ in range(3):  # e.g. DP-PCA releases, composed with a count (helper-6: a count of 1 left σ/√k unchecked)
+        ledger.append(PrivacyEvent(GAUSSIAN, 6.0), step=121, clip_norm=1.0)
     for step in range(122, 152):
         ledger.append(PrivacyEvent.dpsgd_step(0.9, 0.05), step=step, clip_norm=1.0)
     ours = ledger.epsilon()
@@ -29,7 +30,7 @@ def test_ledger_epsilon_equals_dp_accountings_own_value(accountant):
             dp_accounting.SelfComposedDpEvent(
                 dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(1.1)), 120
             ),
-            dp_accounting.GaussianDpEvent(6.0),
+            dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(6.0), 3),
             dp_accounting.SelfComposedDpEvent(
                 dp_accounting.PoissonSampledDpEvent(0.05, dp_accounting.GaussianDpEvent(0.9)), 30
             ),
