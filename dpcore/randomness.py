@@ -169,15 +169,12 @@ def _uniform53_(raw: torch.Tensor) -> torch.Tensor:
 _NORMAL_CHUNK = 1 << 17
 
 
-def _box_muller(u: torch.Tensor, std: float, out: torch.Tensor, finer: torch.Tensor | None = None) -> None:
+def _box_muller(u: torch.Tensor, std: float, out: torch.Tensor, finer: torch.Tensor) -> None:
     """``out`` (float64, 2m) ← (r cos θ, r sin θ)·std from 2m uniforms ``u`` (overwritten):
     r = sqrt(−2 log(1 − u₁ − f·2⁻⁶⁴)), 1 − u₁ − f·2⁻⁶⁴ in (0, 1], θ = 2π·u₂; ``finer``, m integers
-    f in [0, 2¹¹) (0 if None): the radius's further bits (:func:`_normal_from_words_`)."""
+    f in [0, 2¹¹): the radius's further bits (:func:`_normal_from_words_`)."""
     m = u.numel() // 2
-    r = u[:m].neg_().add_(1.0)
-    if finer is not None:
-        r.sub_(finer, alpha=_TWO_POW_M64)
-    r.log_().mul_(-2.0).sqrt_().mul_(float(std))
+    r = u[:m].neg_().add_(1.0).sub_(finer, alpha=_TWO_POW_M64).log_().mul_(-2.0).sqrt_().mul_(float(std))
     theta = u[m:].mul_(2.0 * math.pi)
     torch.cos(theta, out=out[:m]).mul_(r)
     torch.sin(theta, out=out[m:]).mul_(r)
@@ -244,9 +241,10 @@ class SecureRandomness(Randomness):
         return u.neg().add_(1.0).sub_(finer, alpha=_TWO_POW_M64).log_().neg_()
 
     def normal(self, shape, std: float, dtype=torch.float32, device=None) -> torch.Tensor:
-        """Box–Muller in float64 on the 64-bit words of one keystream (:func:`_normal_from_words_`), ``_NORMAL_CHUNK`` normals at
-        a time (each from its own uniforms; the last chunk may be odd). For a CUDA device, the
-        keystream is made on the host and the transform runs there (:func:`dpcore.randomness_cuda.normal_on_cuda`)."""
+        """Box–Muller in float64 on the 64-bit words of one keystream (:func:`_normal_from_words_`),
+        ``_NORMAL_CHUNK`` normals at a time (each from its own words; the last chunk may be odd).
+        For a CUDA device, the keystream is made on the host and the transform runs there
+        (:func:`dpcore.randomness_cuda.normal_on_cuda`)."""
         shape = torch.Size(shape if not isinstance(shape, int) else (shape,))
         n = shape.numel()
         if n == 0:
