@@ -38,7 +38,7 @@ _PIN_LOCK = threading.Lock()  # the pieces are made on several threads: one of t
 
 
 def _keystream_piece(m: int, pin: bool) -> torch.Tensor:
-    """16·m keystream bytes (m pairs' 53-bit words) in a host tensor, pinned if ``pin`` and
+    """16·m keystream bytes (m pairs' 64-bit words) in a host tensor, pinned if ``pin`` and
     pinned memory can be had (a container's locked-memory limit can refuse it): else in pageable
     memory, whose copy to the device is as correct, only not overlapped with the next piece."""
     global _PIN_FAILED
