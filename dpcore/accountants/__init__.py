@@ -86,6 +86,14 @@ def epsilon(
     return float(acc.epsilon(groups, delta, coarse=coarse))
 
 
+def check_composable(event: PrivacyEvent, accountant: str = "pld") -> None:
+    """Raise DPConfigError if ``accountant`` cannot compose a release of ``event`` (an
+    accountant's optional ``check``: the PLD's for a σ too small for its grid)."""
+    check = getattr(get(accountant), "check", None)
+    if check is not None:
+        check(event)
+
+
 def delta(groups: Groups, epsilon: float, accountant: str = "pld") -> float:
     """δ at a fixed ``epsilon``: the quantity of Geyer et al.'s stopping rule."""
     acc = get(accountant)

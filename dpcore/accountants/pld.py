@@ -4,6 +4,15 @@ Building the PLD of one subsampled mechanism is the expensive part (≈0.1–0.5
 per event and grid, and self-composed for a count, which gives the same numbers as
 ``dp_accounting.pld.PLDAccountant`` (same construction, same pessimistic discretisation).
 An event kind without a cached construction is composed by ``PLDAccountant`` itself.
+
+The grid is dp_accounting's 1e-4 unless one release's privacy loss spans more than
+``MAX_GRID_POINTS`` of it (σ below about 0.12, where one step alone spends ε ≳ 50): the span
+grows as 1/σ², and at σ = 0.02 one release's PLD took 140 s and 3.7 GB to build, at σ = 10⁻³
+38 GiB. Such a history is composed on a coarser grid that holds the span in that many points:
+still an upper bound on ε (the pessimistic discretisation holds on any grid), looser by a
+few parts in a million of ε. A σ so small that even a 1-nat grid cannot hold one release
+(σ ≲ 10⁻³) is refused with :class:`~dpcore.DPConfigError` by :meth:`PLD.check`, which the
+ledger calls before anything is drawn.
 """
 
 from __future__ import annotations
@@ -12,15 +21,22 @@ import functools
 import math
 
 from .._lazy import LazyModule
+from ..errors import DPConfigError
 from ..events import Gaussian, Laplace, PoissonGaussian, PoissonLaplace, PrivacyEvent
 
 dp_accounting = LazyModule("dp_accounting")  # imported on first use (dpcore._lazy)
 _pld = LazyModule("dp_accounting.pld.privacy_loss_distribution")
+_plm = LazyModule("dp_accounting.pld.privacy_loss_mechanism")
 
 VALUE_DISCRETIZATION = 1e-4  # dp_accounting's default for PLDAccountant
 # Searches (calibration, the largest count that fits) run on a 10× coarser grid, about ten
 # times faster; every answer is then checked, and corrected, on the fine grid above.
 SEARCH_DISCRETIZATION = 1e-3
+# The most grid points one release's privacy loss may take (at 1e-4: σ ≈ 0.12 with q = 0.01, where
+# building it took about 4 s and 0.3 GB, 2026-12-07); a wider span gets a coarser grid (see above).
+MAX_GRID_POINTS = 2**20
+# The coarsest grid composed (nats): one release spanning more than 2²⁰ nats is refused.
+MAX_GRID = 1.0
 
 
 _HANDED: dict = {}  # (event, grid) → a PLD another process built (import_base_plds)
@@ -53,7 +69,7 @@ def export_base_plds(events, vdi: float = VALUE_DISCRETIZATION) -> list:
     (:func:`import_base_plds`). The driver hands its workers the PLDs it built while planning,
     so that a worker's first release does not wait for the same construction (1.4–1.6 s of one
     core for the Fashion-MNIST step's PLD, measured 2026-11-26)."""
-    built = [(e, float(vdi), base_pld(e, vdi)) for e in events]
+    built = [(e, g, base_pld(e, g)) for e in events for g in [grid([(e, 1)], vdi)]]
     return [item for item in built if item[2] is not None]
 
 
@@ -63,6 +79,55 @@ def import_base_plds(items) -> None:
     construction is deterministic, and pickling keeps every float."""
     for event, vdi, pld in items:
         _HANDED[(event, float(vdi))] = pld
+
+
+@functools.lru_cache(maxsize=256)
+def loss_span(event: PrivacyEvent, count: int = 1) -> float:
+    """The span (nats) of the privacy loss that dp_accounting discretises for ``count`` releases
+    of ``event`` as :func:`_part` builds them (one release, self-composed; a Gaussian on the
+    whole dataset at σ/√count): the larger of the two adjacencies, between its tail bounds.
+    0 for an event kind without a closed-form privacy loss here."""
+    if isinstance(event, (Gaussian, PoissonGaussian)):
+        sigma = event.noise_multiplier / (math.sqrt(count) if isinstance(event, Gaussian) else 1.0)
+
+        def loss(adjacency):
+            return _plm.GaussianPrivacyLoss(
+                sigma, sensitivity=1.0, sampling_prob=event.sample_rate, adjacency_type=adjacency
+            )
+
+    elif isinstance(event, (Laplace, PoissonLaplace)):
+
+        def loss(adjacency):
+            return _plm.LaplacePrivacyLoss(
+                event.noise_multiplier, sensitivity=1.0, sampling_prob=event.sample_rate, adjacency_type=adjacency
+            )
+
+    else:
+        return 0.0
+    spans = []
+    for adjacency in (_plm.AdjacencyType.ADD, _plm.AdjacencyType.REMOVE):
+        mechanism = loss(adjacency)
+        tail = mechanism.privacy_loss_tail()
+        spans.append(
+            abs(mechanism.privacy_loss(tail.lower_x_truncation) - mechanism.privacy_loss(tail.upper_x_truncation))
+        )
+    return max(spans)
+
+
+def grid(groups, vdi: float) -> float:
+    """The grid ``groups`` are composed on: ``vdi``, or coarser where a part's privacy loss spans
+    more than ``MAX_GRID_POINTS`` of it (module doc). Raises DPConfigError past ``MAX_GRID``."""
+    spans = [(loss_span(e, int(c)), e) for e, c in groups]
+    span, worst = max(spans, key=lambda se: se[0], default=(0.0, None))
+    g = max(float(vdi), span / MAX_GRID_POINTS)
+    if g > MAX_GRID:
+        raise DPConfigError(
+            f"σ={worst.noise_multiplier:g} ({worst.kind}, q={worst.sample_rate:g}) is too small for the pld "
+            f"accountant: one release's privacy loss spans {span:.3g} nats, more than a {MAX_GRID:g}-nat grid "
+            f"of {MAX_GRID_POINTS:,} points holds (ε is then in the hundreds of thousands or more). "
+            "Use a larger noise multiplier, or accountant='rdp', which composes any σ."
+        )
+    return g
 
 
 def _part(event: PrivacyEvent, count: int, vdi: float):
@@ -79,7 +144,8 @@ def _part(event: PrivacyEvent, count: int, vdi: float):
 
 
 def composed(groups, vdi: float):
-    """The PLD of every release in ``groups`` (positive counts), composed."""
+    """The PLD of every release in ``groups`` (positive counts), composed on :func:`grid`."""
+    vdi = grid(groups, vdi)
     total = _pld.identity(value_discretization_interval=vdi)
     for event, count in groups:
         total = total.compose(_part(event, int(count), vdi))
@@ -100,3 +166,7 @@ class PLD:
 
     def delta(self, groups, epsilon: float) -> float:
         return float(composed(groups, self.vdi).get_delta_for_epsilon(epsilon))
+
+    def check(self, event: PrivacyEvent) -> None:
+        """Raise DPConfigError if one release of ``event`` cannot be composed (:func:`grid`)."""
+        grid([(event, 1)], self.vdi)

@@ -118,6 +118,7 @@ class PrivacyLedger:
         self._counts: Counter[PrivacyEvent] = Counter()
         self._allowance_cache: dict[tuple, int] = {}
         self._eps_cache: dict[tuple, float] = {}
+        self._composable: set[PrivacyEvent] = set()  # events check() found the accountant can compose
         self.journal = None if journal is None else os.fspath(journal)
         self._journal = None if journal is None else Journal(journal)
         self.read_only = read_only
@@ -243,17 +244,20 @@ class PrivacyLedger:
     def check(self, event: PrivacyEvent, count: int = 1) -> None:
         """Raise :class:`BudgetExceededError` if ``count`` more releases of ``event`` would take
         ε past the target. Exact: it compares against the largest count that fits, found by
-        bisection with the ledger's accountant (cached per event and history)."""
-        if self.target_epsilon is None:
-            return
-        left = self.allowance(event)
-        if count > left:
-            raise BudgetExceededError(
-                f"Refused: {count} more release(s) of {event.kind} (q={event.sample_rate:.4g}, "
-                f"σ={event.noise_multiplier:.4g}) would take ε past the budget "
-                f"ε={self.target_epsilon:g} at δ={self.target_delta:g} ({max(0, left)} more fit; "
-                f"ε spent so far {epsilon_text(self.epsilon(), '.4g')}). Nothing was released."
-            )
+        bisection with the ledger's accountant (cached per event and history). With or without a
+        budget, an event the accountant cannot compose (σ too small for the PLD) raises DPConfigError."""
+        if self.target_epsilon is not None:
+            left = self.allowance(event)
+            if count > left:
+                raise BudgetExceededError(
+                    f"Refused: {count} more release(s) of {event.kind} (q={event.sample_rate:.4g}, "
+                    f"σ={event.noise_multiplier:.4g}) would take ε past the budget "
+                    f"ε={self.target_epsilon:g} at δ={self.target_delta:g} ({max(0, left)} more fit; "
+                    f"ε spent so far {epsilon_text(self.epsilon(), '.4g')}). Nothing was released."
+                )
+        if event not in self._composable:
+            accountants.check_composable(event, self.accountant)
+            self._composable.add(event)
 
     def append(self, event: PrivacyEvent, step: int, clip_norm: float, check_budget: bool = True) -> LedgerEntry:
         """Record one release. With ``check_budget`` (default) it is refused if over budget.
