@@ -61,12 +61,8 @@ class Randomness:
         n = shape.numel()
         u = self.uniform(2 * n)
         sign = torch.where(u[:n] < 0.5, -1.0, 1.0).to(torch.float64)
-        magnitude = self._exponential(u[n:])
+        magnitude = -torch.log1p(-u[n:])  # Exp(1)
         return (sign * magnitude * float(scale)).to(dtype=dtype, device=device).reshape(shape)
-
-    def _exponential(self, u: torch.Tensor) -> torch.Tensor:
-        """Exp(1) draws −log(1 − u) from uniforms ``u`` (float64)."""
-        return -torch.log1p(-u)
 
     def spawn(self, *key: Any) -> Randomness:
         raise NotImplementedError
@@ -199,6 +195,19 @@ def _normal_from_words_(raw: torch.Tensor, std: float, out: torch.Tensor) -> Non
     _box_muller(_uniform53_(raw), std, out, finer)
 
 
+def _laplace_from_words_(raw: torch.Tensor, scale: float) -> torch.Tensor:
+    """n Laplace(0, ``scale``) draws (float64) from 2n random int64 words (overwritten): the sign
+    from the first n words' 53-bit uniforms (< ½: negative), the magnitude −log(1 − u − f·2⁻⁶⁴)
+    from the other n, u their top 53 bits and f their low 11, as the Gaussian's radius
+    (:func:`_normal_from_words_`): the tail that 53 bits put on one magnitude, 36.74 scales with
+    mass 2⁻⁵³, reaches 44.36 with mass 2⁻⁶⁴."""
+    n = raw.numel() // 2
+    finer = raw[n:].bitwise_and(_LOW_BITS)  # before _uniform53_ shifts them out
+    u = _uniform53_(raw)
+    magnitude = u[n:].neg().add_(1.0).sub_(finer, alpha=_TWO_POW_M64).log_().neg_().mul_(scale)
+    return torch.where(u[:n] < 0.5, magnitude.neg(), magnitude)
+
+
 def _forget_pool() -> None:
     """In a forked child the parent's thread pool has no threads: make a new one on first use."""
     global _POOL
@@ -231,14 +240,14 @@ class SecureRandomness(Randomness):
     def uniform(self, n: int) -> torch.Tensor:
         return self._uniform53(int(n))
 
-    def _exponential(self, u: torch.Tensor) -> torch.Tensor:
-        """Exp(1) draws −log(1 − u − f·2⁻⁶⁴), ``u`` with 11 more fresh bits f each: the tail that
-        53 bits put on one magnitude, 36.74 scales, mass 2⁻⁵³ (as :func:`_normal_from_words_`
-        says for the Gaussian) reaches 44.36 with mass 2⁻⁶⁴."""
-        if u.numel() == 0:
-            return u.clone()
-        finer = torch.frombuffer(_secure_bytes(2 * u.numel()), dtype=torch.int16).bitwise_and(_LOW_BITS)
-        return u.neg().add_(1.0).sub_(finer, alpha=_TWO_POW_M64).log_().neg_()
+    def laplace(self, shape, scale: float, dtype=torch.float32, device=None) -> torch.Tensor:
+        """Laplace draws from 2n words of one keystream (:func:`_laplace_from_words_`)."""
+        shape = torch.Size(shape if not isinstance(shape, int) else (shape,))
+        n = shape.numel()
+        if n == 0:
+            return torch.empty(shape, dtype=dtype, device=device)
+        raw = torch.frombuffer(_secure_bytes(16 * n), dtype=torch.int64)
+        return _laplace_from_words_(raw, float(scale)).to(dtype=dtype, device=device).reshape(shape)
 
     def normal(self, shape, std: float, dtype=torch.float32, device=None) -> torch.Tensor:
         """Box–Muller in float64 on the 64-bit words of one keystream (:func:`_normal_from_words_`),

@@ -184,24 +184,34 @@ def test_the_gaussian_tail_reaches_64_bits_not_a_53_bit_edge():
 
 
 def test_the_laplace_tail_reaches_64_bits_too(monkeypatch):
-    """A secure Laplace magnitude is −log(1 − u − f·2⁻⁶⁴) with 11 more fresh bits f: at the
-    largest 53-bit uniform it ranges from 36.74 (f = 0) to 44.36 scales (f = 2047), where 53 bits
-    stopped at 36.74 with the tail's whole mass 2⁻⁵³."""
+    """A secure Laplace draw takes two words of one keystream: the sign from the first's 53-bit
+    uniform, the magnitude −log(1 − u − f·2⁻⁶⁴) from the second's top 53 bits u and its own low 11
+    bits f. At the largest 53-bit uniform the magnitude ranges from 36.74 (f = 0) to 44.36
+    scales (f = 2047), where 53 bits stopped at 36.74 with the tail's whole mass 2⁻⁵³."""
     from dpcore import randomness as rnd
 
-    finer = np.array([0, 1, 1024, 2047, 0xF800 - 0x10000], dtype=np.int16)  # high bits are dropped
-    monkeypatch.setattr(rnd, "_secure_bytes", lambda nbytes: bytearray(finer.tobytes()[:nbytes]))
-    u = torch.full((5,), 1.0 - 2.0**-53, dtype=torch.float64)
-    got = dpcore.SecureRandomness()._exponential(u).numpy()
-    t = np.array([2.0**-53, 2.0**-53 - 2.0**-64, 2.0**-54, 2.0**-64, 2.0**-53])
-    np.testing.assert_allclose(got, -np.log(t), rtol=1e-15)
-    assert got[0] == pytest.approx(36.7368, abs=1e-4) and got[3] == pytest.approx(44.3614, abs=1e-4)
+    top = 0xFFFF_FFFF_FFFF_F800  # the largest 53-bit uniform, low bits 0
+    magnitude_words = [top, top | 1, top | 0x400, top | 0x7FF, 0, 1 << 63]
+    sign_words = [0, 1 << 63, 0x7FFF_FFFF_FFFF_FFFF, 1 << 63, 0, 0x7FF]  # u < ½: negative
+    words = np.array(sign_words + magnitude_words, dtype=np.uint64)
+    stream = bytearray(words.tobytes())
+    monkeypatch.setattr(rnd, "_secure_bytes", lambda nbytes: stream[:nbytes])
+    got = dpcore.SecureRandomness().laplace((2, 3), 2.0, dtype=torch.float64)
+    assert got.shape == (2, 3)
+    got = got.flatten().numpy() / 2.0
+    t = np.array([2.0**-53, 2.0**-53 - 2.0**-64, 2.0**-54, 2.0**-64])
+    np.testing.assert_allclose(np.abs(got[:4]), -np.log(t), rtol=1e-15)
+    assert abs(got[0]) == pytest.approx(36.7368, abs=1e-4) and abs(got[3]) == pytest.approx(44.3614, abs=1e-4)
+    assert got[4] == 0.0 and got[5] == pytest.approx(-np.log(2.0), rel=1e-15)  # u = ½: −log ½, sign u = 0
+    assert list(np.sign(got[:4])) == [-1, 1, -1, 1]
     monkeypatch.undo()
     assert dpcore.SecureRandomness().laplace((0,), 1.0).shape == (0,)
     n = 200_000
     z = dpcore.SecureRandomness().laplace((n,), 2.0, dtype=torch.float64).numpy() / 2.0
     # Laplace(0, 1): variance 2, fourth moment 24; 6 standard errors of the mean and the variance
     assert abs(z.mean()) < 6 * math.sqrt(2.0 / n) and abs(z.var() - 2.0) < 6 * math.sqrt((24.0 - 4.0) / n)
+    # the sign's P(negative) = ½ and the magnitude's Exp(1) law (its mean 1, 6 standard errors)
+    assert abs((z < 0).mean() - 0.5) < 6 * math.sqrt(0.25 / n) and abs(np.abs(z).mean() - 1.0) < 6 / math.sqrt(n)
 
 
 _DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
