@@ -30,7 +30,9 @@ Groups = Sequence[tuple[PrivacyEvent, int]]
 
 
 class Accountant(Protocol):
-    """Composes a run's events into (ε, δ). Stateless: the ledger holds the history."""
+    """Composes a run's events into (ε, δ). Stateless: the ledger holds the history. One may
+    also have ``check(event, count)``, raising DPConfigError for releases it cannot compose
+    (:func:`check_composable`; the ledger calls it before anything is drawn)."""
 
     name: str
 
@@ -86,12 +88,12 @@ def epsilon(
     return float(acc.epsilon(groups, delta, coarse=coarse))
 
 
-def check_composable(event: PrivacyEvent, accountant: str = "pld") -> None:
-    """Raise DPConfigError if ``accountant`` cannot compose a release of ``event`` (an
+def check_composable(event: PrivacyEvent, accountant: str = "pld", count: int = 1) -> None:
+    """Raise DPConfigError if ``accountant`` cannot compose ``count`` releases of ``event`` (an
     accountant's optional ``check``: the PLD's for a σ too small for its grid)."""
     check = getattr(get(accountant), "check", None)
     if check is not None:
-        check(event)
+        check(event, count)
 
 
 def delta(groups: Groups, epsilon: float, accountant: str = "pld") -> float:

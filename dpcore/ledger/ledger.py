@@ -4,13 +4,11 @@ Each entry holds the step, the event kind, q, the noise multiplier σ, the clipp
 its status (``committed`` or ``rolled_back``), whether a restart replayed it, and the cumulative ε at the run's δ computed
 by the ledger's accountant. The ε a run reports is computed from the ledger alone.
 
-Cost of ε: an exact PLD evaluation takes 0.1–0.5 s, far too slow to run at every training
-step. By default (``epsilon_every=None``) the ledger computes the cumulative ε exactly on the
-first entry of each kind of event and whenever :meth:`epsilon` is called (which fills the
-latest entry), and never otherwise; ``epsilon_every=k`` also computes it on every k-th entry.
-Entries in between keep ``epsilon=None`` (NaN in the exported columns). The budget check does
-not depend on this: it is exact for every release, against the largest count of the event
-that fits, computed once per event and history (see :meth:`check`).
+Cost of ε: an exact PLD evaluation takes 0.1–0.5 s, too slow for every step. By default
+(``epsilon_every=None``) the cumulative ε is computed on the first entry of each kind of event
+and when :meth:`epsilon` is called (which fills the latest entry); ``epsilon_every=k`` also
+computes it on every k-th entry. Other entries keep ``epsilon=None`` (NaN in the exported
+columns). The budget check is exact for every release regardless (:meth:`check`).
 
 Restarts: a checkpoint's ``state_dict`` is older than the last release, so on its own it would
 forget the releases made after it. A ledger with a ``journal`` therefore writes every entry
@@ -255,9 +253,13 @@ class PrivacyLedger:
                     f"ε={self.target_epsilon:g} at δ={self.target_delta:g} ({max(0, left)} more fit; "
                     f"ε spent so far {epsilon_text(self.epsilon(), '.4g')}). Nothing was released."
                 )
-        if event not in self._composable:
-            accountants.check_composable(event, self.accountant)
-            self._composable.add(event)
+        self._check_composable(event, count)
+
+    def _check_composable(self, event: PrivacyEvent, count: int = 1) -> None:
+        if event not in self._composable:  # a release on the whole dataset: its span grows with the count
+            accountants.check_composable(event, self.accountant, self._counts[event] + count)
+            if event.sampled:
+                self._composable.add(event)
 
     def append(self, event: PrivacyEvent, step: int, clip_norm: float, check_budget: bool = True) -> LedgerEntry:
         """Record one release. With ``check_budget`` (default) it is refused if over budget.
@@ -269,8 +271,10 @@ class PrivacyLedger:
         check_clip_norm(clip_norm)
         if check_budget:
             self.check(event)
-        first_of_kind = self._counts[event] == 0
-        self._counts[event] += 1
+        else:
+            self._check_composable(event)
+        counts = self._counts.copy()  # ε first, then the journal: a failure leaves nothing changed
+        counts[event] += 1
         entry = LedgerEntry(
             index=len(self._entries),
             step=int(step),
@@ -281,10 +285,11 @@ class PrivacyLedger:
             delta=self.target_delta,
             accountant=self.accountant,
         )
-        self._entries.append(entry)
-        if first_of_kind or (self.epsilon_every is not None and len(self._entries) % self.epsilon_every == 0):
-            entry.epsilon = self.epsilon_of(self._counts)
+        if counts[event] == 1 or (self.epsilon_every is not None and (entry.index + 1) % self.epsilon_every == 0):
+            entry.epsilon = self.epsilon_of(counts)
         self._write({"op": "append", **asdict(entry)})
+        self._counts = counts
+        self._entries.append(entry)
         return entry
 
     def mark_rolled_back(self, after_step: int) -> int:
@@ -342,16 +347,11 @@ class PrivacyLedger:
         self._refuse_if_read_only()
         if state.get("version") != 1:
             raise DPConfigError(f"unknown ledger state version {state.get('version')!r}.")
-        if state["target_delta"] != self.target_delta or state["accountant"] != self.accountant:
+        mine = self._budget()
+        if any(state[k] != v for k, v in mine.items()):
             raise DPConfigError(
-                "the saved ledger was kept at a different δ or accountant "
-                f"(δ={state['target_delta']}, {state['accountant']}) than this one "
-                f"(δ={self.target_delta}, {self.accountant}); a resumed run must keep both."
-            )
-        if state["target_epsilon"] != self.target_epsilon:
-            raise DPConfigError(
-                f"the saved ledger's budget ε={state['target_epsilon']} differs from this one's "
-                f"ε={self.target_epsilon}; a resumed run keeps its budget."
+                f"the saved ledger was kept with another budget, δ or accountant ({ {k: state[k] for k in mine} }) "
+                f"than this one ({mine}); a resumed run keeps all three."
             )
         if len(state["entries"]) < len(self._entries):
             raise DPConfigError(

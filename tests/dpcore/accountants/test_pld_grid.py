@@ -83,3 +83,51 @@ def test_the_refusal_names_an_accountant_that_composes_it():
     tiny = dpcore.PrivacyEvent.dpsgd_step(1e-5, 0.01)
     entry = ledger.append(tiny, step=1, clip_norm=1.0)
     assert entry.epsilon > 1e9
+
+
+def test_a_sampled_laplace_too_small_for_the_grid_is_refused_before_the_noise_without_naming_rdp():
+    """dp_accounting's connect-the-dots bounds of a sampled Laplace overflow at b < 1/709 (helper-7):
+    the span is then infinite, and the refusal a DPConfigError before anything is drawn (RDP does
+    not compose a sampled Laplace, so the message does not offer it)."""
+    ledger = dpcore.PrivacyLedger(None, 1e-5)
+    event = dpcore.PrivacyEvent.of("poisson_laplace", 1e-3, 0.01)
+    drawn = []
+    with pytest.raises(dpcore.DPConfigError, match="too small for the pld accountant") as err:
+        release(
+            [torch.zeros(3, dtype=torch.float64)],
+            event=event,
+            ledger=ledger,
+            noise=lambda: drawn.append(1) or [torch.ones(3, dtype=torch.float64)],
+            expected_size=1.0,
+            step=1,
+            clip_norm=1.0,
+        )
+    assert "rdp" not in str(err.value) and not drawn and len(ledger) == 0
+
+
+def test_a_release_on_the_whole_dataset_is_checked_at_the_count_it_would_reach():
+    """The span of k Gaussian releases on the whole dataset grows with k (σ/√k): about a million
+    at σ = 1 no grid holds."""
+    ledger = dpcore.PrivacyLedger(None, 1e-5)
+    gram = dpcore.PrivacyEvent.of("gaussian", 1.0)
+    ledger.check(gram, count=1_000)
+    with pytest.raises(dpcore.DPConfigError, match="2000000 releases"):
+        ledger.check(gram, count=2_000_000)
+
+
+def test_an_append_that_cannot_be_composed_changes_neither_the_ledger_nor_its_journal(tmp_path, monkeypatch):
+    journal = tmp_path / "ledger.jsonl"
+    ledger = dpcore.PrivacyLedger(None, 1e-5, journal=journal)
+    step = dpcore.PrivacyEvent.dpsgd_step(1.0, 0.01)
+    ledger.append(step, step=1, clip_norm=1.0)
+    before = journal.read_text()
+    with pytest.raises(dpcore.DPConfigError, match="too small"):  # also without the budget check
+        ledger.append(dpcore.PrivacyEvent.dpsgd_step(1e-5, 0.01), step=2, clip_norm=1.0, check_budget=False)
+
+    def failing(counts):
+        raise RuntimeError("the accountant failed")
+
+    monkeypatch.setattr(ledger, "epsilon_of", failing)
+    with pytest.raises(RuntimeError, match="accountant failed"):  # ε comes before anything is changed
+        ledger.append(dpcore.PrivacyEvent.dpsgd_step(2.0, 0.01), step=2, clip_norm=1.0)
+    assert len(ledger) == 1 and journal.read_text() == before and ledger.groups() == [(step, 1)]
