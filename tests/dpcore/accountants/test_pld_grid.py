@@ -34,6 +34,19 @@ def exact_single_release_epsilon(sigma: float, q: float, delta: float) -> float:
     return hi
 
 
+def release_noting_draws(event, ledger, drawn: list) -> None:
+    """One release of a small sum through :func:`release`, appending to ``drawn`` if its noise is drawn."""
+    release(
+        [torch.zeros(3, dtype=torch.float64)],
+        event=event,
+        ledger=ledger,
+        noise=lambda: drawn.append(1) or [torch.ones(3, dtype=torch.float64)],
+        expected_size=1.0,
+        step=1,
+        clip_norm=1.0,
+    )
+
+
 def test_a_typical_sigma_keeps_dp_accountings_grid():
     step = dpcore.PrivacyEvent.dpsgd_step(1.0, 0.01)
     assert pld.grid([(step, 10_000)], pld.VALUE_DISCRETIZATION) == pld.VALUE_DISCRETIZATION
@@ -66,15 +79,7 @@ def test_a_sigma_too_small_for_any_grid_is_refused_before_the_noise_is_drawn(tar
     drawn = []
     expected = dpcore.DPConfigError if target_epsilon is None else dpcore.BudgetExceededError
     with pytest.raises(expected, match="too small for the pld accountant" if target_epsilon is None else "Refused"):
-        release(
-            [torch.zeros(3, dtype=torch.float64)],
-            event=tiny,
-            ledger=ledger,
-            noise=lambda: drawn.append(1) or [torch.ones(3, dtype=torch.float64)],
-            expected_size=1.0,
-            step=1,
-            clip_norm=1.0,
-        )
+        release_noting_draws(tiny, ledger, drawn)
     assert not drawn and len(ledger) == 0
 
 
@@ -93,15 +98,7 @@ def test_a_sampled_laplace_too_small_for_the_grid_is_refused_before_the_noise_wi
     event = dpcore.PrivacyEvent.of("poisson_laplace", 1e-3, 0.01)
     drawn = []
     with pytest.raises(dpcore.DPConfigError, match="too small for the pld accountant") as err:
-        release(
-            [torch.zeros(3, dtype=torch.float64)],
-            event=event,
-            ledger=ledger,
-            noise=lambda: drawn.append(1) or [torch.ones(3, dtype=torch.float64)],
-            expected_size=1.0,
-            step=1,
-            clip_norm=1.0,
-        )
+        release_noting_draws(event, ledger, drawn)
     assert "rdp" not in str(err.value) and not drawn and len(ledger) == 0
 
 
