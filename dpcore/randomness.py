@@ -241,13 +241,20 @@ class SecureRandomness(Randomness):
         return self._uniform53(int(n))
 
     def laplace(self, shape, scale: float, dtype=torch.float32, device=None) -> torch.Tensor:
-        """Laplace draws from 2n words of one keystream (:func:`_laplace_from_words_`)."""
+        """Laplace draws from the words of one keystream (:func:`_laplace_from_words_`),
+        ``_NORMAL_CHUNK`` at a time: two words each, the chunk's signs then its magnitudes."""
         shape = torch.Size(shape if not isinstance(shape, int) else (shape,))
         n = shape.numel()
-        if n == 0:
-            return torch.empty(shape, dtype=dtype, device=device)
-        raw = torch.frombuffer(_secure_bytes(16 * n), dtype=torch.int64)
-        return _laplace_from_words_(raw, float(scale)).to(dtype=dtype, device=device).reshape(shape)
+        out = torch.empty(n, dtype=dtype)
+        chunk = max(1, min(_NORMAL_CHUNK, n))
+        stream, buf = _Keystream(), bytearray(16 * chunk + 15)
+        with memoryview(buf) as view:
+            for start in range(0, n, chunk):
+                k = min(chunk, n - start)
+                stream.read_into(view, 16 * k)
+                words = torch.frombuffer(buf, dtype=torch.int64, count=2 * k)
+                out[start : start + k].copy_(_laplace_from_words_(words, float(scale)))
+        return out.reshape(shape).to(device=device)
 
     def normal(self, shape, std: float, dtype=torch.float32, device=None) -> torch.Tensor:
         """Box–Muller in float64 on the 64-bit words of one keystream (:func:`_normal_from_words_`),

@@ -184,20 +184,29 @@ def test_the_gaussian_tail_reaches_64_bits_not_a_53_bit_edge():
 
 
 def test_the_laplace_tail_reaches_64_bits_too(monkeypatch):
-    """A secure Laplace draw takes two words of one keystream: the sign from the first's 53-bit
-    uniform, the magnitude −log(1 − u − f·2⁻⁶⁴) from the second's top 53 bits u and its own low 11
-    bits f. At the largest 53-bit uniform the magnitude ranges from 36.74 (f = 0) to 44.36
+    """A secure Laplace draw takes two words of one keystream, chunk by chunk (``_NORMAL_CHUNK``
+    draws, here 4: the chunk's signs, then its magnitudes): the sign from the first word's 53-bit
+    uniform, the magnitude −log(1 − u − f·2⁻⁶⁴) from the second's top 53 bits u and its own low
+    11 bits f. At the largest 53-bit uniform the magnitude ranges from 36.74 (f = 0) to 44.36
     scales (f = 2047), where 53 bits stopped at 36.74 with the tail's whole mass 2⁻⁵³."""
     from dpcore import randomness as rnd
 
     top = 0xFFFF_FFFF_FFFF_F800  # the largest 53-bit uniform, low bits 0
     magnitude_words = [top, top | 1, top | 0x400, top | 0x7FF, 0, 1 << 63]
     sign_words = [0, 1 << 63, 0x7FFF_FFFF_FFFF_FFFF, 1 << 63, 0, 0x7FF]  # u < ½: negative
-    words = np.array(sign_words + magnitude_words, dtype=np.uint64)
-    stream = bytearray(words.tobytes())
-    monkeypatch.setattr(rnd, "_secure_bytes", lambda nbytes: stream[:nbytes])
+    words = sign_words[:4] + magnitude_words[:4] + sign_words[4:] + magnitude_words[4:]
+    stream = np.array(words, dtype=np.uint64).tobytes()
+    read = []
+
+    def read_into(self, view, n):  # the keystream, as the bytes above
+        start = sum(read)
+        view[:n] = stream[start : start + n]
+        read.append(n)
+
+    monkeypatch.setattr(rnd._Keystream, "read_into", read_into)
+    monkeypatch.setattr(rnd, "_NORMAL_CHUNK", 4)
     got = dpcore.SecureRandomness().laplace((2, 3), 2.0, dtype=torch.float64)
-    assert got.shape == (2, 3)
+    assert got.shape == (2, 3) and read == [64, 32]
     got = got.flatten().numpy() / 2.0
     t = np.array([2.0**-53, 2.0**-53 - 2.0**-64, 2.0**-54, 2.0**-64])
     np.testing.assert_allclose(np.abs(got[:4]), -np.log(t), rtol=1e-15)
@@ -205,8 +214,9 @@ def test_the_laplace_tail_reaches_64_bits_too(monkeypatch):
     assert got[4] == 0.0 and got[5] == pytest.approx(-np.log(2.0), rel=1e-15)  # u = ½: −log ½, sign u = 0
     assert list(np.sign(got[:4])) == [-1, 1, -1, 1]
     monkeypatch.undo()
-    assert dpcore.SecureRandomness().laplace((0,), 1.0).shape == (0,)
-    n = 200_000
+    for shape in ((0,), (0, 3)):  # an empty draw is an empty tensor of its shape
+        assert dpcore.SecureRandomness().laplace(shape, 1.0).shape == shape
+    n = 3 * rnd._NORMAL_CHUNK + 12_345  # several chunks and a remainder
     z = dpcore.SecureRandomness().laplace((n,), 2.0, dtype=torch.float64).numpy() / 2.0
     # Laplace(0, 1): variance 2, fourth moment 24; 6 standard errors of the mean and the variance
     assert abs(z.mean()) < 6 * math.sqrt(2.0 / n) and abs(z.var() - 2.0) < 6 * math.sqrt((24.0 - 4.0) / n)
