@@ -41,6 +41,7 @@ MAX_GRID_POINTS = 2**20
 MAX_GRID = 1.0
 
 
+_GAUSSIAN_KINDS = (Gaussian, PoissonGaussian)
 _HANDED: dict = {}  # (event, grid) → a PLD another process built (import_base_plds)
 
 
@@ -90,7 +91,7 @@ def loss_span(event: PrivacyEvent, count: int = 1) -> float:
     whole dataset at σ/√count): its connect-the-dots bounds, the wider of the two adjacencies;
     ``inf`` where they overflow a float (σ or b that small). 0 for an event kind without a
     closed-form privacy loss here."""
-    if isinstance(event, (Gaussian, PoissonGaussian)):
+    if isinstance(event, _GAUSSIAN_KINDS):
         sigma = event.noise_multiplier / (math.sqrt(count) if isinstance(event, Gaussian) else 1.0)
 
         def loss(adjacency):
@@ -134,9 +135,6 @@ def grid(groups, vdi: float) -> float:
             f"Use a larger noise multiplier{alternative}."
         )
     return g
-
-
-_GAUSSIAN_KINDS = (Gaussian, PoissonGaussian)
 
 
 def _part(event: PrivacyEvent, count: int, vdi: float):
