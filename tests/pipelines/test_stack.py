@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -131,7 +132,14 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("stack") / "s"
-    ports = {k: stk.free_port() for k in stk.DEFAULT_PORTS}
+    # Distinct free ports: every socket is held until all are picked (one at a time, the kernel
+    # can hand out the same port twice).
+    held = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in stk.DEFAULT_PORTS]
+    for sock in held:
+        sock.bind(("127.0.0.1", 0))
+    ports = {k: sock.getsockname()[1] for k, sock in zip(stk.DEFAULT_PORTS, held)}
+    for sock in held:
+        sock.close()
     env = _clean_env(DP_STACK_DIR=str(root))
     code, up_out = cli_on_a_terminal(
         "stack",

@@ -225,7 +225,7 @@ def _own_cluster_beside(tmp_path, env, address_file):
     assert address_file.exists(), "ray start did not come up"
     code = textwrap.dedent(
         f"""
-        import json, ray
+        import json, time, ray
         from ray.util.state import list_actors
         from pipelines.config import TrainConfig
         from pipelines.faults import FaultInjection
@@ -234,9 +234,17 @@ def _own_cluster_beside(tmp_path, env, address_file):
         real = lean.run_controller_here
         def here(**kwargs):
             result = real(**kwargs)
-            actors = list_actors(address=ray.get_runtime_context().gcs_address, detail=True)  # (not the tests' cluster)
+            # Ray Train ends its workers with ray.kill, which returns before the GCS marks them
+            # DEAD: wait for that (up to 30 s), then take what is there.
+            deadline = time.time() + 30
+            while True:
+                actors = list_actors(address=ray.get_runtime_context().gcs_address, detail=True)  # (not the tests' cluster)
+                workers = sorted(a.state for a in actors if a.class_name == "RayTrainWorker")
+                if set(workers) <= {{"DEAD"}} or time.time() > deadline:
+                    break
+                time.sleep(0.2)
             seen["classes"] = sorted(a.class_name for a in actors)
-            seen["workers"] = sorted(a.state for a in actors if a.class_name == "RayTrainWorker")
+            seen["workers"] = workers
             return result
         lean.run_controller_here = here
         cfg = TrainConfig(epochs=5, target_epsilon=3.0, checkpoint_every=3, max_failures=1, num_workers=1,
