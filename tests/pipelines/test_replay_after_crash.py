@@ -76,6 +76,7 @@ def test_a_worker_and_then_the_driver_killed_end_bit_identical_to_the_uninterrup
     # not in the replay log (k is 2 to 9 steps past a checkpoint); then its driver is killed
     # mid-run, wherever the race puts it.
     k = random.choice([s for s in range(12, 40) if s % 10 >= 2])
+    print(f"rank 0 dies after step k={k}")  # shown with a failure, to replay that case
     after_worker = k // 10 * 10
     settings = {**SETTINGS, "storage_path": str(tmp_path / "runs"), "tracking_uri": f"sqlite:///{tmp_path}/runs.db"}
     driver = subprocess.Popen(
