@@ -61,20 +61,32 @@ def cpu_peak_supported() -> bool:
         return False
 
 
+def return_freed(device: torch.device) -> None:
+    """Give the memory freed so far back to the system: glibc's free heap pages on a CPU
+    (``malloc_trim(0)``; a no-op elsewhere), the caching allocator's unused blocks on a GPU. For
+    one-off work much larger than a step (book-keeping's first-batch check, on a float64 copy of
+    the model): where the allocator keeps freed memory (``pipelines.allocator``, as the
+    workers set it), the process would otherwise hold that work's peak for the whole run."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
     """Peak memory that ``fn()`` adds over what was in use before it, in bytes."""
     if device.type == "cuda":  # reserved, not allocated: the caching allocator's blocks count
         torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+        return_freed(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_reserved(device)
         fn()
         torch.cuda.synchronize(device)
         return max(0, torch.cuda.max_memory_reserved(device) - base)
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    return_freed(device)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     base = _read_status("VmRSS")
