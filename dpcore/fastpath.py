@@ -56,6 +56,8 @@ def choose_clipping(
 # The check runs the formulas on a float64 copy of the model, on this many examples: enough for any
 # mixing of examples to show, and cheap beside the run (the vmap reference in float64 is its cost).
 CHECK_EXAMPLES = 8
+# The float64 vmap reference of the check is formed this many examples at a time.
+REFERENCE_CHUNK = 2
 # The check's inputs are drawn from this seed (on the CPU, then moved), in the first batch's shapes
 # and dtypes (:func:`check_inputs`).
 CHECK_SEED = 20_231
@@ -153,7 +155,7 @@ class CheckedBookKeeping:
             if not self.verified:
                 why = self._verify(xb, yb, reference, batch_size)
                 # The check's float64 copy and vmap reference take several times a step's memory
-                # (all-MiniLM-L6-v2 at batch 16: a peak of 5.8 GiB, against 2.7 GiB in the
+                # (all-MiniLM-L6-v2 at batch 16: a peak of 3.7 GiB, against 2.7 GiB in the
                 # steps, measured 2026-12-07); where freed memory is kept, it is given back.
                 memory.return_freed(xb.device)
                 if why:
@@ -235,11 +237,17 @@ class CheckedBookKeeping:
             clipper.MAX_PER_EXAMPLE_ELEMENTS = self.clipper.MAX_PER_EXAMPLE_ELEMENTS
             norms: list = []
             sq, parts = clipper.measure(x64, y, self.clip_norm, batch_size, norms)
+            # Both paths' sums take the same factors (book-keeping's), at C and at the median of
+            # book-keeping's norms (so that the factors differ between examples): the norms are
+            # compared below, and the sums compare what each path adds for the same factors.
+            known = torch.isfinite(sq)
+            median = float(sq[known].sqrt().median()) if bool(known.any()) else 0.0
+            bounds = list(dict.fromkeys(b for b in (self.clip_norm, median) if b > 0))
+            factor_sets = [clip_factors(sq.sqrt(), bound) for bound in bounds]
             with _no_vmap_fallback_note():
-                per_example = PerSampleGradients(model64, self.loss_fn, multiplicity=self.multiplicity)(x64, y)
+                ref_sq, ref_sums = self._reference64(model64, x64, y, factor_sets)
         except Exception:  # a model that cannot be copied or run in float64 (its float32 run passed)
             return None
-        ref_sq = per_sample_norms(per_example).square()
         finite = torch.isfinite(ref_sq)
         if not torch.equal(finite, torch.isfinite(sq)):
             return "its non-finite examples differ from the per-example (vmap) reference"
@@ -250,13 +258,8 @@ class CheckedBookKeeping:
         why = self.norms_disagree(norms[0], ref_sq, finite)
         if why:
             return why
-        median = float(ref_sq[finite].sqrt().median())
-        for bound in dict.fromkeys(b for b in (self.clip_norm, median) if b > 0):
-            # Both sums take the same factors (book-keeping's): the norms were compared above, and
-            # this compares what each path adds for them.
-            factors, ok = clip_factors(sq.sqrt(), bound)
+        for bound, (factors, ok), ref in zip(bounds, factor_sets, ref_sums):
             fast = dict(clipper.contributions(parts, factors, ok))
-            ref = {k: weighted_sum(factors, kept_rows(g, ok)) for k, g in per_example.items()}
             if set(fast) != set(ref):
                 return "it clips other parameters than the per-example (vmap) reference"
             # The scale is what the shares add up to in magnitude, Σ_i f_i·‖g_i‖ (a sum whose
@@ -270,6 +273,28 @@ class CheckedBookKeeping:
                     f"by {worst / max(sum_scale, 1e-300):.1e} of its shares' magnitude in float64"
                 )
         return ""
+
+    def _reference64(self, model64: nn.Module, x64: torch.Tensor, y: torch.Tensor, factor_sets: list):
+        """(each example's squared norm, [B] float64; for each (factors, kept) of ``factor_sets``,
+        Σ_i f_i·g_i per parameter) from the vmap reference's per-example gradients of the float64
+        model, formed :data:`REFERENCE_CHUNK` examples at a time, so that all of them never
+        live at once (all-MiniLM-L6-v2's 8 examples: 1.4 GB of float64 gradients, 0.75 GB of
+        them the token table's)."""
+        grads = PerSampleGradients(model64, self.loss_fn, multiplicity=self.multiplicity)
+        sq_parts: list[torch.Tensor] = []
+        sums: list[dict[str, torch.Tensor]] = [{} for _ in factor_sets]
+        for at in range(0, x64.shape[0], REFERENCE_CHUNK):
+            chunk = slice(at, at + REFERENCE_CHUNK)
+            per_example = grads(x64[chunk], y[chunk])
+            sq_parts.append(per_sample_norms(per_example).square())
+            for (factors, ok), into in zip(factor_sets, sums):
+                f, keep = factors[chunk], ok[chunk]
+                every = bool(keep.all())  # then the rows are summed as they are, not copied
+                for k, g in per_example.items():
+                    part = weighted_sum(f, g if every else kept_rows(g, keep))
+                    into[k] = into[k].add_(part) if k in into else part
+            del per_example
+        return torch.cat(sq_parts), sums
 
     @staticmethod
     def norms_disagree(norms: bookkeeping.SquaredNorms, ref_sq: torch.Tensor, finite: torch.Tensor) -> str:

@@ -154,9 +154,9 @@ if sys.argv[1] == "keep":  # the check's memory kept, as before return_freed
     fastpath.memory.return_freed = lambda device: None
 def rss():
     return memory._read_status("VmRSS")
-# A model whose first-batch check (a float64 copy, 8 examples' float64 per-example gradients:
-# about 380 MB, and the vmap reference's) is much larger than its steps (ghost norms, no per-example
-# gradients).
+# A model whose first-batch check (a float64 copy of its 5.3M weights, their per-example float64
+# gradients 2 examples at a time, float64 sums) takes more than its steps (ghost norms, no
+# per-example gradients).
 model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
 opt = dpcore.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model=model, loss_fn=F.cross_entropy,
                          noise_multiplier=1.0, clip_norm=1.0, sample_rate=0.01, dataset_size=6400,
@@ -198,9 +198,11 @@ def test_the_first_batch_checks_memory_is_given_back():
         return [int(v) for v in out.stdout.split()]  # MiB over the start: first peak, after it, steps' peak
 
     first_peak, after_first, steps_peak = run("return")
-    assert first_peak > 300, first_peak  # the check did take its memory
-    # Measured 2026-12-07: peaks of 788–820 MiB, 174–175 after the first step, 267–268 in the steps.
-    assert after_first < first_peak / 2 and steps_peak < first_peak / 2, (first_peak, after_first, steps_peak)
-    # Without it, the steps hold the check's peak (measured: 867, 866 and 866 MiB).
+    # Without it, the steps hold the check's peak.
     kept_peak, kept_after, kept_steps = run("keep")
-    assert kept_after > kept_peak * 0.8 and kept_steps > kept_peak * 0.8, (kept_peak, kept_after, kept_steps)
+    measured = (first_peak, after_first, steps_peak), (kept_peak, kept_after, kept_steps)
+    # Measured 2026-12-07 (MiB over the start): given back, a peak of 492, 175 after the first
+    # step and 236 in the steps; kept, 539, 538 and 538.
+    assert first_peak > 300, measured  # the check did take its memory
+    assert after_first < first_peak / 2 and steps_peak < 0.6 * kept_steps, measured
+    assert kept_after > 0.8 * kept_peak and kept_steps > 0.8 * kept_peak, measured
