@@ -110,6 +110,10 @@ def _no_vmap_fallback_note():
         yield
 
 
+class _NoFloat64Reference(Exception):
+    """The vmap reference could not run on the float64 copy of the model."""
+
+
 class CheckedBookKeeping:
     """Book-keeping clipping, used once its formulas agreed with the vmap reference (on the check's
     inputs, :func:`check_inputs`).
@@ -153,11 +157,13 @@ class CheckedBookKeeping:
         physical batch size (:func:`dpcore.clipping.clipped_sum`)."""
         try:
             if not self.verified:
-                why = self._verify(xb, yb, reference, batch_size)
-                # The check's float64 copy and vmap reference take several times a step's memory
-                # (all-MiniLM-L6-v2 at batch 16: a peak of 3.7 GiB, against 2.7 GiB in the
-                # steps, measured 2026-12-07); where freed memory is kept, it is given back.
-                memory.return_freed(xb.device)
+                try:
+                    why = self._verify(xb, yb, reference, batch_size)
+                finally:
+                    # The check's float64 copy and vmap reference take more than a step's memory
+                    # (all-MiniLM-L6-v2 at batch 16: a peak of 3.7 GiB, against 2.7 GiB in the
+                    # steps, measured 2026-12-07); where freed memory is kept, it is given back.
+                    memory.return_freed(xb.device)
                 if why:
                     self._leave(why)
                     return None
@@ -237,16 +243,19 @@ class CheckedBookKeeping:
             clipper.MAX_PER_EXAMPLE_ELEMENTS = self.clipper.MAX_PER_EXAMPLE_ELEMENTS
             norms: list = []
             sq, parts = clipper.measure(x64, y, self.clip_norm, batch_size, norms)
-            # Both paths' sums take the same factors (book-keeping's), at C and at the median of
-            # book-keeping's norms (so that the factors differ between examples): the norms are
-            # compared below, and the sums compare what each path adds for the same factors.
-            known = torch.isfinite(sq)
-            median = float(sq[known].sqrt().median()) if bool(known.any()) else 0.0
-            bounds = list(dict.fromkeys(b for b in (self.clip_norm, median) if b > 0))
-            factor_sets = [clip_factors(sq.sqrt(), bound) for bound in bounds]
+        except Exception:  # a model that cannot be copied or run in float64 (its float32 run passed)
+            return None
+        # Both paths' sums take the same factors (book-keeping's), at C and at the median of
+        # book-keeping's norms (so that the factors differ between examples): the norms are
+        # compared below, and the sums compare what each path adds for the same factors.
+        known = torch.isfinite(sq)
+        median = float(sq[known].sqrt().median()) if bool(known.any()) else 0.0
+        bounds = list(dict.fromkeys(b for b in (self.clip_norm, median) if b > 0))
+        factor_sets = [clip_factors(sq.sqrt(), bound) for bound in bounds]
+        try:
             with _no_vmap_fallback_note():
                 ref_sq, ref_sums = self._reference64(model64, x64, y, factor_sets)
-        except Exception:  # a model that cannot be copied or run in float64 (its float32 run passed)
+        except _NoFloat64Reference:  # only the model's own float64 run; any other error is raised
             return None
         finite = torch.isfinite(ref_sq)
         if not torch.equal(finite, torch.isfinite(sq)):
@@ -280,12 +289,15 @@ class CheckedBookKeeping:
         model, formed :data:`REFERENCE_CHUNK` examples at a time, so that all of them never
         live at once (all-MiniLM-L6-v2's 8 examples: 1.4 GB of float64 gradients, 0.75 GB of
         them the token table's)."""
-        grads = PerSampleGradients(model64, self.loss_fn, multiplicity=self.multiplicity)
         sq_parts: list[torch.Tensor] = []
         sums: list[dict[str, torch.Tensor]] = [{} for _ in factor_sets]
         for at in range(0, x64.shape[0], REFERENCE_CHUNK):
             chunk = slice(at, at + REFERENCE_CHUNK)
-            per_example = grads(x64[chunk], y[chunk])
+            try:
+                grads = PerSampleGradients(model64, self.loss_fn, multiplicity=self.multiplicity)
+                per_example = grads(x64[chunk], y[chunk])
+            except Exception as e:  # the model cannot run in float64 under vmap
+                raise _NoFloat64Reference from e
             sq_parts.append(per_sample_norms(per_example).square())
             for (factors, ok), into in zip(factor_sets, sums):
                 f, keep = factors[chunk], ok[chunk]

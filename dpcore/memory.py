@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,9 +71,11 @@ def return_freed(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         return
+    if not sys.platform.startswith("linux"):  # (ctypes.CDLL(None) raises TypeError on Windows)
+        return
     try:
         ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # not glibc (musl has no malloc_trim)
         pass
 
 

@@ -252,7 +252,7 @@ print(peak, fastpath.CHECK_EXAMPLES * sum(p.numel() for p in model.parameters())
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc/self/clear_refs")
+@pytest.mark.skipif(not __import__("dpcore").memory.cpu_peak_supported(), reason="needs /proc/self/clear_refs")
 def test_the_float64_check_never_holds_every_examples_per_example_gradients_at_once():
     """The check's vmap reference is formed REFERENCE_CHUNK examples at a time (its norms and
     sums accumulated): all 8 examples' float64 gradients were 1.4 GB of all-MiniLM-L6-v2's
@@ -264,3 +264,25 @@ def test_the_float64_check_never_holds_every_examples_per_example_gradients_at_o
     assert out.returncode == 0, out.stderr[-2000:]
     peak, every = (int(v) for v in out.stdout.split())
     assert peak < every, (peak >> 20, every >> 20)
+
+
+def test_an_error_of_the_checks_own_arithmetic_is_raised_not_taken_for_a_model_without_float64(monkeypatch):
+    """Only the model's own float64 run may send the check to its float32 comparison (which
+    compares sums to 1e-5 and no norms): an error in the check's arithmetic (here its weighted
+    sums; on a GPU, running out of memory in them) stops the run (helper-9's review)."""
+    import torch.nn.functional as F
+
+    from dpcore import fastpath
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    check = fastpath.CheckedBookKeeping(model, F.cross_entropy, 1.0)
+    xs, ys = fastpath.check_inputs(model, torch.randn(16, 6), torch.randint(0, 3, (16,)))
+    assert check.formulas_disagree(xs, ys, 16) == ""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory in the check's sums")
+
+    monkeypatch.setattr(fastpath, "weighted_sum", broken)
+    with pytest.raises(RuntimeError, match="out of memory in the check's sums"):
+        check.formulas_disagree(xs, ys, 16)
