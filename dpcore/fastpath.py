@@ -289,12 +289,15 @@ class CheckedBookKeeping:
         model, formed :data:`REFERENCE_CHUNK` examples at a time, so that all of them never
         live at once (all-MiniLM-L6-v2's 8 examples: 1.4 GB of float64 gradients, 0.75 GB of
         them the token table's)."""
+        try:
+            grads = PerSampleGradients(model64, self.loss_fn, multiplicity=self.multiplicity)
+        except Exception as e:
+            raise _NoFloat64Reference from e
         sq_parts: list[torch.Tensor] = []
         sums: list[dict[str, torch.Tensor]] = [{} for _ in factor_sets]
         for at in range(0, x64.shape[0], REFERENCE_CHUNK):
             chunk = slice(at, at + REFERENCE_CHUNK)
             try:
-                grads = PerSampleGradients(model64, self.loss_fn, multiplicity=self.multiplicity)
                 per_example = grads(x64[chunk], y[chunk])
             except Exception as e:  # the model cannot run in float64 under vmap
                 raise _NoFloat64Reference from e
